@@ -1,0 +1,349 @@
+"""The DiffusionGemma text backbone (Gemma4 MoE) in plain eager PyTorch.
+
+One set of layers runs in two modes:
+- encoder (`encode`): causal attention over the cached context plus the new tokens; writes the KV cache. Used for
+  prefill and for committing a finished canvas. Plain token embeddings.
+- denoiser (`denoise`): bidirectional attention over the whole canvas plus the cached context; reads the cache and
+  never commits to it. Adds self-conditioning; returns float32 soft-capped logits.
+
+Numerics follow transformers' `modeling_diffusion_gemma.py` (the test oracle); see REFERENCE.md for the model facts.
+No compile concerns live here.
+
+Legend: B batch, T block tokens, C canvas, S cache slots, D hidden, H query heads, Hkv kv heads, Dh head dim,
+V vocab, E experts, K experts per token, N flattened tokens (B*T).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import SLIDING, ModelConfig, RopeConfig
+from .kv_cache import CacheFullError, KVCache, new_cache
+from .masks import dense_block_mask
+
+
+class RMSNorm(nn.Module):
+    """x * (mean(x^2) + eps)^-0.5 [* weight], computed in float32, cast back (Gemma4: weight, not 1 + weight)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [Dh/2 or fewer] (transformers `compute_default_rope_parameters` and
+    `_compute_proportional_rope_parameters`). Proportional pads with zeros: those pairs stay unrotated."""
+    if rope.rope_type == "default":
+        dim = int(head_dim * rope.partial_rotary_factor)
+        return 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    rope_angles = int(rope.partial_rotary_factor * head_dim // 2)
+    rotated = 1.0 / (rope.theta ** (torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).float() / head_dim))
+    inv = torch.cat([rotated, torch.zeros(head_dim // 2 - rope_angles)])
+    return inv / rope.factor
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions_BT: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions_BT[..., None].float() * inv_freq.float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_BTHD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BTD[:, :, None, :], sin_BTD[:, :, None, :]
+    half = x_BTHD.shape[-1] // 2
+    rotated = torch.cat([-x_BTHD[..., half:], x_BTHD[..., :half]], dim=-1)
+    return x_BTHD * cos + rotated * sin
+
+
+def dense_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor) -> torch.Tensor:
+    """Reference attention, scale 1.0 (q/k are RMS-normed), softmax in float32, GQA by repeating kv heads."""
+    rep = q_BHTD.shape[1] // k_BHSD.shape[1]
+    k = k_BHSD.repeat_interleave(rep, dim=1)
+    v = v_BHSD.repeat_interleave(rep, dim=1)
+    scores = q_BHTD @ k.transpose(-1, -2)
+    scores = scores.masked_fill(~mask_BTS[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_BHTD.dtype)
+    return probs @ v
+
+
+class Attention(nn.Module):
+    """Gemma4 attention: q/k RMSNorm with weight, v RMSNorm without, RoPE after the norms, scaling 1.0.
+    Full-attention layers have no v_proj: V is the k_proj output (before k_norm and RoPE)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.head_dim = cfg.head_dims[layer]
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_kv_heads[layer]
+        D, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(D, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * self.head_dim, bias=bias) if cfg.layer_types[layer] == SLIDING else None
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, D, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
+
+    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask_BTS, n_new_B, commit: bool):
+        B, T, _ = x_BTD.shape
+        q = apply_rope(self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)), cos, sin)
+        k_raw = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
+        v_raw = self.v_proj(x_BTD).view(B, T, -1, self.head_dim) if self.v_proj is not None else k_raw
+        k = apply_rope(self.k_norm(k_raw), cos, sin)
+        v = self.v_norm(v_raw)
+        cache.write_block(layer, k.transpose(1, 2), v.transpose(1, 2), n_new_B, commit)
+        span = cache.max_seq_len + T
+        out = dense_attention(q.transpose(1, 2), cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span], mask_BTS)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Routes on the raw residual: RMSNorm-without-weight(h) * scale * D^-0.5 -> proj -> fp32 softmax -> top-k ->
+    renormalise -> * per_expert_scale. Returns weights [N, K] (float32) and expert ids [N, K]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.top_k_experts
+        self.root = cfg.hidden_size ** -0.5
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+
+    def forward(self, h_ND):
+        probs = torch.softmax(self.proj(self.norm(h_ND) * self.scale * self.root), dim=-1, dtype=torch.float32)
+        w_NK, idx_NK = torch.topk(probs, k=self.top_k, dim=-1)
+        w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
+        return w_NK * self.per_expert_scale[idx_NK], idx_NK
+
+
+class Experts(nn.Module):
+    """E gated experts stored as 3-D tensors: gate_up_proj [E, 2I, D], down_proj [E, D, I]. Eager reference:
+    a loop over the experts that received tokens, accumulated in expert order like transformers."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+
+    def forward(self, x_ND, w_NK, idx_NK):
+        out = torch.zeros_like(x_ND)
+        for e in torch.unique(idx_NK).tolist():
+            token, slot = torch.where(idx_NK == e)
+            gate, up = F.linear(x_ND[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]) * w_NK[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class Layer(nn.Module):
+    """Gemma4 MoE layer: x + post_attn_norm(attn(input_norm(x))), then
+    h + post_ffn_norm(post_ffn_norm_1(MLP(pre_ffn_norm(h))) + post_ffn_norm_2(MoE(pre_ffn_norm_2(h)))) with the
+    router reading the raw h, all times the mode's layer_scalar (the checkpoint keeps encoder and decoder ones)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer = layer
+        self.layer_type = cfg.layer_types[layer]
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = GatedMLP(D, cfg.intermediate_size)
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                     "pre_feedforward_layernorm_2"):
+            setattr(self, name, RMSNorm(D, eps))
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+        self.register_buffer("decoder_layer_scalar", torch.ones(1))
+
+    def forward(self, x_BTD, cos, sin, cache, mask_BTS, n_new_B, encoder: bool):
+        attn = self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, self.layer, mask_BTS, n_new_B, commit=encoder)
+        h = x_BTD + self.post_attention_layernorm(attn)
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        h_ND = h.reshape(-1, h.shape[-1])
+        w_NK, idx_NK = self.router(h_ND)
+        moe = self.experts(self.pre_feedforward_layernorm_2(h_ND), w_NK, idx_NK).reshape(h.shape)
+        h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+        return h * (self.encoder_layer_scalar if encoder else self.decoder_layer_scalar)
+
+
+class SelfConditioning(GatedMLP):
+    """out = RMSNorm-without-weight(embeds + gated_MLP(RMSNorm(soft))) (transformers DiffusionGemmaSelfConditioning)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg.hidden_size, cfg.intermediate_size)
+        self.pre_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+
+    def forward(self, embeds_BCD, soft_BCD):
+        return self.post_norm(embeds_BCD + super().forward(self.pre_norm(soft_BCD)))
+
+
+class DiffusionGemma(nn.Module):
+    """DiffusionGemma's text model: shared layers, tied embeddings/lm_head, self-conditioning.
+
+    `window_kind` selects the sliding-window semantics of denoise passes: "anchored" (the reference, default) or
+    "symmetric" (|q - k| <= W); see `masks.py`.
+    """
+
+    def __init__(self, config: ModelConfig, *, window_kind: str = "anchored"):
+        super().__init__()
+        self.config = config
+        self.window_kind = window_kind
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(config)
+        self.init_buffers(self.embed_tokens.weight.device)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """(Re)compute the non-persistent buffers (embedding scale, RoPE frequencies) on `device`; used after
+        building the model on the meta device."""
+        cfg = self.config
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, device=device), persistent=False)
+        for lt in sorted(set(cfg.layer_types)):
+            head_dim, _ = cfg.layer_kind(lt)
+            self.register_buffer(f"inv_freq_{lt}", rope_inv_freq(cfg.rope[lt], head_dim).to(device), persistent=False)
+
+    # ----- public API -------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, batch_size: int, max_seq_len: int, block_size: int | None = None) -> KVCache:
+        """A zeroed static cache for `batch_size` rows of up to `max_seq_len` committed tokens each.
+        `block_size` (default: the canvas length) bounds the tokens one forward processes; longer prompts are
+        encoded in chunks of it."""
+        shapes = [(self.config.num_kv_heads[i], self.config.head_dims[i]) for i in range(self.config.num_layers)]
+        return new_cache(batch_size=batch_size, max_seq_len=max_seq_len,
+                         block_size=block_size or self.config.canvas_length, layer_shapes=shapes,
+                         dtype=self.dtype, device=self.device)
+
+    @torch.no_grad()
+    def encode(self, input_ids: torch.Tensor, cache: KVCache, input_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal encoder pass (prefill or commit) over `input_ids` placed right after what each row of the cache
+        holds; writes their keys/values and advances `cache.lengths`.
+
+        Args:
+            input_ids: int64 [B, T]. Rows may be right-padded: `input_lengths` [B] (int64, default all T) gives each
+                row's real tokens; padding positions are ignored (their outputs are meaningless).
+            cache: from `new_cache`, batch size B.
+        Returns:
+            Final-norm hidden states [B, T, D] in the model dtype (`logits()` turns them into float32 logits).
+        Raises:
+            ValueError: shapes or ids out of range. CacheFullError: a row would exceed `cache.max_seq_len`.
+            Nothing is written when an error is raised.
+        """
+        B, T = self._check_ids(input_ids, cache, "input_ids")
+        n_B = torch.full((B,), T, dtype=torch.long, device=input_ids.device) if input_lengths is None else input_lengths
+        if n_B.shape != (B,) or bool(((n_B < 0) | (n_B > T)).any()):
+            raise ValueError(f"input_lengths must be int64 [B={B}] with values in [0, {T}], got {n_B.tolist()}")
+        n_B = n_B.to(device=cache.lengths.device, dtype=torch.long)
+        over = cache.lengths + n_B > cache.max_seq_len
+        if bool(over.any()):
+            rows = over.nonzero().flatten().tolist()
+            raise CacheFullError(f"cache: rows {rows} would hold {(cache.lengths + n_B)[over].tolist()} tokens, "
+                                 f"more than max_seq_len={cache.max_seq_len}")
+        outs = []
+        for start in range(0, T, cache.block_size):
+            chunk = input_ids[:, start:start + cache.block_size]
+            n_chunk = (n_B - start).clamp(0, chunk.shape[1])
+            outs.append(self._forward_block(self._embed(chunk), cache, n_chunk, encoder=True))
+            cache.lengths += n_chunk
+        return torch.cat(outs, dim=1)
+
+    @torch.no_grad()
+    def denoise(self, canvas: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Bidirectional denoiser pass over `canvas` placed right after each row's cached tokens. Reads the cache,
+        never commits to it.
+
+        Args:
+            canvas: int64 [B, C] token ids, C <= cache.block_size.
+            self_conditioning_logits: [B, C, V] logits of the previous step (the generator passes the
+                temperature-scaled ones), or None on a block's first step (the soft embedding is then zero, not
+                uniform).
+        Returns:
+            float32 logits [B, C, V], soft-capped.
+        """
+        B, C = self._check_ids(canvas, cache, "canvas")
+        embeds = self._embed(canvas)
+        if self_conditioning_logits is not None:
+            V = self.config.vocab_size
+            if self_conditioning_logits.shape != (B, C, V):
+                raise ValueError(f"self_conditioning_logits must be [B={B}, C={C}, V={V}], got {tuple(self_conditioning_logits.shape)}")
+            weight = self.embed_tokens.weight
+            probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32).to(weight.dtype)
+            soft = (probs @ weight) * self.embed_scale.to(embeds.dtype)
+        else:
+            soft = torch.zeros_like(embeds)
+        x = self.self_conditioning(embeds, soft)
+        n_B = torch.full((B,), C, dtype=torch.long, device=cache.lengths.device)
+        return self.logits(self._forward_block(x, cache, n_B, encoder=False))
+
+    def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Tied lm_head, then float32 soft-capping cap * tanh(logits / cap)."""
+        logits = (hidden_BTD @ self.embed_tokens.weight.T).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    # ----- internals --------------------------------------------------------------------------------------------
+    def _embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight
+        return self.embed_tokens(ids_BT) * self.embed_scale.to(weight.dtype)
+
+    def _check_ids(self, ids: torch.Tensor, cache: KVCache, name: str) -> tuple[int, int]:
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name} must be an integer tensor [B, T], got {tuple(ids.shape)} {ids.dtype}")
+        B, T = ids.shape
+        if B != cache.batch_size:
+            raise ValueError(f"{name} has batch {B} but the cache was made for batch {cache.batch_size}")
+        if T == 0:
+            raise ValueError(f"{name} is empty")
+        if name == "canvas" and T > cache.block_size:
+            raise ValueError(f"canvas length {T} exceeds the cache's block_size {cache.block_size}")
+        if bool(((ids < 0) | (ids >= self.config.vocab_size)).any()):
+            raise ValueError(f"{name} holds token ids outside [0, {self.config.vocab_size})")
+        return B, T
+
+    def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor, encoder: bool) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        positions_BT = cache.lengths[:, None] + torch.arange(T, device=x_BTD.device)[None, :]
+        causal_B = torch.full((B,), encoder, dtype=torch.bool, device=x_BTD.device)
+        rope, masks = {}, {}
+        for lt in set(self.config.layer_types):
+            rope[lt] = rope_cos_sin(getattr(self, f"inv_freq_{lt}"), positions_BT, x_BTD.dtype)
+            masks[lt] = dense_block_mask(cache.lengths, n_new_B, causal_B, block_len=T, cache_slots=cache.max_seq_len,
+                                         sliding_window=self.config.sliding_window if lt == SLIDING else None,
+                                         window_kind=self.window_kind)
+        for layer in self.layers:
+            cos, sin = rope[layer.layer_type]
+            x_BTD = layer(x_BTD, cos, sin, cache, masks[layer.layer_type], n_new_B, encoder)
+        return self.norm(x_BTD)
+
