@@ -1,0 +1,16 @@
+"""dgemma_compile: DiffusionGemma block-diffusion generation, eager reference and compiled.
+
+Low-level API: `load(path)` -> model; `model.new_cache(B, S)`; `model.encode(ids, cache)`;
+`model.denoise(canvas, cache, self_conditioning_logits)`; `generate(model, prompts, config, seed=...)`.
+"""
+
+from .config import ConfigError, GenerationConfig, ModelConfig
+from .generate import GenerationOutput, RequestStats, generate
+from .kv_cache import CacheFullError, KVCache
+from .loader import CheckpointError, load, load_tokenizer
+from .model import DiffusionGemma
+
+__all__ = [
+    "CacheFullError", "CheckpointError", "ConfigError", "DiffusionGemma", "GenerationConfig", "GenerationOutput",
+    "KVCache", "ModelConfig", "RequestStats", "generate", "load", "load_tokenizer",
+]

@@ -1,0 +1,70 @@
+"""Tiny random DiffusionGemma checkpoints written by transformers itself, for parity and loader tests."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+VOCAB_CHARS = string.ascii_lowercase + string.digits + " .,=+-"
+
+
+def hf_model(*, vocab_size=64, hidden_size=32, intermediate_size=48, layer_types=("sliding_attention", "full_attention"),
+             num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+             sliding_window=4, num_experts=4, top_k_experts=2, moe_intermediate_size=16, canvas_length=8, seed=0,
+             **extra):
+    """A float32 `DiffusionGemmaForBlockDiffusion` with random weights, non-trivial norm weights, router scales and
+    layer scalars (the encoder's differ from the decoder's), and a tiny vision tower."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4VisionConfig
+
+    torch.manual_seed(seed)
+    vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=8)
+    text = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                num_hidden_layers=len(layer_types), layer_types=list(layer_types), num_attention_heads=num_attention_heads,
+                num_key_value_heads=num_key_value_heads, head_dim=head_dim, global_head_dim=global_head_dim,
+                num_global_key_value_heads=num_global_key_value_heads, sliding_window=sliding_window,
+                num_experts=num_experts, top_k_experts=top_k_experts, moe_intermediate_size=moe_intermediate_size,
+                **extra)
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("scale"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(1 + 0.3 * torch.randn_like(b))
+    return model
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A character-level tokenizer (pad 0, eos 1, bos 2) with a chat template, saved as transformers does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for ch in VOCAB_CHARS:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(str(directory))
+
+
+def write_checkpoint(directory: Path, model=None, *, generation: dict | None = None, tokenizer: bool = False, **kw) -> Path:
+    """save_pretrained a tiny model (built with `hf_model(**kw)` unless given) and optionally a generation config
+    and a tokenizer. Returns the directory."""
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
+
+    model = model if model is not None else hf_model(**kw)
+    if generation is not None:
+        model.generation_config = DiffusionGemmaGenerationConfig(**generation)
+    model.save_pretrained(str(directory))
+    if tokenizer:
+        write_tokenizer(directory)
+    return Path(directory)

@@ -1,0 +1,181 @@
+"""The eager reference generator: whole generations against transformers' generate, batching, budgets, config."""
+
+import json
+
+import pytest
+import torch
+from helpers import hf_model, write_checkpoint
+from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
+
+import dgemma_compile as dg
+from dgemma_compile.config import ConfigError
+from dgemma_compile.sampler import start_canvas
+
+# Temperatures so low that sampling is argmax and every position is accepted: no randomness is left except the
+# start canvas of each block, which the test hands to both implementations.
+COLD = dict(t_min=1e-6, t_max=2e-6, entropy_bound=0.1, confidence_threshold=0.005, stability_threshold=1)
+
+
+def transformers_generate(ref, prompts, seed, C, V, *, max_new_tokens, steps, eos=None):
+    """transformers' generate with each block's start canvas taken from our stream for `seed`."""
+    original = G.DiffusionGemmaGenerationMixin._prepare_denoiser_inputs
+    block = [0]
+
+    def with_our_canvas(self, **kw):
+        kw["model_kwargs"]["decoder_input_ids"] = torch.stack([start_canvas(seed, block[0], C, V)] * len(prompts))
+        block[0] += 1
+        return original(self, **kw)
+
+    extra = {"pad_token_id": 0} if eos is None else {"eos_token_id": eos, "pad_token_id": 0}
+    G.DiffusionGemmaGenerationMixin._prepare_denoiser_inputs = with_our_canvas
+    try:
+        out = ref.generate(torch.tensor(prompts), max_new_tokens=max_new_tokens, max_denoising_steps=steps,
+                           t_min=COLD["t_min"], t_max=COLD["t_max"],
+                           sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=COLD["entropy_bound"]),
+                           stability_threshold=1, confidence_threshold=COLD["confidence_threshold"], **extra)
+    finally:
+        G.DiffusionGemmaGenerationMixin._prepare_denoiser_inputs = original
+    return out
+
+
+@pytest.mark.parametrize("seed,layers", [(0, ("sliding_attention", "full_attention")),
+                                         (5, ("sliding_attention", "sliding_attention", "full_attention"))])
+def test_generation_matches_transformers_over_several_blocks(tmp_path, seed, layers):
+    ref = hf_model(layer_types=layers, seed=seed, sliding_window=5)
+    model = dg.load(write_checkpoint(tmp_path, ref))
+    prompts = [[2, 9, 13, 4, 7, 30, 11], [2, 40, 41, 3, 3, 8, 1]]
+    cfg = dg.GenerationConfig(max_new_tokens=32, max_denoising_steps=6, eos_token_ids=(63,), **COLD)
+    ours = dg.generate(model, prompts, cfg, seed=seed)
+    theirs = transformers_generate(ref, prompts, seed, 8, 64, max_new_tokens=32, steps=6, eos=63)
+    for b in range(2):
+        ref_new = theirs.sequences[b, 7:].tolist()
+        n = len(ours.sequences[b])
+        assert ours.sequences[b] == ref_new[:n] and set(ref_new[n:]) <= {0}
+        assert ours.stats[b].tokens_per_forward == pytest.approx(float(theirs.tokens_per_forward[b]))
+    assert sum(s.blocks for s in ours.stats) >= 5, "several blocks per row"
+
+
+def test_eos_in_the_middle_of_a_block_matches_transformers(tmp_path):
+    ref = hf_model(seed=3)
+    model = dg.load(write_checkpoint(tmp_path, ref))
+    prompt = [[2, 17, 5, 22, 9]]
+    free = dg.generate(model, prompt, dg.GenerationConfig(max_new_tokens=24, max_denoising_steps=6, **COLD), seed=1)
+    tokens = free.sequences[0]
+    # declare as eos a token whose first appearance is in the middle of the second block
+    pos = next(i for i in range(11, 14) if tokens[i] not in tokens[:i])
+    eos = tokens[pos]
+    cfg = dg.GenerationConfig(max_new_tokens=24, max_denoising_steps=6, eos_token_ids=(eos,), pad_token_id=0, **COLD)
+    ours = dg.generate(model, prompt, cfg, seed=1)
+    theirs = transformers_generate(ref, prompt, 1, 8, 64, max_new_tokens=24, steps=6, eos=eos)
+    ref_new = theirs.sequences[0, 5:].tolist()
+    assert ours.sequences[0] == tokens[:pos + 1]
+    assert ref_new[:pos + 1] == ours.sequences[0] and set(ref_new[pos + 1:]) == {0}
+    assert ours.stats[0].finish_reason == "eos" and ours.stats[0].blocks == 2
+    assert ours.stats[0].tokens_per_forward == pytest.approx(float(theirs.tokens_per_forward[0]))
+
+
+def test_batch_rows_equal_solo_runs(tiny_dir):
+    """Three prompts of different lengths: every row gets exactly the tokens it gets alone (sampling on)."""
+    model = dg.load(tiny_dir)
+    prompts = [[2, 5, 6], [2, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [2, 20, 21, 22, 23, 24]]
+    cfg = dg.GenerationConfig(max_new_tokens=20, max_denoising_steps=5, t_min=0.8, t_max=1.5, entropy_bound=0.5,
+                              eos_token_ids=(1,))
+    seeds = [11, 12, 13]
+    batch = dg.generate(model, prompts, cfg, seed=seeds)
+    for p, s, seq, stats in zip(prompts, seeds, batch.sequences, batch.stats):
+        solo = dg.generate(model, [p], cfg, seed=s)
+        assert solo.sequences[0] == seq
+        assert solo.stats[0] == stats
+    assert len({tuple(s) for s in batch.sequences}) == 3
+
+
+@pytest.mark.parametrize("budget", [1, 7, 8, 13, 17])
+def test_max_new_tokens_is_exact(tiny_dir, budget):
+    model = dg.load(tiny_dir)
+    cfg = dg.GenerationConfig(max_new_tokens=budget, max_denoising_steps=3, eos_token_ids=(47,))
+    out = dg.generate(model, [[2, 5, 6, 7]], cfg, seed=0)
+    n = len(out.sequences[0])
+    assert n == budget or (out.stats[0].finish_reason == "eos" and n < budget)
+    assert out.stats[0].num_tokens == n
+    assert out.stats[0].blocks == -(-n // 8)
+
+
+def test_fixed_steps_when_early_stop_disabled(tiny_dir):
+    model = dg.load(tiny_dir)
+    cfg = dg.GenerationConfig(max_new_tokens=16, max_denoising_steps=4, stop_early=False, eos_token_ids=(47,), **{
+        k: v for k, v in COLD.items() if k != "stability_threshold"})
+    out = dg.generate(model, [[2, 5, 6, 7]], cfg, seed=0)
+    assert out.stats[0].steps_per_block == [4, 4]
+    early = dg.generate(model, [[2, 5, 6, 7]], cfg.replace(stop_early=True), seed=0)
+    assert all(2 <= s <= 4 for s in early.stats[0].steps_per_block)
+
+
+def test_on_block_streams_committed_tokens(tiny_dir):
+    model = dg.load(tiny_dir)
+    seen = []
+    cfg = dg.GenerationConfig(max_new_tokens=20, max_denoising_steps=3, eos_token_ids=(47,))
+    out = dg.generate(model, [[2, 5]], cfg, seed=4, on_block=lambda i, toks: seen.append((i, toks[0])))
+    assert [i for i, _ in seen] == [0, 1, 2]
+    assert sum((t for _, t in seen), []) == out.sequences[0]
+
+
+@pytest.mark.parametrize("change,name", [
+    (dict(entropy_bound=0.0), "entropy_bound"), (dict(entropy_bound=-1.0), "entropy_bound"),
+    (dict(confidence_threshold=0.0), "confidence_threshold"), (dict(t_min=0.5, t_max=0.5), "t_max"),
+    (dict(t_min=-0.1), "t_min"), (dict(max_denoising_steps=0), "max_denoising_steps"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(stability_threshold=-1), "stability_threshold"), (dict(t_max=float("nan")), "t_max"),
+])
+def test_invalid_generation_config_names_the_parameter(change, name):
+    with pytest.raises(ConfigError, match=name):
+        dg.GenerationConfig(**change)
+
+
+def test_temperature_zero_minimum_and_token_ids_checked(tiny_dir):
+    model = dg.load(tiny_dir)
+    ok = dg.GenerationConfig(t_min=0.0, t_max=0.1, max_new_tokens=4, max_denoising_steps=2)
+    assert len(dg.generate(model, [[2, 3]], ok, seed=0).sequences[0]) <= 4
+    with pytest.raises(ConfigError, match="eos_token_id"):
+        dg.generate(model, [[2, 3]], ok.replace(eos_token_ids=(48,)))
+    with pytest.raises(ConfigError, match="pad_token_id"):
+        dg.generate(model, [[2, 3]], ok.replace(pad_token_id=99))
+
+
+@pytest.mark.parametrize("prompts,msg", [
+    ([[]], r"prompts\[0\]: empty"), ([[2, 48]], r"prompts\[0\]: token ids"), ([[2, -1]], r"prompts\[0\]"),
+    ([], "no prompt"), ([[2] * 131_072], "longer than the model's context"),
+])
+def test_bad_prompts_are_rejected(tiny_dir, prompts, msg):
+    model = dg.load(tiny_dir)
+    with pytest.raises(ConfigError, match=msg):
+        dg.generate(model, prompts, dg.GenerationConfig(max_new_tokens=4))
+
+
+def test_seed_validation(tiny_dir):
+    model = dg.load(tiny_dir)
+    with pytest.raises(ConfigError, match="seed"):
+        dg.generate(model, [[2, 3], [2, 4]], dg.GenerationConfig(max_new_tokens=4), seed=[1])
+    with pytest.raises(ConfigError, match="seed"):
+        dg.generate(model, [[2, 3]], dg.GenerationConfig(max_new_tokens=4), seed=-1)
+
+
+def test_generation_config_json_with_nested_sampler_config(tmp_path):
+    write_checkpoint(tmp_path, generation=dict(max_denoising_steps=12, t_min=0.1, t_max=0.9, stability_threshold=2,
+                                               confidence_threshold=0.01, max_new_tokens=40, eos_token_id=[1, 50],
+                                               sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.3)))
+    model = dg.load(tmp_path)
+    assert model.generation_config == dg.GenerationConfig(
+        max_new_tokens=40, max_denoising_steps=12, entropy_bound=0.3, t_min=0.1, t_max=0.9, stability_threshold=2,
+        confidence_threshold=0.01, eos_token_ids=(1, 50))
+    raw = json.loads((tmp_path / "generation_config.json").read_text())
+    raw["sampler_config"]["entropy_bound"] = -0.5
+    (tmp_path / "generation_config.json").write_text(json.dumps(raw))
+    with pytest.raises(dg.CheckpointError, match=r"generation_config.json: entropy_bound"):
+        dg.load(tmp_path)
+
+
+def test_absent_generation_keys_take_reference_defaults(tiny_dir):
+    assert dg.load(tiny_dir).generation_config == dg.GenerationConfig()
+    assert dg.GenerationConfig() == dg.GenerationConfig(max_new_tokens=256, max_denoising_steps=48, entropy_bound=0.1,
+                                                        t_min=0.4, t_max=0.8, stability_threshold=1,
+                                                        confidence_threshold=0.005)
