@@ -183,6 +183,9 @@ def load_tokenizer(path: str | Path):
     """
     from transformers import AutoTokenizer
 
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    if not any((Path(path) / n).exists() for n in names):  # transformers would silently build an empty one
+        raise CheckpointError(f"{path}: no loadable tokenizer (none of {', '.join(names)})")
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:

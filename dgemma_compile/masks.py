@@ -18,12 +18,16 @@ Sliding windows of W (`sliding_window`):
 Padded keys (committed slots >= lengths[b], block slots >= n_new[b]) are never visible. Padded queries
 (i >= n_new[b]) see exactly their own block slot, so no row of scores is all masked (no NaN).
 
+`dense_block_mask` is the dense reference (the eager model's mask and the test oracle); `block_mask_mod` is the same
+mask as a FlexAttention mask_mod, with `make_block_mask` and `flex_block_attention` around it.
+
 Legend: B batch, T block length, S committed slots.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 WINDOW_KINDS = ("anchored", "symmetric")
 
@@ -80,3 +84,90 @@ def dense_block_mask(
     real_query = i < n
     own_slot = ~in_cache & (j == i)
     return torch.where(real_query, visible, own_slot)
+
+
+# --- FlexAttention ---------------------------------------------------------------------------------------------------
+
+
+def block_mask_mod(
+    lengths_B: torch.Tensor,
+    n_new_B: torch.Tensor,
+    causal_B: torch.Tensor,
+    *,
+    cache_slots: int,
+    sliding_window: int | None = None,
+    window_kind: str = "anchored",
+):
+    """A FlexAttention mask_mod for the layout above: `mask_mod(b, h, q_idx, kv_idx)` equals
+    `dense_block_mask(lengths_B, n_new_B, causal_B, block_len=T, cache_slots=S, ...)[b, q_idx, kv_idx]`.
+
+    Per-row state is captured only as tensors (read at call time, so in-place updates are seen and new tensors of
+    the same shape do not recompile); `cache_slots` and `sliding_window` are per-model constants baked into the
+    function. No Python control flow on tensor values, so it is vmap- and `fullgraph=True`-friendly.
+    After changing the captured tensors, rebuild the BlockMask (`make_block_mask`): its block sparsity is data.
+
+    Args:
+        lengths_B: int64 [B], committed tokens per row (0 <= lengths <= S).
+        n_new_B: int64 [B], real tokens of the block per row (0 <= n_new <= T).
+        causal_B: bool [B], True for encoder rows, False for denoise rows.
+        cache_slots: S. sliding_window: W, or None for a full-attention layer.
+        window_kind: "anchored" (reference) or "symmetric".
+    Returns:
+        mask_mod with `__name__` like `block_mask_S64_W16_anchored` (`block_mask_S64_full` without a window).
+    Raises:
+        ValueError: unknown `window_kind`, non-positive `sliding_window`, `causal_B` not bool, or per-row tensors
+        that are not 1-D of one length.
+    """
+    if window_kind not in WINDOW_KINDS:
+        raise ValueError(f"window_kind must be one of {WINDOW_KINDS}, got {window_kind!r}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if causal_B.dtype != torch.bool:
+        raise ValueError(f"causal_B must be bool, got {causal_B.dtype}")
+    if not (lengths_B.dim() == n_new_B.dim() == causal_B.dim() == 1 and
+            lengths_B.shape == n_new_B.shape == causal_B.shape):
+        raise ValueError(f"per-row tensors must be 1-D of one length, got lengths {tuple(lengths_B.shape)}, "
+                         f"n_new {tuple(n_new_B.shape)}, causal {tuple(causal_B.shape)}")
+    S, W = cache_slots, sliding_window
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        L, n, causal = lengths_B[b], n_new_B[b], causal_B[b]
+        in_cache = kv_idx < S
+        j = kv_idx - S  # block index of a block key
+        q_pos = L + q_idx
+        k_pos = torch.where(in_cache, kv_idx, L + j)
+        real_key = torch.where(in_cache, kv_idx < L, j < n)
+        visible = real_key & (in_cache | ~causal | (j <= q_idx))
+        if W is not None:  # a Python constant: resolved when the factory runs, not per call
+            enc_window = (q_pos - k_pos) < W
+            if window_kind == "anchored":
+                den_window = ~in_cache | (kv_idx >= L - (W - 1))
+            else:
+                den_window = (q_pos - k_pos).abs() <= W
+            visible = visible & torch.where(causal, enc_window, den_window)
+        own_slot = ~in_cache & (j == q_idx)
+        return torch.where(q_idx < n, visible, own_slot)
+
+    mask_mod.__name__ = f"block_mask_S{S}_" + ("full" if W is None else f"W{W}_{window_kind}")
+    mask_mod.__qualname__ = mask_mod.__name__
+    return mask_mod
+
+
+def make_block_mask(mask_mod, B: int, T: int, cache_slots: int, device,
+                    block_size: int | tuple[int, int] = 128) -> BlockMask:
+    """`create_block_mask(mask_mod, B, None, Q_LEN=T, KV_LEN=S+T)`: one mask for all heads.
+
+    T and S+T need not be multiples of `block_size` (the last block is partial; checked for T < 128 on CPU).
+    Rebuild it whenever the tensors captured by `mask_mod` change. Runs eagerly; compile it from outside if wanted.
+    """
+    return create_block_mask(mask_mod, B, None, T, cache_slots + T, device=device, BLOCK_SIZE=block_size)
+
+
+def flex_block_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, block_mask: BlockMask,
+                         scale: float = 1.0) -> torch.Tensor:
+    """FlexAttention over the block mask; q [B, H, T, Dh], k/v [B, Hkv, S+T, Dh] with H a multiple of Hkv (GQA).
+
+    Scale 1.0 by default (Gemma4 q/k are RMS-normed). Matches `model.dense_attention` under the dense mask.
+    Inference only when compiled on CPU (inputs requiring grad raise): call under `torch.no_grad()`.
+    """
+    return flex_attention(q_BHTD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale, enable_gqa=True)
