@@ -90,13 +90,14 @@ def load_configs(path: str | Path) -> tuple[ModelConfig, GenerationConfig]:
 
 
 def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-         window_kind: str = "anchored") -> DiffusionGemma:
+         window_kind: str = "anchored", attention: str = "flex") -> DiffusionGemma:
     """Load a DiffusionGemma checkpoint directory.
 
     Args:
         path: directory with config.json, safetensors weights and optionally generation_config.json.
         dtype: parameter dtype; None keeps the checkpoint's (float32 when mixed).
         device: where the weights go.
+        window_kind, attention: see `DiffusionGemma` ("anchored"/"symmetric" windows; "flex"/"dense" attention).
     Returns:
         The model in eval mode, with `.generation_config` (a `GenerationConfig`) and `.checkpoint_dir` set.
     Raises:
@@ -114,7 +115,7 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             raise CheckpointError(f"{f}: tensor {key} listed in the index is not in the file")
 
     with torch.device("meta"):
-        model = DiffusionGemma(cfg, window_kind=window_kind)
+        model = DiffusionGemma(cfg, window_kind=window_kind, attention=attention)
     expected = model.state_dict()
     sources: dict[str, str] = {}
     for name, ref in expected.items():

@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops  # noqa: F401  (registers torch.ops.dgemma.*)
 from .config import SLIDING, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
-from .masks import dense_block_mask
+from .masks import block_mask_mod, dense_block_mask, flex_block_attention, make_block_mask
+
+ATTENTION_BACKENDS = ("flex", "dense")
 
 
 class RMSNorm(nn.Module):
@@ -94,7 +97,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
 
-    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask_BTS, n_new_B, commit: bool):
+    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask, n_new_B, commit: bool):
         B, T, _ = x_BTD.shape
         q = apply_rope(self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)), cos, sin)
         k_raw = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
@@ -103,7 +106,11 @@ class Attention(nn.Module):
         v = self.v_norm(v_raw)
         cache.write_block(layer, k.transpose(1, 2), v.transpose(1, 2), n_new_B, commit)
         span = cache.max_seq_len + T
-        out = dense_attention(q.transpose(1, 2), cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span], mask_BTS)
+        keys, values = cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span]
+        if isinstance(mask, torch.Tensor):  # dense reference mask [B, T, S+T]
+            out = dense_attention(q.transpose(1, 2), keys, values, mask)
+        else:  # FlexAttention BlockMask
+            out = flex_block_attention(q.transpose(1, 2).contiguous(), keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -140,7 +147,8 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """E gated experts stored as 3-D tensors: gate_up_proj [E, 2I, D], down_proj [E, D, I]. Eager reference:
-    a loop over the experts that received tokens, accumulated in expert order like transformers."""
+    a loop over the experts that received tokens, accumulated in expert order like transformers (`ops.moe_experts`,
+    a custom op so that compiled graphs stay whole)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -149,13 +157,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
     def forward(self, x_ND, w_NK, idx_NK):
-        out = torch.zeros_like(x_ND)
-        for e in torch.unique(idx_NK).tolist():
-            token, slot = torch.where(idx_NK == e)
-            gate, up = F.linear(x_ND[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.down_proj[e]) * w_NK[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return torch.ops.dgemma.moe_experts(x_ND, w_NK, idx_NK, self.gate_up_proj, self.down_proj)
 
 
 class Layer(nn.Module):
@@ -206,13 +208,20 @@ class DiffusionGemma(nn.Module):
     """DiffusionGemma's text model: shared layers, tied embeddings/lm_head, self-conditioning.
 
     `window_kind` selects the sliding-window semantics of denoise passes: "anchored" (the reference, default) or
-    "symmetric" (|q - k| <= W); see `masks.py`.
+    "symmetric" (|q - k| <= W); see `masks.py`. `attention` selects FlexAttention on block masks ("flex", the
+    default: one code path for eager, compiled, CPU and GPU) or softmax attention on dense masks ("dense", the test
+    reference).
     """
 
-    def __init__(self, config: ModelConfig, *, window_kind: str = "anchored"):
+    def __init__(self, config: ModelConfig, *, window_kind: str = "anchored", attention: str = "flex"):
         super().__init__()
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        if window_kind not in ("anchored", "symmetric"):
+            raise ValueError(f"window_kind must be 'anchored' or 'symmetric', got {window_kind!r}")
         self.config = config
         self.window_kind = window_kind
+        self.attention = attention
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -274,9 +283,7 @@ class DiffusionGemma(nn.Module):
         outs = []
         for start in range(0, T, cache.block_size):
             chunk = input_ids[:, start:start + cache.block_size]
-            n_chunk = (n_B - start).clamp(0, chunk.shape[1])
-            outs.append(self._forward_block(self._embed(chunk), cache, n_chunk, encoder=True))
-            cache.lengths += n_chunk
+            outs.append(self.encode_block(chunk, cache, (n_B - start).clamp(0, chunk.shape[1])))
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()
@@ -293,18 +300,36 @@ class DiffusionGemma(nn.Module):
             float32 logits [B, C, V], soft-capped.
         """
         B, C = self._check_ids(canvas, cache, "canvas")
-        embeds = self._embed(canvas)
-        if self_conditioning_logits is not None:
-            V = self.config.vocab_size
-            if self_conditioning_logits.shape != (B, C, V):
-                raise ValueError(f"self_conditioning_logits must be [B={B}, C={C}, V={V}], got {tuple(self_conditioning_logits.shape)}")
+        V = self.config.vocab_size
+        if self_conditioning_logits is not None and self_conditioning_logits.shape != (B, C, V):
+            raise ValueError(f"self_conditioning_logits must be [B={B}, C={C}, V={V}], "
+                             f"got {tuple(self_conditioning_logits.shape)}")
+        return self.denoise_block(canvas, cache, self_conditioning_logits)
+
+    # ----- unchecked building blocks (no host synchronisation; what compiled steps call) ------------------------
+    def encode_block(self, ids_BT: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor) -> torch.Tensor:
+        """One encoder pass over T <= cache.block_size tokens, n_new_B [B] of them real per row; commits them and
+        advances `cache.lengths`. No validation: callers check (see `encode`)."""
+        hidden = self._forward_block(self._embed(ids_BT), cache, n_new_B, encoder=True)
+        cache.lengths += n_new_B
+        return hidden
+
+    def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
+                      self_conditioning_mask_B: torch.Tensor | None = None) -> torch.Tensor:
+        """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
+        self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch."""
+        embeds = self._embed(canvas_BC)
+        if self_conditioning_logits is None:
+            soft = torch.zeros_like(embeds)
+        else:
             weight = self.embed_tokens.weight
             probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32).to(weight.dtype)
             soft = (probs @ weight) * self.embed_scale.to(embeds.dtype)
-        else:
-            soft = torch.zeros_like(embeds)
+            if self_conditioning_mask_B is not None:
+                soft = torch.where(self_conditioning_mask_B[:, None, None], soft, torch.zeros_like(soft))
         x = self.self_conditioning(embeds, soft)
-        n_B = torch.full((B,), C, dtype=torch.long, device=cache.lengths.device)
+        B, C = canvas_BC.shape
+        n_B = torch.full((B,), C, dtype=torch.long, device=canvas_BC.device)
         return self.logits(self._forward_block(x, cache, n_B, encoder=False))
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
@@ -337,11 +362,17 @@ class DiffusionGemma(nn.Module):
         positions_BT = cache.lengths[:, None] + torch.arange(T, device=x_BTD.device)[None, :]
         causal_B = torch.full((B,), encoder, dtype=torch.bool, device=x_BTD.device)
         rope, masks = {}, {}
-        for lt in set(self.config.layer_types):
+        for lt in sorted(set(self.config.layer_types)):
             rope[lt] = rope_cos_sin(getattr(self, f"inv_freq_{lt}"), positions_BT, x_BTD.dtype)
-            masks[lt] = dense_block_mask(cache.lengths, n_new_B, causal_B, block_len=T, cache_slots=cache.max_seq_len,
-                                         sliding_window=self.config.sliding_window if lt == SLIDING else None,
-                                         window_kind=self.window_kind)
+            window = self.config.sliding_window if lt == SLIDING else None
+            S = cache.max_seq_len
+            if self.attention == "dense":
+                masks[lt] = dense_block_mask(cache.lengths, n_new_B, causal_B, block_len=T, cache_slots=S,
+                                             sliding_window=window, window_kind=self.window_kind)
+            else:
+                mask_mod = block_mask_mod(cache.lengths, n_new_B, causal_B, cache_slots=S, sliding_window=window,
+                                          window_kind=self.window_kind)
+                masks[lt] = make_block_mask(mask_mod, B, T, S, x_BTD.device)
         for layer in self.layers:
             cos, sin = rope[layer.layer_type]
             x_BTD = layer(x_BTD, cos, sin, cache, masks[layer.layer_type], n_new_B, encoder)

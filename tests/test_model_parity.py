@@ -50,12 +50,14 @@ def reference_run(ref, prompt, canvases, sc_temps):
     return enc_logits, outs
 
 
-@settings(max_examples=12)
-@given(cfg=configs(), prompt_lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), blocks=st.integers(1, 3))
-def test_logits_match_transformers(tmp_path_factory, cfg, prompt_lens, blocks):
-    """Prompts shorter and longer than the window, several committed blocks, B > 1 with different lengths."""
+@settings(max_examples=16)
+@given(cfg=configs(), prompt_lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), blocks=st.integers(1, 3),
+       attention=st.sampled_from(["flex", "dense"]))
+def test_logits_match_transformers(tmp_path_factory, cfg, prompt_lens, blocks, attention):
+    """Prompts shorter and longer than the window, several committed blocks, B > 1 with different lengths, through
+    FlexAttention (the model's path) and the dense-mask reference."""
     ref = hf_model(**cfg)
-    model = dg.load(write_checkpoint(tmp_path_factory.mktemp("ck"), ref))
+    model = dg.load(write_checkpoint(tmp_path_factory.mktemp("ck"), ref), attention=attention)
     C, V = cfg["canvas_length"], 64
     g = torch.Generator().manual_seed(cfg["seed"])
     B, T = len(prompt_lens), max(prompt_lens)
