@@ -1,4 +1,4 @@
-"""`dgemma generate`: block-diffusion generation from the command line.
+"""`dgemma generate | explain`: block-diffusion generation and compile reports from the command line.
 
 Prints each block's text on stdout as soon as the block is committed, then one stats line on stderr. Every
 expected failure (missing directory, bad checkpoint, bad parameter) is one line on stderr and exit status 2.
@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-denoising-steps", type=int, default=None, help="denoise steps per block at most")
     g.add_argument("--seed", type=int, default=0, help="seed of the request's random stream")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: the checkpoint's)")
+    g.add_argument("--eager", action="store_true", help="run the eager reference generator instead of the compiled one")
+    e = sub.add_parser("explain", help="Dynamo explain report of the compiled denoise step and encoder chunk")
+    e.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
+    e.add_argument("--batch-size", type=int, default=1, help="report the bucket serving this many requests")
+    e.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
 
@@ -68,15 +74,40 @@ def generate_command(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         shown = text
 
+    compile_note = ""
+    if args.eager:
+        run = lambda: generate(model, [ids], config, seed=args.seed, on_block=on_block)  # noqa: E731
+    else:
+        from .compile import build
+
+        gen = build(model)
+        compile_note = f" compile_s={gen.warmup(1, config):.1f}"
+        run = lambda: gen.generate([ids], config, seed=args.seed, on_block=on_block)  # noqa: E731
     start = time.perf_counter()
-    out = generate(model, [ids], config, seed=args.seed, on_block=on_block)
+    out = run()
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     st = out.stats[0]
     mean_steps = st.decoder_passes / max(st.blocks, 1)
     print(f"tokens={st.num_tokens} blocks={st.blocks} mean_steps_per_block={mean_steps:.2f} "
           f"tokens_per_forward={st.tokens_per_forward:.2f} tok/s={st.num_tokens / elapsed:.1f} "
-          f"finish={st.finish_reason}", file=sys.stderr)
+          f"finish={st.finish_reason}{compile_note}", file=sys.stderr)
+    return 0
+
+
+def explain_command(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from . import load
+    from .compile import build
+
+    model = load(args.model if args.model is not None else DEMO_MODEL)
+    reports = build(model).explain(args.batch_size)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
+    else:
+        print("\n".join(r.text() for r in reports))
     return 0
 
 
@@ -86,11 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     from .loader import CheckpointError
 
     args = _parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     logging.basicConfig(level=logging.INFO, format="dgemma: %(message)s")
     logging.getLogger("dgemma_compile").setLevel(logging.INFO)
     try:
         if args.command == "generate":
             return generate_command(args)
+        if args.command == "explain":
+            return explain_command(args)
     except (CheckpointError, ConfigError, CacheFullError) as e:
         print(f"dgemma: error: {e}", file=sys.stderr)
         return 2

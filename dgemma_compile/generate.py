@@ -20,7 +20,7 @@ import torch
 
 from .config import ConfigError, GenerationConfig
 from .model import DiffusionGemma
-from .sampler import BlockState, denoise_update, start_canvas, step_noise, temperature
+from .sampler import BlockState, StepNoise, denoise_update, start_canvas, step_noise, temperature
 
 
 @dataclass
@@ -84,6 +84,55 @@ def _seeds(seed: int | Sequence[int], n: int) -> list[int]:
     return seeds
 
 
+class EagerSteps:
+    """The reference step functions: the model's checked public passes and `sampler.denoise_update`, uncompiled.
+
+    The block loop (`run_block_diffusion`) drives any object with these methods; `compile.CompiledSteps` is the
+    compiled one. Tensors are [R, ...] for the R requests of the call.
+    """
+
+    def __init__(self, model: DiffusionGemma, cfg: GenerationConfig, rows: int, max_seq_len: int):
+        self.model, self.cfg = model, cfg
+        self.cache = model.new_cache(rows, max_seq_len)
+
+    def prefill(self, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
+        self.model.encode(input_ids_RT, self.cache, lengths_R)
+
+    def begin_block(self, canvas_RC: torch.Tensor, frozen_R: torch.Tensor) -> None:
+        self.state = BlockState.start(canvas_RC, frozen_R, self.cfg.stability_threshold)
+        self.steps = torch.zeros_like(frozen_R, dtype=torch.long)
+        self.sc_logits = None
+
+    def step(self, temperature_: float, noise: StepNoise) -> torch.Tensor:
+        """One denoise step; returns the finished flags [R]."""
+        cfg = self.cfg
+        self.steps += ~self.state.finished
+        logits = self.model.denoise(self.state.canvas, self.cache, self.sc_logits)
+        self.state, scaled = denoise_update(self.state, logits, temperature_, noise, entropy_bound=cfg.entropy_bound,
+                                            confidence_threshold=cfg.confidence_threshold, stop_early=cfg.stop_early)
+        self.sc_logits = scaled.to(self.model.dtype)
+        return self.state.finished
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(argmax canvas [R, C], decoder passes of this block [R])."""
+        return self.state.argmax, self.steps
+
+    def commit(self, tokens_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        self.model.encode(tokens_RC, self.cache, n_new_R)
+
+
+def plan(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: GenerationConfig | None,
+         seed: int | Sequence[int]) -> tuple[GenerationConfig, list[list[int]], list[int], int]:
+    """Resolve and validate a request batch: (config, prompts, seeds, committed slots needed per row)."""
+    cfg = (config or getattr(model, "generation_config", None) or GenerationConfig()).resolved(model.config)
+    prompts = validate_prompts(model, prompts, cfg.max_new_tokens)
+    seeds = _seeds(seed, len(prompts))
+    num_blocks = math.ceil(cfg.max_new_tokens / model.config.canvas_length)
+    # the last block is never committed
+    max_seq_len = max(len(p) for p in prompts) + (num_blocks - 1) * model.config.canvas_length
+    return cfg, prompts, seeds, max_seq_len
+
+
 @torch.no_grad()
 def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
              seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None) -> GenerationOutput:
@@ -101,45 +150,40 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: Ge
     Raises:
         ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context).
     """
-    cfg = (config or getattr(model, "generation_config", None) or GenerationConfig()).resolved(model.config)
-    prompts = validate_prompts(model, prompts, cfg.max_new_tokens)
-    seeds = _seeds(seed, len(prompts))
+    cfg, prompts, seeds, max_seq_len = plan(model, prompts, config, seed)
+    steps = EagerSteps(model, cfg, len(prompts), max_seq_len)
+    return run_block_diffusion(model, steps, prompts, cfg, seeds, on_block)
+
+
+def run_block_diffusion(model: DiffusionGemma, steps, prompts: list[list[int]], cfg: GenerationConfig,
+                        seeds: list[int], on_block: BlockCallback | None = None) -> GenerationOutput:
+    """The block loop over validated inputs, driving `steps` (`EagerSteps` or a compiled equivalent)."""
     dev, V, C = model.device, model.config.vocab_size, model.config.canvas_length
-    B, N = len(prompts), cfg.max_denoising_steps
+    R, N = len(prompts), cfg.max_denoising_steps
     num_blocks = math.ceil(cfg.max_new_tokens / C)
     lengths = torch.tensor([len(p) for p in prompts], device=dev)
-    T = int(lengths.max())
-    cache = model.new_cache(B, T + (num_blocks - 1) * C)
-    input_ids = torch.full((B, T), cfg.pad_token_id, dtype=torch.long, device=dev)
-    for b, p in enumerate(prompts):
-        input_ids[b, :len(p)] = torch.tensor(p, device=dev)
-    model.encode(input_ids, cache, lengths)
+    input_ids = torch.full((R, int(lengths.max())), cfg.pad_token_id, dtype=torch.long, device=dev)
+    for r, p in enumerate(prompts):
+        input_ids[r, :len(p)] = torch.tensor(p, device=dev)
+    steps.prefill(input_ids, lengths)
 
     eos = torch.tensor(cfg.eos_token_ids, device=dev)
-    sequences: list[list[int]] = [[] for _ in range(B)]
-    stats = [RequestStats() for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    sequences: list[list[int]] = [[] for _ in range(R)]
+    stats = [RequestStats() for _ in range(R)]
+    done = torch.zeros(R, dtype=torch.bool, device=dev)
     for block in range(num_blocks):
-        canvas = torch.stack([start_canvas(s, block, C, V, dev) for s in seeds])
-        state = BlockState.start(canvas, done, cfg.stability_threshold)
-        steps = torch.zeros(B, dtype=torch.long, device=dev)
-        sc_logits = None
+        steps.begin_block(torch.stack([start_canvas(s, block, C, V, dev) for s in seeds]), done)
         for n in range(N, 0, -1):
-            steps += ~state.finished
-            logits = model.denoise(state.canvas, cache, sc_logits)
-            noise = step_noise(seeds, block, n, C, V, dev)
-            state, scaled = denoise_update(state, logits, temperature(n, N, cfg.t_min, cfg.t_max), noise,
-                                           entropy_bound=cfg.entropy_bound,
-                                           confidence_threshold=cfg.confidence_threshold, stop_early=cfg.stop_early)
-            sc_logits = scaled.to(model.dtype)
-            if bool(state.finished.all()):
+            finished = steps.step(temperature(n, N, cfg.t_min, cfg.t_max), step_noise(seeds, block, n, C, V, dev))
+            if bool(finished.all()):
                 break
-        new_tokens = _finalize_block(state.argmax, done, eos, cfg, sequences, stats, steps)
+        argmax, block_steps = steps.result()
+        new_tokens = _finalize_block(argmax, done, eos, cfg, sequences, stats, block_steps)
         if on_block is not None:
             on_block(block, new_tokens)
         if bool(done.all()) or block == num_blocks - 1:
             break
-        model.encode(state.argmax, cache, torch.where(done, 0, C))
+        steps.commit(argmax, torch.where(done, 0, C))
     return GenerationOutput(sequences=sequences, stats=stats)
 
 

@@ -34,8 +34,8 @@ WINDOW_KINDS = ("anchored", "symmetric")
 
 def dense_block_mask(
     lengths_B: torch.Tensor,
-    n_new_B: torch.Tensor,
-    causal_B: torch.Tensor,
+    n_new_B: torch.Tensor | None,
+    causal_B: torch.Tensor | bool,
     *,
     block_len: int,
     cache_slots: int,
@@ -46,8 +46,8 @@ def dense_block_mask(
 
     Args:
         lengths_B: int64 [B], committed tokens per row (0 <= lengths <= S).
-        n_new_B: int64 [B], real tokens of the block per row (0 <= n_new <= T).
-        causal_B: bool [B], True for encoder rows, False for denoise rows.
+        n_new_B: int64 [B], real tokens of the block per row (0 <= n_new <= T), or None for all T.
+        causal_B: bool [B], True for encoder rows, False for denoise rows; or one bool for every row.
         block_len: T. cache_slots: S.
         sliding_window: W, or None for a full-attention layer.
         window_kind: "anchored" (reference) or "symmetric".
@@ -60,6 +60,10 @@ def dense_block_mask(
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     dev = lengths_B.device
     T, S = block_len, cache_slots
+    if n_new_B is None:
+        n_new_B = torch.full_like(lengths_B, T)
+    if isinstance(causal_B, bool):
+        causal_B = torch.full(lengths_B.shape, causal_B, dtype=torch.bool, device=dev)
     L = lengths_B.view(-1, 1, 1)
     n = n_new_B.view(-1, 1, 1)
     causal = causal_B.view(-1, 1, 1)
@@ -89,10 +93,16 @@ def dense_block_mask(
 # --- FlexAttention ---------------------------------------------------------------------------------------------------
 
 
+def _and(a, b):
+    """a & b as torch.where: Inductor 2.13's vectorized C++ for `&`/`|` between a mask derived from a per-row tensor
+    and an index-only mask does not compile (VecMask<int> vs VecMask<float>); `where` does."""
+    return torch.where(a, b, False)
+
+
 def block_mask_mod(
     lengths_B: torch.Tensor,
-    n_new_B: torch.Tensor,
-    causal_B: torch.Tensor,
+    n_new_B: torch.Tensor | None,
+    causal_B: torch.Tensor | bool,
     *,
     cache_slots: int,
     sliding_window: int | None = None,
@@ -106,14 +116,20 @@ def block_mask_mod(
     function. No Python control flow on tensor values, so it is vmap- and `fullgraph=True`-friendly.
     After changing the captured tensors, rebuild the BlockMask (`make_block_mask`): its block sparsity is data.
 
+    A pass whose rows all share one mode passes `causal_B` as a Python bool, and a pass whose blocks are all real
+    passes `n_new_B=None`: both then become constants of the mask. (Inductor's CPU flex template rejects captured
+    tensors computed inside the compiled graph, so per-row tensors must be graph inputs such as cache or step
+    buffers.)
+
     Args:
         lengths_B: int64 [B], committed tokens per row (0 <= lengths <= S).
-        n_new_B: int64 [B], real tokens of the block per row (0 <= n_new <= T).
-        causal_B: bool [B], True for encoder rows, False for denoise rows.
+        n_new_B: int64 [B], real tokens of the block per row (0 <= n_new <= T), or None for all T.
+        causal_B: bool [B], True for encoder rows, False for denoise rows; or one bool for every row.
         cache_slots: S. sliding_window: W, or None for a full-attention layer.
         window_kind: "anchored" (reference) or "symmetric".
     Returns:
-        mask_mod with `__name__` like `block_mask_S64_W16_anchored` (`block_mask_S64_full` without a window).
+        mask_mod with `__name__` like `block_mask_S64_W16_anchored_causal` (`..._full_...` without a window;
+        `_mixed` when causality is per row).
     Raises:
         ValueError: unknown `window_kind`, non-positive `sliding_window`, `causal_B` not bool, or per-row tensors
         that are not 1-D of one length.
@@ -122,33 +138,42 @@ def block_mask_mod(
         raise ValueError(f"window_kind must be one of {WINDOW_KINDS}, got {window_kind!r}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    if causal_B.dtype != torch.bool:
+    per_row = [t for t in (lengths_B, n_new_B, causal_B) if isinstance(t, torch.Tensor)]
+    if isinstance(causal_B, torch.Tensor) and causal_B.dtype != torch.bool:
         raise ValueError(f"causal_B must be bool, got {causal_B.dtype}")
-    if not (lengths_B.dim() == n_new_B.dim() == causal_B.dim() == 1 and
-            lengths_B.shape == n_new_B.shape == causal_B.shape):
-        raise ValueError(f"per-row tensors must be 1-D of one length, got lengths {tuple(lengths_B.shape)}, "
-                         f"n_new {tuple(n_new_B.shape)}, causal {tuple(causal_B.shape)}")
+    if not isinstance(causal_B, (bool, torch.Tensor)):
+        raise ValueError(f"causal_B must be a bool tensor or a bool, got {type(causal_B).__name__}")
+    if any(t.dim() != 1 or t.shape != lengths_B.shape for t in per_row):
+        raise ValueError(f"per-row tensors must be 1-D of one length, got {[tuple(t.shape) for t in per_row]}")
     S, W = cache_slots, sliding_window
+    static_mode = isinstance(causal_B, bool)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        L, n, causal = lengths_B[b], n_new_B[b], causal_B[b]
+        L = lengths_B[b]
         in_cache = kv_idx < S
         j = kv_idx - S  # block index of a block key
         q_pos = L + q_idx
         k_pos = torch.where(in_cache, kv_idx, L + j)
-        real_key = torch.where(in_cache, kv_idx < L, j < n)
-        visible = real_key & (in_cache | ~causal | (j <= q_idx))
+        n_ok = (j < n_new_B[b]) if n_new_B is not None else True
+        real_key = torch.where(in_cache, kv_idx < L, n_ok)
+        order_ok = torch.where(in_cache, True, j <= q_idx)  # causal order among block keys
+        causal = causal_B if static_mode else causal_B[b]
         if W is not None:  # a Python constant: resolved when the factory runs, not per call
-            enc_window = (q_pos - k_pos) < W
+            enc_ok = _and(order_ok, (q_pos - k_pos) < W)
             if window_kind == "anchored":
-                den_window = ~in_cache | (kv_idx >= L - (W - 1))
+                den_ok = torch.where(in_cache, kv_idx >= L - (W - 1), True)
             else:
-                den_window = (q_pos - k_pos).abs() <= W
-            visible = visible & torch.where(causal, enc_window, den_window)
-        own_slot = ~in_cache & (j == q_idx)
-        return torch.where(q_idx < n, visible, own_slot)
+                den_ok = (q_pos - k_pos).abs() <= W
+        else:
+            enc_ok, den_ok = order_ok, True
+        mode_ok = (enc_ok if causal else den_ok) if static_mode else torch.where(causal, enc_ok, den_ok)
+        visible = _and(real_key, mode_ok)
+        if n_new_B is None:
+            return visible
+        return torch.where(q_idx < n_new_B[b], visible, _and(~in_cache, j == q_idx))
 
-    mask_mod.__name__ = f"block_mask_S{S}_" + ("full" if W is None else f"W{W}_{window_kind}")
+    mode = ("causal" if causal_B else "bidir") if static_mode else "mixed"
+    mask_mod.__name__ = f"block_mask_S{S}_" + ("full" if W is None else f"W{W}_{window_kind}") + f"_{mode}"
     mask_mod.__qualname__ = mask_mod.__name__
     return mask_mod
 

@@ -328,9 +328,7 @@ class DiffusionGemma(nn.Module):
             if self_conditioning_mask_B is not None:
                 soft = torch.where(self_conditioning_mask_B[:, None, None], soft, torch.zeros_like(soft))
         x = self.self_conditioning(embeds, soft)
-        B, C = canvas_BC.shape
-        n_B = torch.full((B,), C, dtype=torch.long, device=canvas_BC.device)
-        return self.logits(self._forward_block(x, cache, n_B, encoder=False))
+        return self.logits(self._forward_block(x, cache, None, encoder=False))
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         """Tied lm_head, then float32 soft-capping cap * tanh(logits / cap)."""
@@ -357,20 +355,21 @@ class DiffusionGemma(nn.Module):
             raise ValueError(f"{name} holds token ids outside [0, {self.config.vocab_size})")
         return B, T
 
-    def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor, encoder: bool) -> torch.Tensor:
+    def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor | None,
+                       encoder: bool) -> torch.Tensor:
+        """The layers over one block; `n_new_B` None means every block token is real (a canvas)."""
         B, T, _ = x_BTD.shape
         positions_BT = cache.lengths[:, None] + torch.arange(T, device=x_BTD.device)[None, :]
-        causal_B = torch.full((B,), encoder, dtype=torch.bool, device=x_BTD.device)
         rope, masks = {}, {}
         for lt in sorted(set(self.config.layer_types)):
             rope[lt] = rope_cos_sin(getattr(self, f"inv_freq_{lt}"), positions_BT, x_BTD.dtype)
             window = self.config.sliding_window if lt == SLIDING else None
             S = cache.max_seq_len
             if self.attention == "dense":
-                masks[lt] = dense_block_mask(cache.lengths, n_new_B, causal_B, block_len=T, cache_slots=S,
+                masks[lt] = dense_block_mask(cache.lengths, n_new_B, encoder, block_len=T, cache_slots=S,
                                              sliding_window=window, window_kind=self.window_kind)
             else:
-                mask_mod = block_mask_mod(cache.lengths, n_new_B, causal_B, cache_slots=S, sliding_window=window,
+                mask_mod = block_mask_mod(cache.lengths, n_new_B, encoder, cache_slots=S, sliding_window=window,
                                           window_kind=self.window_kind)
                 masks[lt] = make_block_mask(mask_mod, B, T, S, x_BTD.device)
         for layer in self.layers:

@@ -66,10 +66,26 @@ def test_mask_mod_matches_dense(c):
 
 def test_mask_mod_name_carries_parameters():
     L, n, c = torch.tensor([3]), torch.tensor([2]), torch.tensor([True])
-    assert block_mask_mod(L, n, c, cache_slots=64, sliding_window=16).__name__ == "block_mask_S64_W16_anchored"
-    assert (block_mask_mod(L, n, c, cache_slots=64, sliding_window=4, window_kind="symmetric").__name__
-            == "block_mask_S64_W4_symmetric")
-    assert block_mask_mod(L, n, c, cache_slots=8).__name__ == "block_mask_S8_full"
+    assert block_mask_mod(L, n, c, cache_slots=64, sliding_window=16).__name__ == "block_mask_S64_W16_anchored_mixed"
+    assert (block_mask_mod(L, n, False, cache_slots=64, sliding_window=4, window_kind="symmetric").__name__
+            == "block_mask_S64_W4_symmetric_bidir")
+    assert block_mask_mod(L, None, True, cache_slots=8).__name__ == "block_mask_S8_full_causal"
+
+
+@settings(max_examples=60)
+@given(data=st.data(), causal=st.booleans(), all_real=st.booleans(), W=st.one_of(st.none(), st.integers(1, 20)),
+       kind=st.sampled_from(["anchored", "symmetric"]))
+def test_static_mode_arguments_match_per_row_tensors(data, causal, all_real, W, kind):
+    """One bool for every row and n_new=None (every block token real) give the mask of the equivalent tensors."""
+    B, T, S = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 9)), data.draw(st.integers(0, 30))
+    L = torch.tensor(data.draw(st.lists(st.integers(0, S), min_size=B, max_size=B)))
+    n = torch.full((B,), T) if all_real else torch.tensor(data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B)))
+    c = torch.full((B,), causal)
+    kw = dict(cache_slots=S, sliding_window=W, window_kind=kind)
+    expected = dense_block_mask(L, n, c, block_len=T, **kw)
+    got = create_mask(block_mask_mod(L, None if all_real else n, causal, **kw), B, 1, T, S + T, device="cpu")[:, 0]
+    assert torch.equal(got, expected)
+    assert torch.equal(dense_block_mask(L, None if all_real else n, causal, block_len=T, **kw), expected)
 
 
 @pytest.mark.parametrize("override, match", [
