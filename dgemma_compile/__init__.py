@@ -1,9 +1,11 @@
 """dgemma_compile: DiffusionGemma block-diffusion generation, eager reference and compiled.
 
 Low-level API: `load(path)` -> model; `model.new_cache(B, S)`; `model.encode(ids, cache)`;
-`model.denoise(canvas, cache, self_conditioning_logits)`; `generate(model, prompts, config, seed=...)`.
+`model.denoise(canvas, cache, self_conditioning_logits)`; `generate(model, prompts, config, seed=...)`;
+`build(model)` -> compiled generator with the same `generate`.
 """
 
+from .compile import CompiledGenerator, CompileOptions, build
 from .config import ConfigError, GenerationConfig, ModelConfig
 from .generate import GenerationOutput, RequestStats, generate
 from .kv_cache import CacheFullError, KVCache
@@ -11,6 +13,6 @@ from .loader import CheckpointError, load, load_tokenizer
 from .model import DiffusionGemma
 
 __all__ = [
-    "CacheFullError", "CheckpointError", "ConfigError", "DiffusionGemma", "GenerationConfig", "GenerationOutput",
-    "KVCache", "ModelConfig", "RequestStats", "generate", "load", "load_tokenizer",
+    "CacheFullError", "CheckpointError", "CompileOptions", "CompiledGenerator", "ConfigError", "DiffusionGemma", "GenerationConfig", "GenerationOutput",
+    "KVCache", "ModelConfig", "RequestStats", "build", "generate", "load", "load_tokenizer",
 ]
