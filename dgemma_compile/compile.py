@@ -157,7 +157,8 @@ class _Unit:
             self._capture()
 
     def _capture(self) -> None:
-        """Capture after two warm calls; the caller restores any state a capture could touch."""
+        """Capture after the second warm call. Capture records the kernels without running them, so the step that
+        just ran compiled is not applied twice; later calls replay the graph over the same static buffers."""
         try:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -171,7 +172,10 @@ class _Unit:
                         self.name, self.graph_error)
 
 
-class _Bucket:
+class Bucket:
+    """One static batch size: its KV cache, step buffers and the two compile units (`denoise`, `encode`, each a
+    zero-argument callable over the buffers)."""
+
     def __init__(self, gen: "CompiledGenerator", rows: int, stability: int, stop_early: bool):
         model = gen.model
         self.rows = rows
@@ -191,21 +195,11 @@ class _Bucket:
         self.denoise = _Unit(f"denoise_step[{tag}]", denoise, mk(denoise, "denoise_step"), gen)
         self.encode = _Unit(f"encoder_chunk[{tag}]", encode, mk(encode, "encoder_chunk"), gen)
 
-    def run_encode(self) -> None:
-        """An encoder call; a capture on this call must not commit twice, so lengths are restored around it."""
-        if self.encode.graph is None and self.encode.calls == 1 and self.encode.owner.use_cuda_graphs:
-            lengths = self.cache.lengths.clone()
-            self.encode()  # second call: runs, then captures (capture records without executing)
-            if self.encode.graph is not None:
-                self.cache.lengths.copy_(lengths + self.buf.n_new)
-            return
-        self.encode()
-
 
 class CompiledSteps:
     """The step functions of `generate.run_block_diffusion`, run by one bucket's compiled units."""
 
-    def __init__(self, bucket: _Bucket, cfg: GenerationConfig, requests: int):
+    def __init__(self, bucket: Bucket, cfg: GenerationConfig, requests: int):
         self.b, self.cfg, self.R = bucket, cfg, requests
         buf = bucket.buf
         buf.entropy_bound.fill_(cfg.entropy_bound)
@@ -218,7 +212,7 @@ class CompiledSteps:
         buf.ids[:R, :ids_RT.shape[1]] = ids_RT
         buf.n_new.zero_()
         buf.n_new[:R] = n_new_R
-        self.b.run_encode()
+        self.b.encode()
 
     def prefill(self, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
         C = self.b.buf.ids.shape[1]
@@ -241,21 +235,8 @@ class CompiledSteps:
         buf.temperature.fill_(temperature_)
         buf.uniform[:R] = noise.uniform
         buf.renoise[:R] = noise.renoise
-        snapshot = self._snapshot() if self.b.denoise.graph is None and self.b.denoise.calls == 1 else None
         self.b.denoise()
-        if snapshot is not None and self.b.denoise.graph is not None:
-            self._restore(snapshot)  # the capture re-recorded the step: replay it once from the pre-capture state
-            self.b.denoise.graph.replay()
         return buf.finished[:R]
-
-    def _snapshot(self):
-        buf = self.b.buf
-        return {k: getattr(buf, k).clone() for k in ("canvas", "argmax", "history", "finished", "steps", "sc_logits",
-                                                     "has_sc")} if self.b.denoise.owner.use_cuda_graphs else None
-
-    def _restore(self, snapshot) -> None:
-        for k, v in snapshot.items():
-            getattr(self.b.buf, k).copy_(v)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.b.buf.argmax[:self.R], self.b.buf.steps[:self.R]
@@ -317,10 +298,16 @@ class CompiledGenerator:
         """The static batch size that runs `requests` rows (the largest bucket if more; callers split)."""
         return next((b for b in self.options.batch_buckets if b >= requests), self.options.batch_buckets[-1])
 
-    def _bucket(self, rows: int, cfg: GenerationConfig) -> _Bucket:
+    def bucket(self, batch_size: int, config: GenerationConfig | None = None) -> Bucket:
+        """The bucket (cache, buffers, compile units) that serves `batch_size` requests under `config` (default: the
+        model's generation config); for benchmarks and checks that time the units directly."""
+        cfg = (config or self.model.generation_config).resolved(self.model.config)
+        return self._bucket(self.bucket_for(batch_size), cfg if cfg.stop_early else cfg.replace(stability_threshold=0))
+
+    def _bucket(self, rows: int, cfg: GenerationConfig) -> Bucket:
         key = (rows, cfg.stability_threshold if cfg.stop_early else 0, cfg.stop_early)
         if key not in self._buckets:
-            self._buckets[key] = _Bucket(self, rows, key[1], cfg.stop_early)
+            self._buckets[key] = Bucket(self, rows, key[1], cfg.stop_early)
         return self._buckets[key]
 
     @torch.no_grad()
@@ -358,12 +345,11 @@ class CompiledGenerator:
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None) -> float:
         """Compile the bucket that serves `batch_size` requests (both units) and return the seconds it took."""
-        cfg = (config or self.model.generation_config).resolved(self.model.config)
         start = time.perf_counter()
-        bucket = self._bucket(self.bucket_for(batch_size), cfg if cfg.stop_early else cfg.replace(stability_threshold=0))
+        bucket = self.bucket(batch_size, config)
         bucket.buf.n_new.zero_()
         bucket.cache.reset()
-        bucket.run_encode()
+        bucket.encode()
         bucket.buf.finished.zero_()
         bucket.denoise()
         return time.perf_counter() - start
@@ -373,9 +359,7 @@ class CompiledGenerator:
         """Per compile unit: `torch._dynamo.explain` of the bucket serving `batch_size`, then the compiles seen while
         `workload(self)` runs (default: a mixed short workload). `torch._dynamo.explain` resets Dynamo: compiled
         state is dropped and rebuilt, so keep this out of a serving process."""
-        cfg = (config or self.model.generation_config).resolved(self.model.config)
-        cfg = cfg if cfg.stop_early else cfg.replace(stability_threshold=0)
-        bucket = self._bucket(self.bucket_for(batch_size), cfg)
+        bucket = self.bucket(batch_size, config)
         reports = []
         with torch.no_grad(), applied(self.options):
             for unit in (bucket.denoise, bucket.encode):
