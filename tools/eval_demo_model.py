@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Evaluate a demo DiffusionGemma checkpoint on the held-out task prompts.
+
+Usage: ``python tools/eval_demo_model.py DIR [--n 500] [--seed 0] [--gen KEY=VALUE ...]``
+
+``DIR`` holds config.json, generation_config.json, model.safetensors and the tokenizer files
+(e.g. ``dgemma_compile/demo/model``). Prompts come from
+``dgemma_compile.demo.tasks.make_split("heldout", n, seed)``; each is tokenized with the
+checkpoint's tokenizer (``[bos] + chars``) and completed one at a time.
+
+Prints a markdown table: exact match per task and overall, mean denoising steps per block,
+tokens per forward (generated non-pad tokens / decoder passes, summed over all prompts) and the
+share of blocks that stopped before ``max_denoising_steps``.
+
+The generation itself is one replaceable function (``GENERATORS``): ``transformers`` runs the
+reference ``model.generate``; another backend only has to return a ``Generation``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch
+
+from dgemma_compile.demo import tasks as T
+
+
+@dataclasses.dataclass
+class Generation:
+    """What a generator returns for one prompt."""
+
+    new_ids: list[int]  # generated ids after the prompt (pads after eos allowed)
+    steps_per_block: list[int]  # decoder passes for each block (canvas) it denoised
+
+
+def transformers_generate(model, input_ids: torch.Tensor, gen_config) -> Generation:
+    """Reference generator: ``transformers``' ``DiffusionGemmaForBlockDiffusion.generate`` at batch 1.
+
+    Counts decoder passes per block with forward hooks: every encoder call (prefill or commit)
+    opens a new block.
+    """
+    blocks: list[int] = []
+
+    def on_encoder(*_):
+        blocks.append(0)
+
+    def on_decoder(*_):
+        blocks[-1] += 1
+
+    h1 = model.model.encoder.register_forward_hook(on_encoder)
+    h2 = model.model.decoder.register_forward_hook(on_decoder)
+    try:
+        out = model.generate(input_ids, generation_config=gen_config)
+    finally:
+        h1.remove()
+        h2.remove()
+    seq = out.sequences if hasattr(out, "sequences") else out
+    blocks = [b for b in blocks if b > 0]  # a trailing commit has no block after it
+    return Generation(new_ids=seq[0, input_ids.shape[1] :].tolist(), steps_per_block=blocks)
+
+
+GENERATORS: dict[str, Callable] = {"transformers": transformers_generate}
+
+
+def completion_text(tokenizer, new_ids: list[int]) -> tuple[str, int]:
+    """Decode generated ids up to the first eos; also return the non-pad token count."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    n_tokens = sum(1 for t in new_ids if t != pad)
+    if eos in new_ids:
+        new_ids = new_ids[: new_ids.index(eos)]
+    return tokenizer.decode(new_ids, skip_special_tokens=True), n_tokens
+
+
+def evaluate(model, tokenizer, examples, gen_config, generator: Callable = transformers_generate, log=None):
+    """Run ``generator`` on ``examples`` [(task, prompt, answer)] and return a metrics dict."""
+    per_task = defaultdict(lambda: [0, 0])
+    steps, tokens, passes, early, nblocks = 0, 0, 0, 0, 0
+    limit = gen_config.max_denoising_steps
+    samples = []
+    t0 = time.time()
+    for i, (task, prompt, _ans) in enumerate(examples):
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]], dtype=torch.long)
+        g = generator(model, ids, gen_config)
+        text, n_tok = completion_text(tokenizer, g.new_ids)
+        ok = T.check(prompt, text)
+        per_task[task][0] += ok
+        per_task[task][1] += 1
+        tokens += n_tok
+        passes += sum(g.steps_per_block)
+        nblocks += len(g.steps_per_block)
+        early += sum(1 for s in g.steps_per_block if s < limit)
+        if len(samples) < 8 and (not ok or len(samples) < 4):
+            samples.append((prompt, text, ok))
+        if log is not None and (i + 1) % 100 == 0:
+            log(f"  eval {i + 1}/{len(examples)} ({time.time() - t0:.0f}s)")
+    n_ok = sum(v[0] for v in per_task.values())
+    n = sum(v[1] for v in per_task.values())
+    return {
+        "exact": {t: v[0] / v[1] for t, v in per_task.items()},
+        "overall": n_ok / max(n, 1),
+        "n": n,
+        "steps_per_block": passes / max(nblocks, 1),
+        "tokens_per_forward": tokens / max(passes, 1),
+        "early_stop_share": early / max(nblocks, 1),
+        "blocks": nblocks,
+        "seconds": time.time() - t0,
+        "samples": samples,
+    }
+
+
+def format_table(m) -> str:
+    rows = ["| metric | value |", "|---|---|"]
+    for task in T.TASKS:
+        if task in m["exact"]:
+            rows.append(f"| exact match `{task}` | {100 * m['exact'][task]:.1f}% |")
+    rows += [
+        f"| exact match overall (n={m['n']}) | {100 * m['overall']:.1f}% |",
+        f"| mean denoise steps per block | {m['steps_per_block']:.2f} |",
+        f"| tokens per forward | {m['tokens_per_forward']:.2f} |",
+        f"| blocks stopped before step limit | {100 * m['early_stop_share']:.1f}% ({m['blocks']} blocks) |",
+    ]
+    return "\n".join(rows)
+
+
+def load(model_dir: str):
+    from transformers import AutoTokenizer, DiffusionGemmaForBlockDiffusion
+
+    model = DiffusionGemmaForBlockDiffusion.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return model, tokenizer
+
+
+def _parse_value(v: str):
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0, help="task split seed (must match training)")
+    ap.add_argument("--torch-seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--generator", default="transformers", choices=sorted(GENERATORS))
+    ap.add_argument(
+        "--gen",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a generation_config field, e.g. --gen max_denoising_steps=16 --gen entropy_bound=0.5",
+    )
+    ap.add_argument("--show", action="store_true", help="print a few sample completions")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.torch_seed)
+    model, tokenizer = load(args.model_dir)
+    gen_config = model.generation_config
+    for kv in args.gen:
+        k, v = kv.split("=", 1)
+        v = _parse_value(v)
+        if k == "entropy_bound":
+            gen_config.sampler_config.entropy_bound = float(v)
+        else:
+            setattr(gen_config, k, v)
+    examples = T.make_split("heldout", args.n, args.seed)
+    m = evaluate(model, tokenizer, examples, gen_config, GENERATORS[args.generator], log=print)
+    print(format_table(m))
+    print(f"\n({m['seconds']:.0f}s, generator={args.generator})")
+    if args.show:
+        for p, c, ok in m["samples"]:
+            print(f"{'OK ' if ok else 'BAD'} {p!r} -> {c!r}")
+
+
+if __name__ == "__main__":
+    main()
