@@ -50,3 +50,16 @@ def test_bad_checkpoint_is_one_line(tmp_path):
     res = run_cli("generate", "--model", str(tmp_path), "--eager", "abc")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "not a DiffusionGemma checkpoint" in res.stderr
+
+
+def test_chat_prompt_goes_through_the_chat_template(tiny_dir):
+    res = run_cli("generate", "--model", str(tiny_dir), "--chat", "--max-new-tokens", "8", "--max-denoising-steps", "2",
+                  "--eager", "hi 3")
+    assert res.returncode == 0, res.stderr
+    model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi 3"}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert ids != tok("hi 3")["input_ids"]  # the template really changed the prompt (no bos here)
+    cfg = model.generation_config.replace(max_new_tokens=8, max_denoising_steps=2)
+    expected = dg.generate(model, [ids], cfg, seed=0)
+    assert res.stdout == tok.decode(expected.sequences[0], skip_special_tokens=True) + "\n"
