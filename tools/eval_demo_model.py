@@ -12,8 +12,9 @@ Prints a markdown table: exact match per task and overall, mean denoising steps 
 tokens per forward (generated non-pad tokens / decoder passes, summed over all prompts) and the
 share of blocks that stopped before ``max_denoising_steps``.
 
-The generation itself is one replaceable function (``GENERATORS``): ``transformers`` runs the
-reference ``model.generate``; another backend only has to return a ``Generation``.
+The generation itself is one replaceable function (``GENERATORS``): ``dgemma`` (default) runs
+``dgemma_compile.build(model)``, ``dgemma-eager`` the eager reference generator, ``transformers`` the
+reference ``model.generate``; a backend only has to return a ``Generation``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,24 @@ def transformers_generate(model, input_ids: torch.Tensor, gen_config) -> Generat
     return Generation(new_ids=seq[0, input_ids.shape[1] :].tolist(), steps_per_block=blocks)
 
 
-GENERATORS: dict[str, Callable] = {"transformers": transformers_generate}
+def dgemma_generate(runner, input_ids: torch.Tensor, gen_config) -> Generation:
+    """dgemma_compile's generator (compiled `build(model)` or the eager reference) at batch 1, seed 0."""
+    out = runner.generate([input_ids[0].tolist()], gen_config, seed=0)
+    return Generation(new_ids=out.sequences[0], steps_per_block=out.stats[0].steps_per_block)
+
+
+class _EagerRunner:
+    def __init__(self, model):
+        self.model = model
+
+    def generate(self, prompts, config, seed):
+        import dgemma_compile as dg
+
+        return dg.generate(self.model, prompts, config, seed=seed)
+
+
+GENERATORS: dict[str, Callable] = {"transformers": transformers_generate, "dgemma": dgemma_generate,
+                                   "dgemma-eager": dgemma_generate}
 
 
 def completion_text(tokenizer, new_ids: list[int]) -> tuple[str, int]:
@@ -154,7 +172,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="task split seed (must match training)")
     ap.add_argument("--torch-seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--generator", default="transformers", choices=sorted(GENERATORS))
+    ap.add_argument("--generator", default="dgemma", choices=sorted(GENERATORS),
+                    help="dgemma (compiled, default), dgemma-eager, or transformers' reference generate")
     ap.add_argument(
         "--gen",
         action="append",
@@ -167,15 +186,23 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.torch_seed)
-    model, tokenizer = load(args.model_dir)
-    gen_config = model.generation_config
-    for kv in args.gen:
-        k, v = kv.split("=", 1)
-        v = _parse_value(v)
-        if k == "entropy_bound":
-            gen_config.sampler_config.entropy_bound = float(v)
-        else:
-            setattr(gen_config, k, v)
+    if args.generator.startswith("dgemma"):
+        import dgemma_compile as dg
+
+        ours = dg.load(args.model_dir)
+        tokenizer = dg.load_tokenizer(args.model_dir)
+        model = dg.build(ours) if args.generator == "dgemma" else _EagerRunner(ours)
+        gen_config = ours.generation_config.replace(**{k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in args.gen)})
+    else:
+        model, tokenizer = load(args.model_dir)
+        gen_config = model.generation_config
+        for kv in args.gen:
+            k, v = kv.split("=", 1)
+            v = _parse_value(v)
+            if k == "entropy_bound":
+                gen_config.sampler_config.entropy_bound = float(v)
+            else:
+                setattr(gen_config, k, v)
     examples = T.make_split("heldout", args.n, args.seed)
     m = evaluate(model, tokenizer, examples, gen_config, GENERATORS[args.generator], log=print)
     print(format_table(m))
