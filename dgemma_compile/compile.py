@@ -137,11 +137,16 @@ def _encode_chunk(model: DiffusionGemma, cache: KVCache, buf: StepBuffers) -> No
     model.encode_block(buf.ids, cache, buf.n_new)
 
 
-class _Unit:
-    """One compile unit of one bucket: compiled function, optional CUDA graph, compile counter."""
+class CompiledUnit:
+    """A zero-argument step over static buffers, `torch.compile`d under `options`. With `cuda_graphs`, the third
+    call onwards replays a CUDA graph captured after the second (warm) call; a failed capture is logged and the unit
+    keeps running compiled without a graph (`graph_error` says why). Never a silent fallback."""
 
-    def __init__(self, name: str, fn: Callable[[], None], compiled: Callable[[], None], owner: "CompiledGenerator"):
-        self.name, self.fn, self.compiled, self.owner = name, fn, compiled, owner
+    def __init__(self, name: str, fn: Callable[[], None], options: CompileOptions, *, backend="inductor",
+                 cuda_graphs: bool = False, graph_pool=None):
+        self.name, self.fn, self.options = name, fn, options
+        self.compiled = torch.compile(fn, fullgraph=options.fullgraph, dynamic=options.dynamic, backend=backend)
+        self.cuda_graphs, self.graph_pool = cuda_graphs, graph_pool
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_error: str | None = None
@@ -151,9 +156,9 @@ class _Unit:
         if self.graph is not None:
             self.graph.replay()
             return
-        with applied(self.owner.options):
+        with applied(self.options):
             self.compiled()
-        if self.owner.use_cuda_graphs and self.graph_error is None and self.calls == 2:
+        if self.cuda_graphs and self.graph_error is None and self.calls == 2:
             self._capture()
 
     def _capture(self) -> None:
@@ -162,7 +167,7 @@ class _Unit:
         try:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with applied(self.owner.options), torch.cuda.graph(graph, pool=self.owner.graph_pool):
+            with applied(self.options), torch.cuda.graph(graph, pool=self.graph_pool):
                 self.compiled()
             self.graph = graph
             log.info("captured CUDA graph for %s", self.name)
@@ -189,11 +194,10 @@ class Bucket:
         def encode():
             _encode_chunk(model, self.cache, self.buf)
 
-        opts = gen.options
-        mk = lambda fn, unit: torch.compile(fn, fullgraph=opts.fullgraph, dynamic=opts.dynamic,  # noqa: E731
-                                            backend=gen._backend(unit))
-        self.denoise = _Unit(f"denoise_step[{tag}]", denoise, mk(denoise, "denoise_step"), gen)
-        self.encode = _Unit(f"encoder_chunk[{tag}]", encode, mk(encode, "encoder_chunk"), gen)
+        mk = lambda unit, fn: CompiledUnit(f"{unit}[{tag}]", fn, gen.options, backend=gen.counting_backend(unit),  # noqa: E731
+                                           cuda_graphs=gen.use_cuda_graphs, graph_pool=gen.graph_pool)
+        self.denoise = mk("denoise_step", denoise)
+        self.encode = mk("encoder_chunk", encode)
 
 
 class CompiledSteps:
@@ -282,7 +286,8 @@ class CompiledGenerator:
         self.use_cuda_graphs = self.options.cuda_graphs and self.model.device.type == "cuda"
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
 
-    def _backend(self, unit: str):
+    def counting_backend(self, unit: str):
+        """Inductor, counting compiles of `unit` and their seconds (recompiles show up as counts above one)."""
         from torch._inductor.compile_fx import compile_fx
 
         def backend(gm: torch.fx.GraphModule, example_inputs):
@@ -400,4 +405,5 @@ def build(model: DiffusionGemma, options: CompileOptions | None = None) -> Compi
     return CompiledGenerator(model=model, options=options or CompileOptions())
 
 
-__all__ = ["CompileOptions", "CompiledGenerator", "StepBuffers", "UnitReport", "applied", "build"]
+__all__ = ["Bucket", "CompileOptions", "CompiledGenerator", "CompiledUnit", "StepBuffers", "UnitReport", "applied",
+           "build"]
