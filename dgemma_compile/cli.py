@@ -51,6 +51,7 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 def generate_command(args: argparse.Namespace) -> int:
     from . import generate, load, load_tokenizer
+    from .generate import plan
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir, dtype=DTYPES[args.dtype] if args.dtype else None)
@@ -74,13 +75,16 @@ def generate_command(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         shown = text
 
+    plan(model, [ids], config, args.seed)  # validate prompt, config and seed before any compile
     compile_note = ""
     if args.eager:
         run = lambda: generate(model, [ids], config, seed=args.seed, on_block=on_block)  # noqa: E731
     else:
-        from .compile import build
+        from .compile import CompileOptions, build
 
-        gen = build(model)
+        # one request: one bucket, and a static cache that fits this prompt and budget (rounded up to share graphs)
+        slots = -(-(len(ids) + config.max_new_tokens) // 256) * 256
+        gen = build(model, CompileOptions(batch_buckets=(1,), max_seq_len=slots))
         compile_note = f" compile_s={gen.warmup(1, config):.1f}"
         run = lambda: gen.generate([ids], config, seed=args.seed, on_block=on_block)  # noqa: E731
     start = time.perf_counter()
