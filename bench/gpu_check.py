@@ -1,6 +1,6 @@
 """One-command GPU check of the compiled generator (run it whenever a session is lent a GPU; < 8 min on an H200).
 
-    python bench/gpu_check.py [--minutes 7]
+    python bench/gpu_check.py [--repeats 20]
 
 1. Demo model, float32 on CUDA: compiled tokens must equal eager tokens (several prompts, blocks, batch sizes).
 2. Reports, per compile unit and bucket, whether its CUDA graph was captured or why it fell back (logged).

@@ -40,6 +40,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Token ids of the prompt. Raises ConfigError for an empty prompt or characters the tokenizer cannot encode."""
+    from .config import ConfigError
+
+    if not prompt:
+        raise ConfigError("prompt: empty prompt")
+    unknown = sorted({ch for ch in prompt if tokenizer.unk_token_id is not None
+                      and tokenizer.unk_token_id in tokenizer(ch, add_special_tokens=False)["input_ids"]})
+    if unknown:
+        raise ConfigError(f"prompt: characters the model's tokenizer cannot encode: {''.join(unknown)!r}")
     if chat:
         out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             tokenize=True)
@@ -85,6 +94,8 @@ def generate_command(args: argparse.Namespace) -> int:
         # one request: one bucket, and a static cache that fits this prompt and budget (rounded up to share graphs)
         slots = -(-(len(ids) + config.max_new_tokens) // 256) * 256
         gen = build(model, CompileOptions(batch_buckets=(1,), max_seq_len=slots))
+        print("dgemma: compiling the denoise step and encoder chunk (a minute or so on a CPU, cached afterwards)...",
+              file=sys.stderr, flush=True)
         compile_note = f" compile_s={gen.warmup(1, config):.1f}"
         run = lambda: gen.generate([ids], config, seed=args.seed, on_block=on_block)  # noqa: E731
     start = time.perf_counter()

@@ -183,7 +183,6 @@ class Bucket:
 
     def __init__(self, gen: "CompiledGenerator", rows: int, stability: int, stop_early: bool):
         model = gen.model
-        self.rows = rows
         self.cache = model.new_cache(rows, gen.options.max_seq_len)
         self.buf = StepBuffers.allocate(model, rows, stability)
         tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
@@ -194,7 +193,8 @@ class Bucket:
         def encode():
             _encode_chunk(model, self.cache, self.buf)
 
-        mk = lambda unit, fn: CompiledUnit(f"{unit}[{tag}]", fn, gen.options, backend=gen.counting_backend(unit),  # noqa: E731
+        mk = lambda unit, fn: CompiledUnit(f"{unit}[{tag}]", fn, gen.options,  # noqa: E731
+                                           backend=gen.counting_backend(f"{unit}[{tag}]"),
                                            cuda_graphs=gen.use_cuda_graphs, graph_pool=gen.graph_pool)
         self.denoise = mk("denoise_step", denoise)
         self.encode = mk("encoder_chunk", encode)
@@ -278,8 +278,8 @@ class CompiledGenerator:
 
     model: DiffusionGemma
     options: CompileOptions
-    compiles: Counter = field(default_factory=Counter)
-    compile_seconds: float = 0.0
+    compiles: Counter = field(default_factory=Counter)  # per compile unit name "kind[bucket tag]"
+    compile_seconds: float = 0.0  # seconds spent in Inductor (Dynamo tracing excluded), for benchmarks
     _buckets: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -306,13 +306,15 @@ class CompiledGenerator:
     def bucket(self, batch_size: int, config: GenerationConfig | None = None) -> Bucket:
         """The bucket (cache, buffers, compile units) that serves `batch_size` requests under `config` (default: the
         model's generation config); for benchmarks and checks that time the units directly."""
-        cfg = (config or self.model.generation_config).resolved(self.model.config)
-        return self._bucket(self.bucket_for(batch_size), cfg if cfg.stop_early else cfg.replace(stability_threshold=0))
+        return self._bucket(self.bucket_for(batch_size), (config or self.model.generation_config).resolved(self.model.config))
 
     def _bucket(self, rows: int, cfg: GenerationConfig) -> Bucket:
-        key = (rows, cfg.stability_threshold if cfg.stop_early else 0, cfg.stop_early)
+        """Buckets are keyed by batch size and the structural config: the stability history depth (none when
+        early stopping is off) and stop_early."""
+        depth = cfg.stability_threshold if cfg.stop_early else 0
+        key = (rows, depth, cfg.stop_early)
         if key not in self._buckets:
-            self._buckets[key] = Bucket(self, rows, key[1], cfg.stop_early)
+            self._buckets[key] = Bucket(self, rows, depth, cfg.stop_early)
         return self._buckets[key]
 
     @torch.no_grad()
@@ -329,7 +331,6 @@ class CompiledGenerator:
         if needed > self.options.max_seq_len:
             raise ConfigError(f"max_seq_len: these requests need {needed} committed slots per row, more than "
                               f"CompileOptions.max_seq_len={self.options.max_seq_len}")
-        cfg = cfg if cfg.stop_early else cfg.replace(stability_threshold=0)
         group = self.options.batch_buckets[-1]
         sequences: list[list[int]] = []
         stats: list[RequestStats] = []
@@ -379,9 +380,10 @@ class CompiledGenerator:
         before = Counter(self.compiles)
         (workload or _default_workload)(self)
         for r in reports:
-            key = r.unit.split("[")[0]
-            r.compiles_in_workload = self.compiles[key] - before[key]
-            r.recompiles_in_workload = max(0, r.compiles_in_workload - len({k for k in self._buckets}))
+            kind = r.unit.split("[")[0]
+            seen = {name: n - before[name] for name, n in self.compiles.items() if name.startswith(kind + "[")}
+            r.compiles_in_workload = sum(seen.values())
+            r.recompiles_in_workload = sum(max(0, n - 1) for n in seen.values())
         return reports
 
 

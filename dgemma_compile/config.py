@@ -126,7 +126,7 @@ class ModelConfig:
             return cls._from_hf_dict(cfg)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ConfigError(f"{source}: malformed DiffusionGemma config ({type(e).__name__}: {e})") from None
 
     @classmethod
@@ -214,6 +214,9 @@ class GenerationConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if _is_int(self.eos_token_ids):  # one id is a common spelling
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
+        _require(isinstance(self.stop_early, bool), "stop_early", f"must be a bool, got {self.stop_early!r}")
         for name in ("max_new_tokens", "max_denoising_steps"):
             v = getattr(self, name)
             _require(_is_int(v) and v > 0, name, f"must be a positive integer, got {v!r}")
@@ -229,7 +232,8 @@ class GenerationConfig:
                      f"must be a finite number >= 0, got {v!r}")
         _require(self.t_max > self.t_min, "t_max", f"must be > t_min (got t_max={self.t_max}, t_min={self.t_min})")
         if self.eos_token_ids is not None:
-            _require(all(_is_int(e) and e >= 0 for e in self.eos_token_ids), "eos_token_id",
+            _require(isinstance(self.eos_token_ids, (tuple, list)) and all(_is_int(e) and e >= 0 for e in self.eos_token_ids),
+                     "eos_token_id",
                      f"must be non-negative token ids, got {self.eos_token_ids!r}")
         if self.pad_token_id is not None:
             _require(_is_int(self.pad_token_id) and self.pad_token_id >= 0, "pad_token_id",

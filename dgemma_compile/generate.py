@@ -25,7 +25,8 @@ from .sampler import BlockState, StepNoise, denoise_update, start_canvas, step_n
 
 @dataclass
 class RequestStats:
-    """Per-request statistics. tokens_per_forward = generated tokens (eos included, pad excluded) / decoder passes."""
+    """Per-request statistics. num_tokens counts generated tokens other than pad (eos included), as transformers'
+    `_compute_tokens_per_forward` does; tokens_per_forward = num_tokens / decoder passes."""
 
     num_tokens: int = 0
     steps_per_block: list[int] = field(default_factory=list)
@@ -46,7 +47,8 @@ class RequestStats:
 
 @dataclass
 class GenerationOutput:
-    """sequences: generated token ids per request (prompt excluded, up to and including the first eos, no pad)."""
+    """sequences: generated token ids per request (prompt excluded, up to and including the first eos; nothing after
+    it). Pad ids the model itself emitted before that are kept, and not counted in `RequestStats.num_tokens`."""
 
     sequences: list[list[int]]
     stats: list[RequestStats]
@@ -78,9 +80,10 @@ def validate_prompts(model: DiffusionGemma, prompts: Sequence[Sequence[int]], ma
 
 
 def _seeds(seed: int | Sequence[int], n: int) -> list[int]:
-    seeds = [seed] * n if isinstance(seed, int) and not isinstance(seed, bool) else list(seed)
-    if len(seeds) != n or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds):
-        raise ConfigError(f"seed: give one non-negative integer, or one per prompt ({n}), got {seed!r}")
+    is_int = lambda s: isinstance(s, int) and not isinstance(s, bool)  # noqa: E731
+    seeds = [seed] * n if is_int(seed) else list(seed) if isinstance(seed, (list, tuple)) else None
+    if seeds is None or len(seeds) != n or any(not is_int(s) or not 0 <= s < 2**64 for s in seeds):
+        raise ConfigError(f"seed: give one integer in [0, 2**64), or one per prompt ({n}), got {seed!r}")
     return seeds
 
 
@@ -201,13 +204,13 @@ def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, eos: torch.Te
         st.steps_per_block.append(int(steps_B[b]))
         eos_at = int(is_eos[b].float().argmax()) if bool(is_eos[b].any()) else None
         keep = row[:eos_at + 1] if eos_at is not None else row
-        room = cfg.max_new_tokens - st.num_tokens
+        room = cfg.max_new_tokens - len(sequences[b])
         keep = keep[:room]
         sequences[b].extend(keep)
-        st.num_tokens += len(keep)
+        st.num_tokens += sum(t != cfg.pad_token_id for t in keep)
         if eos_at is not None and eos_at < room:
             st.finish_reason, done_B[b] = "eos", True
-        elif st.num_tokens >= cfg.max_new_tokens:
+        elif len(sequences[b]) >= cfg.max_new_tokens:
             st.finish_reason, done_B[b] = "length", True
         new_tokens.append(keep)
     return new_tokens

@@ -105,6 +105,12 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             or a config that is not DiffusionGemma's.
     """
     directory = Path(path)
+    if dtype is not None and dtype not in FLOAT_DTYPES.values():
+        raise CheckpointError(f"dtype: must be one of torch.float32, torch.bfloat16, torch.float16, got {dtype!r}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise CheckpointError(f"device: {device!r} is not a torch device ({e})") from None
     cfg, gen = load_configs(directory)
     files = _index(directory)
     headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}

@@ -26,6 +26,8 @@ Legend: B batch, T block length, S committed slots.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
@@ -195,4 +197,8 @@ def flex_block_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: tor
     Scale 1.0 by default (Gemma4 q/k are RMS-normed). Matches `model.dense_attention` under the dense mask.
     Inference only when compiled on CPU (inputs requiring grad raise): call under `torch.no_grad()`.
     """
-    return flex_attention(q_BHTD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale, enable_gqa=True)
+    if torch.compiler.is_compiling():
+        return flex_attention(q_BHTD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale, enable_gqa=True)
+    with warnings.catch_warnings():  # uncompiled flex is the eager reference path here, on purpose
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q_BHTD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale, enable_gqa=True)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.dgemma.*)
-from .config import SLIDING, ModelConfig, RopeConfig
+from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
 from .masks import block_mask_mod, dense_block_mask, flex_block_attention, make_block_mask
 
@@ -222,6 +222,7 @@ class DiffusionGemma(nn.Module):
         self.config = config
         self.window_kind = window_kind
         self.attention = attention
+        self.generation_config = GenerationConfig()  # the loader sets the checkpoint's
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -272,8 +273,10 @@ class DiffusionGemma(nn.Module):
         """
         B, T = self._check_ids(input_ids, cache, "input_ids")
         n_B = torch.full((B,), T, dtype=torch.long, device=input_ids.device) if input_lengths is None else input_lengths
-        if n_B.shape != (B,) or bool(((n_B < 0) | (n_B > T)).any()):
-            raise ValueError(f"input_lengths must be int64 [B={B}] with values in [0, {T}], got {n_B.tolist()}")
+        if (not isinstance(n_B, torch.Tensor) or n_B.dtype not in (torch.int64, torch.int32) or n_B.shape != (B,)
+                or bool(((n_B < 0) | (n_B > T)).any())):
+            got = f"{n_B.dtype} {list(n_B.shape)} {n_B.tolist()}" if isinstance(n_B, torch.Tensor) else repr(n_B)
+            raise ValueError(f"input_lengths must be an integer tensor [B={B}] with values in [0, {T}], got {got}")
         n_B = n_B.to(device=cache.lengths.device, dtype=torch.long)
         over = cache.lengths + n_B > cache.max_seq_len
         if bool(over.any()):
@@ -288,8 +291,9 @@ class DiffusionGemma(nn.Module):
 
     @torch.no_grad()
     def denoise(self, canvas: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Bidirectional denoiser pass over `canvas` placed right after each row's cached tokens. Reads the cache,
-        never commits to it.
+        """Bidirectional denoiser pass over `canvas` placed right after each row's cached tokens. Reads the committed
+        cache and never changes it (the canvas keys/values only pass through the cache's block slots, scratch space).
+        With nothing committed yet, the canvas attends only to itself.
 
         Args:
             canvas: int64 [B, C] token ids, C <= cache.block_size.
@@ -301,9 +305,10 @@ class DiffusionGemma(nn.Module):
         """
         B, C = self._check_ids(canvas, cache, "canvas")
         V = self.config.vocab_size
-        if self_conditioning_logits is not None and self_conditioning_logits.shape != (B, C, V):
-            raise ValueError(f"self_conditioning_logits must be [B={B}, C={C}, V={V}], "
-                             f"got {tuple(self_conditioning_logits.shape)}")
+        sc = self_conditioning_logits
+        if sc is not None and (sc.shape != (B, C, V) or not sc.is_floating_point()):
+            raise ValueError(f"self_conditioning_logits must be floating point [B={B}, C={C}, V={V}], "
+                             f"got {sc.dtype} {tuple(sc.shape)}")
         return self.denoise_block(canvas, cache, self_conditioning_logits)
 
     # ----- unchecked building blocks (no host synchronisation; what compiled steps call) ------------------------
@@ -342,7 +347,8 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens(ids_BT) * self.embed_scale.to(weight.dtype)
 
     def _check_ids(self, ids: torch.Tensor, cache: KVCache, name: str) -> tuple[int, int]:
-        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        self._check_cache(cache)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"{name} must be an integer tensor [B, T], got {tuple(ids.shape)} {ids.dtype}")
         B, T = ids.shape
         if B != cache.batch_size:
@@ -354,6 +360,14 @@ class DiffusionGemma(nn.Module):
         if bool(((ids < 0) | (ids >= self.config.vocab_size)).any()):
             raise ValueError(f"{name} holds token ids outside [0, {self.config.vocab_size})")
         return B, T
+
+    def _check_cache(self, cache: KVCache) -> None:
+        shapes = [(self.config.num_kv_heads[i], self.config.head_dims[i]) for i in range(self.config.num_layers)]
+        got = [(k.shape[1], k.shape[3]) for k in cache.keys]
+        k0 = cache.keys[0] if cache.keys else None
+        if got != shapes or k0.dtype != self.dtype or k0.device != self.device:
+            raise ValueError(f"cache: made for another model (layers (kv heads, head dim) {got}, {k0.dtype if k0 is not None else None} "
+                             f"on {k0.device if k0 is not None else None}); use this model's new_cache()")
 
     def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor | None,
                        encoder: bool) -> torch.Tensor:

@@ -40,18 +40,21 @@ def hf_model(*, vocab_size=64, hidden_size=32, intermediate_size=48, layer_types
 
 
 def write_tokenizer(directory: Path) -> None:
-    """A character-level tokenizer (pad 0, eos 1, bos 2) with a chat template, saved as transformers does."""
+    """A character-level tokenizer (pad 0, eos 1, bos 2, unk last) with a chat template, saved as transformers
+    does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
     for ch in VOCAB_CHARS:
         vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    vocab["<unk>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>")
     fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     fast.save_pretrained(str(directory))
 
@@ -68,3 +71,9 @@ def write_checkpoint(directory: Path, model=None, *, generation: dict | None = N
     if tokenizer:
         write_tokenizer(directory)
     return Path(directory)
+
+
+def softcap(ref, logits):
+    """transformers' final soft-capping (as in DiffusionGemmaForBlockDiffusion.forward), read from its config."""
+    cap = ref.config.text_config.final_logit_softcapping
+    return torch.tanh(logits.float() / cap) * cap

@@ -33,6 +33,7 @@ def test_generate_prints_text_and_stats(tiny_dir):
     (["--max-new-tokens", "0"], "max_new_tokens: must be a positive integer"),
     (["--max-denoising-steps", "-3"], "max_denoising_steps: must be a positive integer"),
     (["--seed", "-1"], "seed"),
+    (["--seed", str(2**70)], "seed"),
 ])
 def test_errors_are_one_line_without_traceback(tiny_dir, args, message):
     full = ["generate", *args, "--eager", "abc"]
@@ -63,3 +64,10 @@ def test_chat_prompt_goes_through_the_chat_template(tiny_dir):
     cfg = model.generation_config.replace(max_new_tokens=8, max_denoising_steps=2)
     expected = dg.generate(model, [ids], cfg, seed=0)
     assert res.stdout == tok.decode(expected.sequences[0], skip_special_tokens=True) + "\n"
+
+
+@pytest.mark.parametrize("prompt,message", [("", "prompt: empty prompt"), ("abc ✓ é", "cannot encode: 'é✓'")])
+def test_prompts_the_tokenizer_cannot_take_are_rejected_before_compiling(tiny_dir, prompt, message):
+    res = run_cli("generate", "--model", str(tiny_dir), prompt)  # compiled path: must fail before any compile
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "compiling" not in res.stderr
+    assert message in res.stderr, res.stderr

@@ -13,14 +13,14 @@ PROMPTS = [[2, 5, 6], [2, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [2, 20, 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
     model = dg.load(tiny_dir)
-    # one bucket keeps CI compile time down; batch sizes 1-3 all run padded in it
-    return model, build(model, CompileOptions(batch_buckets=(4,), max_seq_len=64))
+    # two buckets keep CI compile time down: 1-2 requests run in the first, 3-4 in the second, more in groups
+    return model, build(model, CompileOptions(batch_buckets=(2, 4), max_seq_len=64))
 
 
 @pytest.mark.parametrize("stop_early", [True, False])
 def test_compiled_tokens_equal_eager(tiny, stop_early):
     """Several prompts of different lengths (one longer than the canvas), several blocks, batch sizes 1 and 3
-    (both padded to the bucket of 4), sampling on."""
+    (padded to buckets of 2 and 4), sampling on."""
     model, gen = tiny
     cfg = dg.GenerationConfig(max_new_tokens=20, max_denoising_steps=5, t_min=0.8, t_max=1.5, entropy_bound=0.5,
                               eos_token_ids=(1,), stop_early=stop_early)
@@ -39,7 +39,8 @@ def test_no_recompiles_across_a_mixed_workload(tiny):
     per-step values (temperatures, bounds, seeds) reuse the same graphs."""
     model, gen = tiny
     base = dg.GenerationConfig(max_new_tokens=8, max_denoising_steps=3, eos_token_ids=(1,))
-    gen.generate(PROMPTS, base, seed=0)  # warm the bucket for this structural config
+    gen.generate(PROMPTS, base, seed=0)  # warm both buckets for this structural config
+    gen.generate(PROMPTS[:1], base, seed=0)
     before = dict(gen.compiles)
     with torch.compiler.set_stance("fail_on_recompile"):
         gen.generate([[2] * 30, [2, 3]], base.replace(max_new_tokens=24, t_min=0.1, t_max=2.0), seed=[4, 5])
@@ -56,9 +57,13 @@ def test_too_long_for_the_static_cache_is_a_clear_error(tiny):
 
 def test_more_requests_than_the_largest_bucket_run_in_groups(tiny):
     model, gen = tiny
-    prompts = [[2, 3 + i] for i in range(6)]
+    prompts = [[2, 3 + i] for i in range(6)]  # a group of 4, then a group of 2 in the smaller bucket
     cfg = dg.GenerationConfig(max_new_tokens=8, max_denoising_steps=3, eos_token_ids=(1,))
-    assert gen.generate(prompts, cfg, seed=1).sequences == dg.generate(model, prompts, cfg, seed=1).sequences
+    streamed = []
+    out = gen.generate(prompts, cfg, seed=1, on_block=lambda i, toks: streamed.append(toks))
+    assert out.sequences == dg.generate(model, prompts, cfg, seed=1).sequences
+    assert all(len(toks) == 6 for toks in streamed)
+    assert {k.split("[")[1] for k in gen.compiles} >= {"B2_P1_stop]", "B4_P1_stop]"}
 
 
 @pytest.mark.parametrize("kw,name", [(dict(batch_buckets=(4, 2)), "batch_buckets"),

@@ -96,7 +96,7 @@ def test_max_new_tokens_is_exact(tiny_dir, budget):
     out = dg.generate(model, [[2, 5, 6, 7]], cfg, seed=0)
     n = len(out.sequences[0])
     assert n == budget or (out.stats[0].finish_reason == "eos" and n < budget)
-    assert out.stats[0].num_tokens == n
+    assert out.stats[0].num_tokens == sum(t != 0 for t in out.sequences[0])
     assert out.stats[0].blocks == -(-n // 8)
 
 
@@ -125,6 +125,7 @@ def test_on_block_streams_committed_tokens(tiny_dir):
     (dict(t_min=-0.1), "t_min"), (dict(max_denoising_steps=0), "max_denoising_steps"),
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),
     (dict(stability_threshold=-1), "stability_threshold"), (dict(t_max=float("nan")), "t_max"),
+    (dict(stop_early="no"), "stop_early"), (dict(eos_token_ids="1"), "eos_token_id"),
 ])
 def test_invalid_generation_config_names_the_parameter(change, name):
     with pytest.raises(ConfigError, match=name):
@@ -155,8 +156,9 @@ def test_seed_validation(tiny_dir):
     model = dg.load(tiny_dir)
     with pytest.raises(ConfigError, match="seed"):
         dg.generate(model, [[2, 3], [2, 4]], dg.GenerationConfig(max_new_tokens=4), seed=[1])
-    with pytest.raises(ConfigError, match="seed"):
-        dg.generate(model, [[2, 3]], dg.GenerationConfig(max_new_tokens=4), seed=-1)
+    for bad in (-1, 2**64, 1.0, "3", True):
+        with pytest.raises(ConfigError, match="seed"):
+            dg.generate(model, [[2, 3]], dg.GenerationConfig(max_new_tokens=4), seed=bad)
 
 
 def test_generation_config_json_with_nested_sampler_config(tmp_path):
@@ -172,6 +174,21 @@ def test_generation_config_json_with_nested_sampler_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(raw))
     with pytest.raises(dg.CheckpointError, match=r"generation_config.json: entropy_bound"):
         dg.load(tmp_path)
+
+
+def test_pad_emitted_by_the_model_is_not_counted(tiny_dir):
+    """transformers counts non-pad tokens for tokens per forward; a model emitting pad ids gets no credit for them."""
+    model = dg.load(tiny_dir)
+    cfg = dg.GenerationConfig(max_new_tokens=16, max_denoising_steps=2, eos_token_ids=(47,))
+    free = dg.generate(model, [[2, 9, 9]], cfg, seed=2)
+    common = max(set(free.sequences[0]), key=free.sequences[0].count)  # declare a frequent token to be pad
+    out = dg.generate(model, [[2, 9, 9]], cfg.replace(pad_token_id=common), seed=2)
+    assert out.sequences == free.sequences
+    assert out.stats[0].num_tokens == len(out.sequences[0]) - out.sequences[0].count(common) < len(out.sequences[0])
+
+
+def test_eos_as_one_integer():
+    assert dg.GenerationConfig(eos_token_ids=5).eos_token_ids == (5,)
 
 
 def test_absent_generation_keys_take_reference_defaults(tiny_dir):

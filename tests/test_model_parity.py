@@ -1,7 +1,7 @@
 """Encoder and denoiser logits against transformers' DiffusionGemmaForBlockDiffusion (float32, CPU)."""
 
 import torch
-from helpers import hf_model, write_checkpoint
+from helpers import hf_model, softcap, write_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.cache_utils import DynamicCache
@@ -40,7 +40,7 @@ def reference_run(ref, prompt, canvases, sc_temps):
     """transformers: encode prompt, then per block: denoise (with and without self-conditioning), commit."""
     cache = DynamicCache(config=ref.config.text_config)
     enc = ref.model.encoder(input_ids=prompt, cache=cache).last_hidden_state
-    enc_logits = torch.tanh(ref.lm_head(enc).float() / 30.0) * 30.0
+    enc_logits = softcap(ref, ref.lm_head(enc))
     outs = []
     for canvas, temp in zip(canvases, sc_temps):
         first = ref(decoder_input_ids=canvas, cache=cache).logits
@@ -120,3 +120,23 @@ def test_encode_rejects_overflow_without_writing(tiny_dir):
         raise AssertionError("expected CacheFullError")
     assert cache.lengths.tolist() == [3, 3]
     assert all(torch.equal(a, b) for a, b in zip(snapshot, cache.keys))
+
+
+def test_bad_inputs_name_the_argument_and_write_nothing(tiny_dir):
+    import pytest
+
+    model = dg.load(tiny_dir)
+    cache = model.new_cache(2, 16)
+    model.encode(torch.tensor([[2, 5], [2, 6]]), cache)
+    before = [k.clone() for k in cache.keys], cache.lengths.clone()
+    ids = torch.tensor([[2, 5, 6], [2, 7, 8]])
+    for bad in (torch.tensor([2.7, 1.0]), torch.tensor([True, True]), [3, 3], torch.tensor([4, 1]), torch.tensor([1])):
+        with pytest.raises(ValueError, match="input_lengths"):
+            model.encode(ids, cache, bad)
+    with pytest.raises(ValueError, match="cache: made for another model"):
+        model.encode(ids, dg.load(tiny_dir, dtype=torch.bfloat16).new_cache(2, 16))
+    with pytest.raises(ValueError, match="self_conditioning_logits"):
+        model.denoise(torch.zeros(2, 8, dtype=torch.long), cache, torch.zeros(2, 8, 48, dtype=torch.long))
+    with pytest.raises(ValueError, match="canvas has batch 1"):
+        model.denoise(torch.zeros(1, 8, dtype=torch.long), cache)
+    assert torch.equal(cache.lengths, before[1]) and all(torch.equal(a, b) for a, b in zip(before[0], cache.keys))
