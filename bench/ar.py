@@ -1,0 +1,116 @@
+"""Autoregressive baseline on the same weights: the encoder used as a causal LM, greedy, one token per forward.
+
+Compiled exactly the way `dgemma_compile.build` compiles its units: each step is a `compile.CompiledUnit` (a
+zero-argument function over static buffers, `torch.compile(fullgraph=True, dynamic=False)` under
+`CompileOptions`, with the token, lengths and counts in tensors so no position recompiles; on CUDA a graph captured
+after two warm calls, a failed capture logged), with compile counts and seconds from a `CompiledGenerator`'s
+`counting_backend`.
+
+Two units over one static cache (`block_size` = canvas length):
+- `prefill`: `model.encode_block(ids [B, C], cache, n_new)`, then the greedy token at each row's last real prompt
+  position (`model.logits` + argmax); prompts longer than C run in C-token chunks.
+- `step`: `model.encode_block(tok [B, 1], cache, ones)` (a one-token causal pass reading S+1 slots; the larger
+  block_size only leaves unused block slots, it adds no reads), `model.logits`, argmax into `tok`.
+The cache holds block_size = C rather than 1 so that the prompt is encoded in C-token compiled chunks like ours,
+instead of one forward per prompt token; decode forwards are unaffected.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dgemma_compile.compile import CompiledUnit, CompileOptions, build
+
+
+class ARBaseline:
+    """Greedy AR generation with compiled prefill-chunk and one-token step units for batch `batch`."""
+
+    def __init__(self, model, batch: int, max_seq_len: int, options: CompileOptions | None = None):
+        self.model = model
+        self.options = options or CompileOptions(batch_buckets=(batch,), max_seq_len=max_seq_len)
+        dev = model.device
+        C = model.config.canvas_length
+        self.cache = model.new_cache(batch, max_seq_len, block_size=C)
+        long = dict(dtype=torch.long, device=dev)
+        self.ids = torch.zeros(batch, C, **long)
+        self.n_new = torch.zeros(batch, **long)
+        self.tok = torch.zeros(batch, 1, **long)
+        self.ones = torch.ones(batch, **long)
+        self.rows = torch.arange(batch, device=dev)
+        self.gen = build(model, self.options)  # for its counting backend, CUDA-graph switch and pool only
+        unit = lambda name, fn: CompiledUnit(name, fn, self.options, backend=self.gen.counting_backend(name),  # noqa: E731
+                                             cuda_graphs=self.gen.use_cuda_graphs, graph_pool=self.gen.graph_pool)
+        self.prefill_unit = unit("ar_prefill_chunk", self._prefill)
+        self.step = unit("ar_step", self._step)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.gen.compile_seconds
+
+    @property
+    def compiles(self) -> int:
+        return sum(self.gen.compiles.values())
+
+    def _prefill(self) -> None:
+        hidden = self.model.encode_block(self.ids, self.cache, self.n_new)
+        last = hidden[self.rows, (self.n_new - 1).clamp(min=0)]
+        tok = self.model.logits(last).argmax(-1)
+        self.tok.copy_(torch.where(self.n_new > 0, tok, self.tok[:, 0])[:, None])
+
+    def _step(self) -> None:
+        hidden = self.model.encode_block(self.tok, self.cache, self.ones)
+        self.tok.copy_(self.model.logits(hidden[:, -1]).argmax(-1)[:, None])
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        """Reset the cache and encode right-padded prompts chunk by chunk; leaves the first greedy token in `tok`."""
+        dev, C = self.ids.device, self.ids.shape[1]
+        self.cache.reset()
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        for start in range(0, int(lengths.max()), C):
+            self.ids.zero_()
+            for r, p in enumerate(prompts):
+                chunk = p[start:start + C]
+                if chunk:
+                    self.ids[r, :len(chunk)] = torch.tensor(chunk, device=dev)
+            self.n_new.copy_((lengths - start).clamp(0, C))
+            self.prefill_unit()
+
+    @torch.no_grad()
+    def warmup(self, prompt_len: int) -> float:
+        """Compile both units (and reach the CUDA-graph capture) on a dummy prompt; returns seconds."""
+        start = time.perf_counter()
+        for _ in range(3):
+            self.prefill([[self.model.config.bos_token_id] * prompt_len] * self.ids.shape[0])
+            for _ in range(3):
+                self.step()
+        if self.ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: tuple[int, ...] = (),
+                 timed=lambda f: f, on_token=None) -> list[list[int]]:
+        """Greedy continuation of `prompts` (batch = the constructor's); stops a row at eos when `eos_ids` are given
+        (all rows done -> stop). `timed` wraps each decode forward; `on_token(i)` is called after token i (1-based)."""
+        self.prefill(prompts)
+        out = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long, device=self.tok.device)
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=self.tok.device) if eos_ids else None
+        step = timed(self.step)
+        for i in range(max_new_tokens):
+            if i > 0:
+                step()
+            out[:, i] = self.tok[:, 0]
+            if on_token is not None:
+                on_token(i + 1)
+            if eos is not None and bool(torch.isin(out[:, :i + 1], eos).any(dim=1).all()):
+                out = out[:, :i + 1]
+                break
+        seqs = []
+        for row in out.tolist():
+            if eos is not None:
+                hit = [j for j, t in enumerate(row) if t in eos_ids]
+                row = row[:hit[0] + 1] if hit else row
+            seqs.append(row)
+        return seqs

@@ -1,0 +1,351 @@
+"""The systems under test, each run on one workload in its own process (see `worker.py`).
+
+- ours-compiled: `dg.build(model).generate` (compiled denoise step + encoder chunk); a step is timed at
+  `CompiledSteps.step` (compiled unit + host-side buffer fills), and the compiled unit alone too.
+- ours-eager: `dg.generate(model, ...)`, the eager reference loop; timed at `EagerSteps.step`.
+- hf-eager: transformers `DiffusionGemmaForBlockDiffusion.generate` (dynamic cache); timed at its
+  `_denoising_step` (decoder forward + sampling + acceptance + stop check, like ours).
+- hf-compiled: the same with `cache_implementation="static"`, which makes transformers torch.compile its decoder
+  forward, encoder and sampler pieces (`_compile_functions`); timed at `_denoising_step`.
+- ar-compiled: `ar.ARBaseline`, the encoder as a causal LM, greedy, one token per forward; each forward timed.
+
+Step timers are installed for the run only (class attributes in this worker process, or the transformers model's
+bound method); blocks are marked by `on_block` (ours), the streamer's `put` (transformers) or every C tokens (AR).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from . import models, workloads
+from .timing import Clock, PeakMemory, Recorder, patched
+
+SYSTEMS = ("ours-compiled", "ours-eager", "hf-eager", "hf-compiled", "ar-compiled")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Context:
+    """What every system needs: the model, the workload, the recorder, and where to leave notes."""
+
+    model: object
+    work: workloads.Workload
+    rec: Recorder
+    max_seq_len: int | None = None
+    notes: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cfg(self):
+        return self.work.config
+
+    @property
+    def batch(self) -> int:
+        return len(self.work.requests[0].prompts)
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        return () if self.work.ignore_eos else tuple(self.cfg.eos_token_ids or ())
+
+    def count(self, sequences: list[list[int]]) -> int:
+        """Generated tokens: every position when eos is ignored (fixed); else those other than pad, eos included
+        (transformers' `_compute_tokens_per_forward`, our `RequestStats.num_tokens`)."""
+        if self.work.ignore_eos:
+            return sum(len(s) for s in sequences)
+        return sum(t != self.cfg.pad_token_id for s in sequences for t in s)
+
+
+class System:
+    """Prepared in `__init__` (compile there; `compile_s` set), timed inside `install()`; `request(req)` runs one
+    generate call and returns (sequences, tokens, decoder forwards summed over rows); `finish()` adds notes."""
+
+    timing = ""
+    compile_s: float | None = None
+
+    def install(self):
+        return contextlib.nullcontext()
+
+    def request(self, req: workloads.Request):
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        pass
+
+
+class _Ours(System):
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def _generate(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def request(self, req):
+        out = self._generate(req.prompts, self.ctx.cfg, seed=req.seeds, on_block=self.ctx.rec.block_end)
+        return out.sequences, self.ctx.count(out.sequences), sum(s.decoder_passes for s in out.stats)
+
+
+class OursEager(_Ours):
+    timing = "per step: EagerSteps.step wall time"
+
+    def install(self):
+        from dgemma_compile.generate import EagerSteps
+
+        return patched(EagerSteps, "step", self.ctx.rec.timed(EagerSteps.step))
+
+    def _generate(self, *args, **kwargs):
+        import dgemma_compile as dg
+
+        return dg.generate(self.ctx.model, *args, **kwargs)
+
+
+class OursCompiled(_Ours):
+    timing = "per step: CompiledSteps.step wall time (compiled unit + host-side buffer fills)"
+
+    def __init__(self, ctx: Context):
+        import dgemma_compile as dg
+        from dgemma_compile.compile import CompileOptions
+
+        super().__init__(ctx)
+        C, B = ctx.model.config.canvas_length, ctx.batch
+        need = ctx.work.max_prompt_len + (-(-ctx.cfg.max_new_tokens // C) - 1) * C
+        self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=ctx.max_seq_len or max(need, C)))
+        self.compile_s = self.gen.warmup(B, ctx.cfg)
+        self.bucket = self.gen.bucket(B, ctx.cfg)
+        self.unit = self.bucket.denoise
+        self.unit_s: list[float] = []
+
+    def _timed_unit(self) -> None:
+        rec = self.ctx.rec
+        t0 = rec.clock()
+        self.unit()
+        if rec.current is not None:  # timed passes only
+            self.unit_s.append(rec.clock() - t0)
+
+    @contextlib.contextmanager
+    def install(self):
+        from dgemma_compile.compile import CompiledSteps
+
+        with patched(CompiledSteps, "step", self.ctx.rec.timed(CompiledSteps.step)), \
+                patched(self.bucket, "denoise", self._timed_unit):
+            yield
+
+    def _generate(self, *args, **kwargs):
+        return self.gen.generate(*args, **kwargs)
+
+    def finish(self) -> None:
+        ctx = self.ctx
+        ctx.extra.update(unit_step_s=self.unit_s, compile_units=dict(self.gen.compiles), inductor_s=self.gen.compile_seconds)
+        ctx.notes.append(f"compile s = gen.warmup({ctx.batch}) wall time (Inductor {self.gen.compile_seconds:.1f} s of it)")
+        _graph_notes(ctx, (self.unit, self.bucket.encode))
+
+
+class _Streamer:
+    """transformers streamer: the first `put` of a call is the prompt, each later one a finished canvas."""
+
+    def __init__(self, rec: Recorder):
+        self.rec, self.puts = rec, 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts > 1:
+            self.rec.block_end()
+
+    def end(self) -> None:
+        self.puts = 0
+
+
+class Transformers(System):
+    """transformers' own generate; `compiled` adds cache_implementation="static" (it then compiles lazily, so its
+    compile time is estimated as the warm-up pass minus the fastest timed pass)."""
+
+    def __init__(self, ctx: Context, compiled: bool):
+        self.ctx, self.compiled = ctx, compiled
+        self.kwargs = dict(ctx.work.hf_kwargs, **({"cache_implementation": "static"} if compiled else {}))
+        self.streamer = _Streamer(ctx.rec)
+        self.timing = ("per step: patched _denoising_step wall time (compiled decoder forward + compiled sampler "
+                       "pieces)" if compiled else
+                       "per step: patched DiffusionGemmaGenerationMixin._denoising_step wall time")
+        if ctx.work.ignore_eos:
+            ctx.notes.append("exactly N steps via stability_threshold=N; eos ignored via eos_token_id=[]")
+
+    def install(self):
+        model = self.ctx.model
+        return patched(model, "_denoising_step", self.ctx.rec.timed(model._denoising_step))
+
+    def request(self, req):
+        ctx, model = self.ctx, self.ctx.model
+        P = len(req.prompts[0])
+        if any(len(p) != P for p in req.prompts):
+            raise ValueError("transformers runs equal-length prompts only in this benchmark")
+        torch.manual_seed(req.seeds[0])
+        cur = ctx.rec.current
+        before = len(cur.steps) if cur is not None else 0
+        out = model.generate(torch.tensor(req.prompts, device=model.device), streamer=self.streamer, **self.kwargs)
+        steps = len(cur.steps) - before if cur is not None else 0
+        limit = ctx.cfg.max_new_tokens
+        rows = [_trim(r, ctx.eos, limit) for r in out.sequences[:, P:].tolist()]
+        if ctx.work.ignore_eos and any(len(r) != limit for r in rows):
+            raise RuntimeError(f"transformers produced {[len(r) for r in rows]} tokens, expected {limit}")
+        return rows, ctx.count(rows), steps * len(rows)
+
+
+def _trim(row: list[int], eos: tuple[int, ...], limit: int) -> list[int]:
+    """Generated ids up to and including the first eos (transformers pads the rest), at most `limit`."""
+    row = row[:limit]
+    for j, t in enumerate(row):
+        if t in eos:
+            return row[:j + 1]
+    return row
+
+
+class Autoregressive(System):
+    timing = "per forward: compiled one-token step wall time"
+
+    def __init__(self, ctx: Context):
+        from .ar import ARBaseline
+
+        self.ctx = ctx
+        self.C, self.n_new = ctx.model.config.canvas_length, ctx.cfg.max_new_tokens
+        P = ctx.work.max_prompt_len
+        self.ar = ARBaseline(ctx.model, ctx.batch, ctx.max_seq_len or P + max(self.n_new, 4))
+        self.compile_s = self.ar.warmup(P)
+
+    def _on_token(self, i: int) -> None:
+        if i % self.C == 0:
+            self.ctx.rec.block_end()
+
+    def request(self, req):
+        rec = self.ctx.rec
+        seqs = self.ar.generate(req.prompts, self.n_new, self.ctx.eos, timed=rec.timed, on_token=self._on_token)
+        if rec.current is not None and len(rec.current.block_ends) < -(-len(seqs[0]) // self.C):
+            rec.block_end()  # a last partial canvas
+        return seqs, self.ctx.count(seqs), sum(len(s) for s in seqs)
+
+    def finish(self) -> None:
+        ar = self.ar
+        self.ctx.notes.append(f"compile s = prefill-chunk + one-token step units ({ar.compiles} graphs, Inductor "
+                              f"{ar.compile_seconds:.1f} s); greedy, eos {'stops a row' if self.ctx.eos else 'ignored'}")
+        _graph_notes(self.ctx, (ar.step, ar.prefill_unit))
+
+
+def _graph_notes(ctx: Context, units) -> None:
+    """Say, per `CompiledUnit`, whether its CUDA graph replayed or why its capture failed (CUDA only)."""
+    for u in units:
+        if u.graph_error:
+            ctx.notes.append(f"{u.name}: CUDA graph capture failed ({u.graph_error[:200]})")
+        elif u.graph is not None:
+            ctx.notes.append(f"{u.name}: CUDA graph replayed")
+
+
+def _make(system: str, ctx: Context) -> System:
+    if system == "ours-compiled":
+        return OursCompiled(ctx)
+    if system == "ours-eager":
+        return OursEager(ctx)
+    if system in ("hf-eager", "hf-compiled"):
+        return Transformers(ctx, compiled=system == "hf-compiled")
+    return Autoregressive(ctx)
+
+
+def workload_for(spec: models.ModelSpec, wspec: workloads.WorkloadSpec):
+    """(Workload, tokenizer or None): real task prompts and a tokenizer for the demo's adaptive workload."""
+    import dgemma_compile as dg
+    from dgemma_compile.loader import load_configs
+
+    if spec.has_checkpoint:
+        mcfg, gcfg = load_configs(spec.checkpoint)
+    else:
+        mcfg, gcfg = models.full_config(tiny=spec.direct == "full-tiny"), dg.GenerationConfig()
+    tokenizer = dg.load_tokenizer(spec.checkpoint) if spec.name == "demo" and wspec.kind == "adaptive" else None
+    return workloads.build(wspec, mcfg, gcfg, tokenizer=tokenizer, demo_tasks=tokenizer is not None), tokenizer
+
+
+def _counter(group: str, name: str) -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters[group][name])
+
+
+def run(system: str, spec: models.ModelSpec, wspec: workloads.WorkloadSpec, device: str = "cpu",
+        dtype: str | None = None, max_seq_len: int | None = None, budget_s: float | None = None) -> dict:
+    """Run `system` on the workload: build and compile, one untimed warm-up pass, `repeats` timed passes.
+
+    Returns the raw measurement (lists of seconds and counts; `report.py` turns them into medians and ratios).
+    `max_seq_len`: static committed slots of the compiled systems' caches (default: just enough for the workload).
+    `budget_s`: stop after the timed repeat that crosses this many seconds (at least one repeat runs).
+    """
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch._inductor").setLevel(logging.ERROR)
+    dev = torch.device(device)
+    dt = DTYPES[dtype] if dtype else None
+    torch.manual_seed(0)
+    work, tokenizer = workload_for(spec, wspec)
+    clock, mem = Clock(dev), PeakMemory(dev)
+    load = models.load_transformers if system.startswith("hf-") else models.load_ours
+    ctx = Context(model=load(spec, dev, dt), work=work, rec=Recorder(clock), max_seq_len=max_seq_len)
+    rec = ctx.rec
+
+    t0 = time.perf_counter()
+    cache_before = (_counter("inductor", "fxgraph_cache_hit"), _counter("inductor", "fxgraph_cache_miss"))
+    sut = _make(system, ctx)
+    prepare_s = time.perf_counter() - t0
+
+    def run_pass(record: bool):
+        tokens = forwards = 0
+        outs = []
+        for req in work.requests:
+            with rec.request() if record else contextlib.nullcontext():
+                seqs, n_tok, n_fwd = sut.request(req)
+            tokens, forwards = tokens + n_tok, forwards + n_fwd
+            outs.append(seqs)
+        return tokens, forwards, outs
+
+    with sut.install():
+        t1 = time.perf_counter()
+        run_pass(record=False)  # warm-up: excluded
+        warm_s = time.perf_counter() - t1
+        graphs_before = _counter("stats", "unique_graphs")
+        mem.reset()
+        repeat_s: list[float] = []
+        for _ in range(wspec.repeats):
+            t = clock()
+            tokens, forwards, outs = run_pass(record=True)
+            repeat_s.append(clock() - t)
+            if budget_s is not None and sum(repeat_s) > budget_s and len(repeat_s) < wspec.repeats:
+                ctx.notes.append(f"time budget: {len(repeat_s)} of {wspec.repeats} timed repeats")
+                break
+        peak = mem.read_mb()
+        new_graphs = _counter("stats", "unique_graphs") - graphs_before
+    sut.finish()
+    compile_s = sut.compile_s
+    if system == "hf-compiled":
+        compile_s = max(0.0, prepare_s + warm_s - min(repeat_s))
+        ctx.notes.append("compile s = warm-up pass minus the fastest timed pass (transformers compiles lazily)")
+    hits = _counter("inductor", "fxgraph_cache_hit") - cache_before[0]
+    misses = _counter("inductor", "fxgraph_cache_miss") - cache_before[1]
+    if hits or misses:
+        ctx.notes.append(f"Inductor FX graph cache: {hits} hit(s), {misses} miss(es) (hits make compile s smaller)")
+    if new_graphs:
+        ctx.notes.append(f"WARNING: {new_graphs} new graph(s) compiled during the timed passes")
+    if tokenizer is not None:
+        from dgemma_compile.demo.tasks import check
+
+        pairs = [(t, s) for req, seqs in zip(work.requests, outs) for t, s in zip(req.texts or [], seqs)]
+        ctx.extra["accuracy"] = sum(check(t, tokenizer.decode(s, skip_special_tokens=True)) for t, s in pairs) / len(pairs)
+    return dict(
+        system=system, status="ok", device=str(dev), dtype=str(ctx.model.dtype).replace("torch.", ""),
+        timing=sut.timing, step_s=[s for r in rec.requests for s in r.steps],
+        canvas_s=[d for r in rec.requests for d in r.block_durations()],
+        ttfb_s=[r.block_ends[0] - r.start for r in rec.requests if r.block_ends],
+        request_s=[r.end - r.start for r in rec.requests], repeat_s=repeat_s, tokens=tokens, forwards=forwards,
+        compile_s=compile_s, peak_mem_mb=peak, mem_kind=mem.kind, notes=ctx.notes, extra=ctx.extra,
+        threads=torch.get_num_threads(),
+    )

@@ -1,0 +1,146 @@
+"""Clocks, per-request timing records, temporary patches and peak-memory probes shared by every system.
+
+CPU: `time.perf_counter`. CUDA: the clock synchronises the device before reading `perf_counter`, so a mark means
+"everything launched so far has finished" (the generators measured here synchronise with the host every step anyway,
+to test for a finished block).
+Peak memory: CPU resident-set high-water mark (Linux `VmHWM`, reset through /proc/self/clear_refs so that it covers
+only the timed runs; `ru_maxrss` of the whole process when that is unavailable); CUDA `max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Clock:
+    """Wall-clock seconds; on CUDA every reading first waits for the device."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+@dataclass
+class RequestTimes:
+    """Marks of one generate call (seconds from the clock). `steps` are durations of denoise steps (AR: decode
+    forwards); `block_ends` are the instants each block (AR: each canvas' worth of tokens) became final."""
+
+    start: float = 0.0
+    end: float = 0.0
+    first_step: float | None = None
+    steps: list[float] = field(default_factory=list)
+    block_ends: list[float] = field(default_factory=list)
+
+    def block_durations(self) -> list[float]:
+        """Per-canvas wall time: block 0 from its first step, block i > 0 from the end of block i-1 (so it holds the
+        commit of the previous block and its own steps: 17 forwards at 16 steps)."""
+        begin = self.first_step if self.first_step is not None else self.start
+        out, prev = [], begin
+        for t in self.block_ends:
+            out.append(t - prev)
+            prev = t
+        return out
+
+
+class Recorder:
+    """Collects `RequestTimes` of the current request; systems call `step`-wrapped functions and `block_end`."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.requests: list[RequestTimes] = []
+        self.current: RequestTimes | None = None
+
+    @contextlib.contextmanager
+    def request(self):
+        self.current = RequestTimes(start=self.clock())
+        try:
+            yield self.current
+        finally:
+            self.current.end = self.clock()
+            self.requests.append(self.current)
+            self.current = None
+
+    def timed(self, fn):
+        """`fn` wrapped so that each call's duration is appended to the current request's steps."""
+        def wrapper(*args, **kwargs):
+            t0 = self.clock()
+            out = fn(*args, **kwargs)
+            t1 = self.clock()
+            if self.current is not None:
+                if self.current.first_step is None:
+                    self.current.first_step = t0
+                self.current.steps.append(t1 - t0)
+            return out
+        return wrapper
+
+    def block_end(self, *_args) -> None:
+        if self.current is not None:
+            self.current.block_ends.append(self.clock())
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, value):
+    """Temporarily replace attribute `name` of `obj` (a class or an instance)."""
+    had = name in vars(obj)
+    old = vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def p90(xs: list[float]) -> float:
+    """90th percentile, nearest-rank (the value at least 90% of samples do not exceed)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, -(-9 * len(s) // 10) - 1))]
+
+
+class PeakMemory:
+    """Peak memory over a phase: `reset()` before it, `read_mb()` after. `kind` names what is measured."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.kind = "cuda max_memory_allocated" if self.cuda else "RSS high-water (VmHWM)"
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        except OSError:
+            self.kind = "RSS high-water of the whole process (ru_maxrss; could not reset)"
+
+    def read_mb(self) -> float:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
