@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Evaluate a demo DiffusionGemma checkpoint on the held-out task prompts.
 
-Usage: ``python tools/eval_demo_model.py DIR [--n 500] [--seed 0] [--gen KEY=VALUE ...]``
+Usage: ``python tools/eval_demo_model.py DIR [--n 500] [--offset 0] [--seed 0] [--gen KEY=VALUE ...]``
 
 ``DIR`` holds config.json, generation_config.json, model.safetensors and the tokenizer files
 (e.g. ``dgemma_compile/demo/model``). Prompts come from
@@ -169,6 +169,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
     ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--offset", type=int, default=0,
+                    help="skip the first OFFSET held-out prompts (e.g. --offset 500: a validation set for tuning the "
+                         "generation config, disjoint from the 500 reported in the README)")
     ap.add_argument("--seed", type=int, default=0, help="task split seed (must match training)")
     ap.add_argument("--torch-seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
@@ -203,7 +206,7 @@ def main(argv=None):
                 gen_config.sampler_config.entropy_bound = float(v)
             else:
                 setattr(gen_config, k, v)
-    examples = T.make_split("heldout", args.n, args.seed)
+    examples = T.make_split("heldout", args.offset + args.n, args.seed)[args.offset:]
     m = evaluate(model, tokenizer, examples, gen_config, GENERATORS[args.generator], log=print)
     print(format_table(m))
     print(f"\n({m['seconds']:.0f}s, generator={args.generator})")

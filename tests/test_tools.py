@@ -1,0 +1,83 @@
+"""tools/train_demo_model.py at a tiny size: resuming reproduces an uninterrupted run, and the export loads in
+dgemma_compile with transformers' logits."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import dgemma_compile as dg
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def train():
+    return _module("train_demo_model")
+
+
+def test_uneven_add_marks_operands_of_different_digit_counts(train):
+    assert train._uneven_add("add", "add 733+60=")
+    assert train._uneven_add("add", "add 5+123=")
+    assert not train._uneven_add("add", "add 123+456=")
+    assert not train._uneven_add("add", "add 85+82=")
+    assert not train._uneven_add("sort", "sort 3 1 2=")
+
+
+def test_uneven_add_weight_repeats_only_those_items(train, tmp_path):
+    from transformers import AutoTokenizer
+
+    build = _module("build_demo_tokenizer")
+    build.save_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    plain, heavy = train.Buckets(tok, 400, 0), train.Buckets(tok, 400, 0, add_uneven_weight=3)
+    uneven = {i for i, (t, p) in enumerate(zip(plain.tasks, plain.prompts))
+              if train._uneven_add(t, tok.decode(p[1:]))}
+    assert uneven, "the first 400 train examples hold uneven additions"
+    count = lambda b, pick: sum(pick(i) for items in b.items for i, _ in items)  # noqa: E731
+    assert count(heavy, lambda i: i in uneven) == 3 * count(plain, lambda i: i in uneven)
+    assert count(heavy, lambda i: i not in uneven) == count(plain, lambda i: i not in uneven)
+
+
+def _args(run_dir, *extra):
+    return ["--run-dir", str(run_dir), "--size", "small", "--n-train", "400", "--batch-size", "4",
+            "--eval-minutes", "0", "--warmup", "2", "--total-steps", "6", *extra]
+
+
+def test_resumed_training_equals_uninterrupted_and_exports_a_loadable_checkpoint(train, tmp_path):
+    from transformers import DiffusionGemmaForBlockDiffusion
+    from transformers.cache_utils import DynamicCache
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train.main(_args(straight, "--max-steps", "4"))
+    train.main(_args(resumed, "--max-steps", "2"))
+    train.main(_args(resumed, "--max-steps", "4", "--resume"))
+    a = torch.load(straight / "ckpt.pt", weights_only=False)
+    b = torch.load(resumed / "ckpt.pt", weights_only=False)
+    assert a["step"] == b["step"] == 4
+    for name, w in a["model"].items():
+        torch.testing.assert_close(b["model"][name], w, rtol=0, atol=0, msg=name)
+
+    out = tmp_path / "export"
+    train.main(["--run-dir", str(resumed), "--export", str(out), "--from", "last"])
+    ours = dg.load(out)
+    tok = dg.load_tokenizer(out)
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(str(out)).eval()
+    ids = torch.tensor([tok("sort 3 1 2=")["input_ids"]])
+    canvas = torch.randint(0, ours.config.vocab_size, (1, ours.config.canvas_length),
+                           generator=torch.Generator().manual_seed(0))
+    cache = ours.new_cache(1, 64)
+    ours.encode(ids, cache)
+    hf_cache = DynamicCache(config=ref.config.text_config)
+    with torch.no_grad():
+        ref.model.encoder(input_ids=ids, cache=hf_cache)
+        want = ref(decoder_input_ids=canvas, cache=hf_cache).logits
+    torch.testing.assert_close(ours.denoise(canvas, cache), want, atol=1e-4, rtol=0)
