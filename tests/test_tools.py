@@ -24,29 +24,6 @@ def train():
     return _module("train_demo_model")
 
 
-def test_uneven_add_marks_operands_of_different_digit_counts(train):
-    assert train._uneven_add("add", "add 733+60=")
-    assert train._uneven_add("add", "add 5+123=")
-    assert not train._uneven_add("add", "add 123+456=")
-    assert not train._uneven_add("add", "add 85+82=")
-    assert not train._uneven_add("sort", "sort 3 1 2=")
-
-
-def test_uneven_add_weight_repeats_only_those_items(train, tmp_path):
-    from transformers import AutoTokenizer
-
-    build = _module("build_demo_tokenizer")
-    build.save_tokenizer(str(tmp_path))
-    tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    plain, heavy = train.Buckets(tok, 400, 0), train.Buckets(tok, 400, 0, add_uneven_weight=3)
-    uneven = {i for i, (t, p) in enumerate(zip(plain.tasks, plain.prompts))
-              if train._uneven_add(t, tok.decode(p[1:]))}
-    assert uneven, "the first 400 train examples hold uneven additions"
-    count = lambda b, pick: sum(pick(i) for items in b.items for i, _ in items)  # noqa: E731
-    assert count(heavy, lambda i: i in uneven) == 3 * count(plain, lambda i: i in uneven)
-    assert count(heavy, lambda i: i not in uneven) == count(plain, lambda i: i not in uneven)
-
-
 def _args(run_dir, *extra):
     return ["--run-dir", str(run_dir), "--size", "small", "--n-train", "400", "--batch-size", "4",
             "--eval-minutes", "0", "--warmup", "2", "--total-steps", "6", *extra]

@@ -23,10 +23,6 @@ Objective (summed):
   ``lm_head`` + final softcap applied to ``encoder_last_hidden_state``; loss on the targets that
   are answer tokens (including the first answer token, predicted at the ``=``).
 
-Sampling: a batch draws (example, canvas) items uniformly from one length bucket; with
-``--add-uneven-weight W`` the train-split ``add`` examples whose operands have different digit counts
-are drawn W times as often (no new prompts: the train split and the held-out split are unchanged).
-
 Batching: every batch has ONE prefix length (buckets by encoder length), so no padding, masks or
 explicit positions are needed and every row sees exactly what it sees in batch-1 generation
 (the reference derives positions from the cache length and uses the DynamicCache sliding layers,
@@ -159,19 +155,10 @@ def count_params(model):
 # data
 
 
-def _uneven_add(task: str, prompt: str) -> bool:
-    """An ``add`` prompt whose operands have different digit counts (e.g. ``add 733+60=``): about a fifth of the
-    uniform 0..999 draws, and the model's main error mode (misaligned digits) when they are not upweighted."""
-    if task != "add":
-        return False
-    a, b = prompt[len("add "):-1].split("+")
-    return len(a) != len(b)
-
-
 class Buckets:
     """Training items (example, canvas index) grouped by encoder input length."""
 
-    def __init__(self, tokenizer, n_train: int, seed: int, add_uneven_weight: int = 1):
+    def __init__(self, tokenizer, n_train: int, seed: int):
         self.eos, self.pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         vocab = tokenizer.get_vocab()
         self.char_id = {ch: vocab[ch] for ch in T.ALPHABET}
@@ -186,9 +173,8 @@ class Buckets:
             self.answers.append(a)
             self.tasks.append(task)
             n_canvases = len(a) // CANVAS + 1  # the canvas holding the eos is the last one
-            copies = add_uneven_weight if _uneven_add(task, prompt) else 1
             for k in range(n_canvases):
-                by_len.setdefault(len(p) + k * CANVAS, []).extend([(i, k)] * copies)
+                by_len.setdefault(len(p) + k * CANVAS, []).append((i, k))
         self.lengths = sorted(by_len)
         self.items = [by_len[L] for L in self.lengths]
         self.weights = [len(x) for x in self.items]
@@ -360,9 +346,6 @@ def main(argv=None):
     ap.add_argument("--t-min", type=float, default=0.4)
     ap.add_argument("--t-max", type=float, default=0.8)
     ap.add_argument("--n-train", type=int, default=T.DEFAULT_TRAIN_N)
-    ap.add_argument("--add-uneven-weight", type=int, default=1,
-                    help="sample train-split add examples whose operands differ in digit count this many times as "
-                         "often (the train split itself is unchanged)")
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
@@ -410,7 +393,7 @@ def main(argv=None):
         # keep the run's hyperparameters; the budget / logging flags of this invocation win, and so
         # does an explicitly given --total-steps / --lr (a new schedule for the continuation)
         own = {"minutes", "max_steps", "eval_minutes", "eval_n", "ckpt_minutes", "threads", "log_every", "run_dir", "resume", "experts"}
-        for k in ("total_steps", "lr", "add_uneven_weight"):
+        for k in ("total_steps", "lr"):
             if getattr(args, k) != ap.get_default(k):
                 own.add(k)
         merged = vars(args).copy()
@@ -461,7 +444,7 @@ def main(argv=None):
     log(f"params: text {text_p / 1e6:.2f}M, total incl. vision {total_p / 1e6:.2f}M; vocab {len(tokenizer)}")
 
     t_data = time.time()
-    data = Buckets(tokenizer, args.n_train, args.data_seed, getattr(args, "add_uneven_weight", 1))
+    data = Buckets(tokenizer, args.n_train, args.data_seed)
     # model selection on a validation slice of the held-out stream: prompts [500, 500 + eval_n), disjoint from the
     # first 500 that the README's table reports (eval_demo_model.py --offset 500 is the same slice)
     heldout = T.make_split("heldout", VALIDATION_OFFSET + args.eval_n, args.data_seed, train_n=args.n_train)

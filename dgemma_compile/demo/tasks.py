@@ -11,7 +11,15 @@ Tasks and formats (``prompt`` -> ``answer``):
   (answers of 9+ items are 17..23 characters, so with the 16-token canvas they span two canvases)
 - ``dedup``: ``dedup 3 1 3 2=``     -> ``3 1 2``        2..12 digits drawn from a random pool of
   2..6 distinct digits; keep the first occurrence of each digit, in order
-- ``add``:   ``add 123+45=``        -> ``168``          two numbers 0..999 (no leading zeros), decimal sum
+- ``add``:   ``add 123+045=``       -> ``168``          two numbers 0..999 written with three digits
+  (zero-padded), decimal sum without leading zeros
+
+Why zero-padded operands: the denoiser reads the prompt from canvas positions at fixed distances
+before the answer, so with three-digit operands every digit of both numbers sits at a fixed offset.
+Trained on unpadded operands, the 2.3 M demo model (4 layers) learned exactly that shortcut and got
+nearly every sum with a one- or two-digit second operand wrong (1-2 of 40 train-split prompts of
+each such shape, even with those drawn 8x as often), while the same weights answered the padded
+form of those prompts right.
 
 ``check(prompt, completion)`` recomputes the answer from the prompt and compares it with the
 completion after stripping whitespace on both sides.
@@ -65,7 +73,7 @@ def sample(task: str, rng: random.Random) -> tuple[str, str]:
         return f"dedup {' '.join(xs)}=", " ".join(dict.fromkeys(xs))
     if task == "add":
         a, b = rng.randint(0, 999), rng.randint(0, 999)
-        return f"add {a}+{b}=", str(a + b)
+        return f"add {a:03d}+{b:03d}=", str(a + b)
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
 
 
