@@ -29,6 +29,22 @@ def _args(run_dir, *extra):
             "--eval-minutes", "0", "--warmup", "2", "--total-steps", "6", *extra]
 
 
+def test_validation_split_is_the_held_out_stream_after_the_test_prompts(train):
+    from dgemma_compile.demo import tasks
+
+    assert train.validation_split(6, 0, 400) == tasks.make_split("heldout", 506, 0, train_n=400)[500:]
+
+
+def test_periodic_eval_scores_validation_prompts_and_keeps_the_best(train, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(train, "run_eval", lambda model, tok, examples, log: seen.append(examples) or
+                        {"overall": 0.5, "tokens_per_forward": 1.0, "exact": {}})
+    train.main(_args(tmp_path, "--max-steps", "2", "--eval-minutes", "1e-9", "--eval-n", "4"))
+    assert seen and all(ex == train.validation_split(4, 0, 400) for ex in seen)
+    best = torch.load(tmp_path / "best.pt", weights_only=False)
+    assert best["eval"]["overall"] == 0.5 and best["step"] == 1
+
+
 def test_resumed_training_equals_uninterrupted_and_exports_a_loadable_checkpoint(train, tmp_path):
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.cache_utils import DynamicCache

@@ -4,8 +4,10 @@
 Usage: ``python tools/eval_demo_model.py DIR [--n 500] [--offset 0] [--seed 0] [--gen KEY=VALUE ...]``
 
 ``DIR`` holds config.json, generation_config.json, model.safetensors and the tokenizer files
-(e.g. ``dgemma_compile/demo/model``). Prompts come from
-``dgemma_compile.demo.tasks.make_split("heldout", n, seed)``; each is tokenized with the
+(e.g. ``dgemma_compile/demo/model``). Prompts are the held-out examples ``[offset, offset + n)``:
+``dgemma_compile.demo.tasks.make_split("heldout", n, seed, offset=offset)`` (offset 0: the test set of the
+README's table; ``--offset 500`` = ``tasks.VALIDATION_OFFSET``: the validation prompts that checkpoints and
+generation settings are chosen on; both assume the default train split size); each is tokenized with the
 checkpoint's tokenizer (``[bos] + chars``) and completed one at a time.
 
 Prints a markdown table: exact match per task and overall, mean denoising steps per block,
@@ -135,13 +137,13 @@ def evaluate(model, tokenizer, examples, gen_config, generator: Callable = trans
     }
 
 
-def format_table(m) -> str:
+def format_table(m, offset: int = 0) -> str:
     rows = ["| metric | value |", "|---|---|"]
     for task in T.TASKS:
         if task in m["exact"]:
             rows.append(f"| exact match `{task}` | {100 * m['exact'][task]:.1f}% |")
     rows += [
-        f"| exact match overall (n={m['n']}) | {100 * m['overall']:.1f}% |",
+        f"| exact match overall (n={m['n']}, held-out {offset}-{offset + m['n'] - 1}) | {100 * m['overall']:.1f}% |",
         f"| mean denoise steps per block | {m['steps_per_block']:.2f} |",
         f"| tokens per forward | {m['tokens_per_forward']:.2f} |",
         f"| blocks stopped before step limit | {100 * m['early_stop_share']:.1f}% ({m['blocks']} blocks) |",
@@ -170,8 +172,7 @@ def main(argv=None):
     ap.add_argument("model_dir")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--offset", type=int, default=0,
-                    help="skip the first OFFSET held-out prompts (e.g. --offset 500: a validation set for tuning the "
-                         "generation config, disjoint from the 500 reported in the README)")
+                    help="first held-out prompt (0: the README's test set; 500: the validation prompts)")
     ap.add_argument("--seed", type=int, default=0, help="task split seed (must match training)")
     ap.add_argument("--torch-seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
@@ -206,9 +207,9 @@ def main(argv=None):
                 gen_config.sampler_config.entropy_bound = float(v)
             else:
                 setattr(gen_config, k, v)
-    examples = T.make_split("heldout", args.offset + args.n, args.seed)[args.offset:]
+    examples = T.make_split("heldout", args.n, args.seed, offset=args.offset)
     m = evaluate(model, tokenizer, examples, gen_config, GENERATORS[args.generator], log=print)
-    print(format_table(m))
+    print(format_table(m, args.offset))
     print(f"\n({m['seconds']:.0f}s, generator={args.generator})")
     if args.show:
         for p, c, ok in m["samples"]:

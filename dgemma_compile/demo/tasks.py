@@ -11,15 +11,13 @@ Tasks and formats (``prompt`` -> ``answer``):
   (answers of 9+ items are 17..23 characters, so with the 16-token canvas they span two canvases)
 - ``dedup``: ``dedup 3 1 3 2=``     -> ``3 1 2``        2..12 digits drawn from a random pool of
   2..6 distinct digits; keep the first occurrence of each digit, in order
-- ``add``:   ``add 123+045=``       -> ``168``          two numbers 0..999 written with three digits
-  (zero-padded), decimal sum without leading zeros
+- ``add``:   ``add 123+045=``       -> ``0168``         two numbers 0..999 written with three digits,
+  their decimal sum with four (both zero-padded)
 
-Why zero-padded operands: the denoiser reads the prompt from canvas positions at fixed distances
-before the answer, so with three-digit operands every digit of both numbers sits at a fixed offset.
-Trained on unpadded operands, the 2.3 M demo model (4 layers) learned exactly that shortcut and got
-nearly every sum with a one- or two-digit second operand wrong (1-2 of 40 train-split prompts of
-each such shape, even with those drawn 8x as often), while the same weights answered the padded
-form of those prompts right.
+Why fixed widths: the 2.3 M demo model reads the prompt from canvas positions at fixed distances
+before the answer, and writes digit places at fixed canvas positions. With unpadded numbers it was
+right on sums of two three-digit numbers but wrong on nearly every sum whose second operand, or
+whose result, had fewer digits (rare in uniform draws: about 10% and 0.5% of them).
 
 ``check(prompt, completion)`` recomputes the answer from the prompt and compares it with the
 completion after stripping whitespace on both sides.
@@ -27,7 +25,10 @@ completion after stripping whitespace on both sides.
 Splits: ``make_split("train", n, seed)`` and ``make_split("heldout", n, seed)`` draw from different
 seed streams; the held-out split never contains a prompt of the train split
 ``make_split("train", train_n, seed)`` (``train_n`` defaults to ``DEFAULT_TRAIN_N``). Tasks are
-interleaved round-robin, so every split is balanced across tasks.
+interleaved round-robin, so every split is balanced across tasks. The held-out stream is used in two
+parts: prompts ``[0, 500)`` are the test set (the README's table), prompts from
+``VALIDATION_OFFSET = 500`` on are for choosing checkpoints and generation settings
+(``make_split("heldout", n, seed, offset=VALIDATION_OFFSET)``).
 """
 
 from __future__ import annotations
@@ -41,12 +42,14 @@ ALPHABET: str = "0123456789 =+" + "".join(sorted(set("".join(TASKS))))
 
 SEPARATOR = "="
 DEFAULT_TRAIN_N = 400_000
+VALIDATION_OFFSET = 500
 
 __all__ = [
     "TASKS",
     "ALPHABET",
     "SEPARATOR",
     "DEFAULT_TRAIN_N",
+    "VALIDATION_OFFSET",
     "sample",
     "answer",
     "check",
@@ -73,7 +76,7 @@ def sample(task: str, rng: random.Random) -> tuple[str, str]:
         return f"dedup {' '.join(xs)}=", " ".join(dict.fromkeys(xs))
     if task == "add":
         a, b = rng.randint(0, 999), rng.randint(0, 999)
-        return f"add {a:03d}+{b:03d}=", str(a + b)
+        return f"add {a:03d}+{b:03d}=", f"{a + b:04d}"
     raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
 
 
@@ -90,7 +93,7 @@ def answer(prompt: str) -> str:
     task, _, body = p[:-1].partition(" ")
     if task == "add":
         a, b = body.split("+")
-        return str(int(a) + int(b))
+        return f"{int(a) + int(b):04d}"
     xs = body.split()
     if task == "sort":
         return " ".join(sorted(xs))
@@ -120,12 +123,19 @@ def make_split(
     seed: int = 0,
     *,
     train_n: int = DEFAULT_TRAIN_N,
+    offset: int = 0,
 ) -> list[tuple[str, str, str]]:
     """``n`` examples ``(task, prompt, answer)`` of split ``name`` ("train" or "heldout").
 
     Tasks cycle round-robin. "heldout" uses its own seed stream, has no duplicate prompts and
-    excludes every prompt of ``make_split("train", train_n, seed)``.
+    excludes every prompt of ``make_split("train", train_n, seed)``; it returns the stream's
+    examples ``[offset, offset + n)``, so slices with different offsets never share a prompt.
+    Raises ``ValueError`` for another split name or a negative ``n`` / ``offset``.
     """
+    if n < 0 or offset < 0:
+        raise ValueError(f"n and offset must be >= 0, got n={n}, offset={offset}")
+    if offset and name != "heldout":
+        raise ValueError("offset applies to the 'heldout' split only")
     if name == "train":
         rng = _stream("train", seed)
         out = []
@@ -139,7 +149,7 @@ def make_split(
         rng = _stream("heldout", seed)
         out, seen = [], set()
         i = 0
-        while len(out) < n:
+        while len(out) < offset + n:
             task = TASKS[i % len(TASKS)]
             for _ in range(10_000):
                 prompt, ans = sample(task, rng)
@@ -150,5 +160,5 @@ def make_split(
             seen.add(prompt)
             out.append((task, prompt, ans))
             i += 1
-        return out
+        return out[offset:]
     raise ValueError(f"split must be 'train' or 'heldout', got {name!r}")
