@@ -14,10 +14,11 @@ Tasks and formats (``prompt`` -> ``answer``):
 - ``add``:   ``add 123+045=``       -> ``0168``         two numbers 0..999 written with three digits,
   their decimal sum with four (both zero-padded)
 
-Why fixed widths: the 2.3 M demo model reads the prompt from canvas positions at fixed distances
-before the answer, and writes digit places at fixed canvas positions. With unpadded numbers it was
-right on sums of two three-digit numbers but wrong on nearly every sum whose second operand, or
-whose result, had fewer digits (rare in uniform draws: about 10% and 0.5% of them).
+Why fixed widths: trained on unpadded numbers, the 2.3 M demo model was right on sums of two
+three-digit numbers but wrong on nearly every sum whose second operand or result had fewer digits
+(about 10% and 0.5% of uniform draws), while it answered the padded form of the same operands. It
+appears to read digits at fixed distances before the answer and to write digit places at fixed
+canvas positions; fixed widths make both hold for every prompt.
 
 ``check(prompt, completion)`` recomputes the answer from the prompt and compares it with the
 completion after stripping whitespace on both sides.
