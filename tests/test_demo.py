@@ -59,7 +59,7 @@ def test_demo_compiled_tokens_equal_eager(demo):
 
 def test_demo_answers_held_out_prompts(demo):
     """The first held-out prompts of every task, in one batch: the end-to-end accuracy signal. The shipped checkpoint
-    answers 99.6% of 500 held-out prompts (README), so any broken layer, mask or sampler shows up here."""
+    answers all 500 held-out test prompts (README), so any broken layer, mask or sampler shows up here."""
     model, tok = demo
     examples = tasks.make_split("heldout", 12, seed=0)
     out = dg.generate(model, [tok(p)["input_ids"] for _, p, _ in examples], seed=0)
@@ -70,8 +70,8 @@ def test_demo_answers_held_out_prompts(demo):
 
 
 def test_demo_adds_numbers_at_the_edges_of_the_format(demo):
-    """Sums the uniform draw rarely makes (results below 10 and 100, carries into the fourth digit), which the model got
-    wrong before the sum became fixed-width (tasks.py)."""
+    """Sums at the edges of the fixed-width format: results below 10 and 100 (rare in the uniform draw, and wrong before
+    the sum became fixed-width, tasks.py), zero, the largest sum, carries into the fourth digit."""
     model, tok = demo
     prompts = ["add 000+000=", "add 005+007=", "add 041+038=", "add 999+999=", "add 500+500=", "add 009+991="]
     out = dg.generate(model, [tok(p)["input_ids"] for p in prompts], seed=0)

@@ -17,8 +17,8 @@ def test_sampled_answers_match_an_independent_computation(task):
         body = prompt[len(task) + 1:-1]
         if task == "add":
             a, b = body.split("+")
-            assert len(a) == len(b) == 3 and len(ans) == 4, "operands and sum are zero-padded to 3 and 4 digits"
-            assert int(ans) == int(a) + int(b)
+            assert len(a) == len(b) == 3 and a.isdigit() and b.isdigit(), "operands are zero-padded to 3 digits"
+            assert ans == "%04d" % (int(a) + int(b)), "the sum is zero-padded to 4 digits"
         else:
             xs = [int(x) for x in body.split(" ")]
             want = {"sort": sorted(xs), "rev": xs[::-1], "dedup": [x for i, x in enumerate(xs) if x not in xs[:i]]}
@@ -27,9 +27,12 @@ def test_sampled_answers_match_an_independent_computation(task):
         assert not tasks.check(prompt, ans + "0")
 
 
-def test_check_rejects_malformed_prompts_instead_of_raising():
-    assert not tasks.check("sort 1 2", "1 2")
-    assert not tasks.check("mul 2+3=", "6")
+@pytest.mark.parametrize("prompt", ["sort 1 2", "mul 2+3=", "add 5+7=", "add -05+003=", "add 1_0+002=",
+                                    "add 999+0001=", "sort=", "sort 12 3=", "rev 1  2=", "dedup 1 x="])
+def test_malformed_prompts_have_no_answer_and_check_false(prompt):
+    with pytest.raises(ValueError, match="not a prompt of the task suite"):
+        tasks.answer(prompt)
+    assert not tasks.check(prompt, "")
 
 
 def test_heldout_split_is_disjoint_from_train_balanced_and_prefix_stable():
@@ -53,8 +56,10 @@ def test_validation_prompts_follow_the_test_prompts():
     assert not {p for _, p, _ in test} & {p for _, p, _ in val}
 
 
-@pytest.mark.parametrize("kwargs", [dict(name="heldout", n=-1), dict(name="heldout", n=1, offset=-1),
-                                    dict(name="train", n=1, offset=3), dict(name="dev", n=1)])
-def test_make_split_rejects_bad_arguments(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs, message", [(dict(name="heldout", n=-1), "n and offset must be >= 0"),
+                                             (dict(name="heldout", n=1, offset=-1), "n and offset must be >= 0"),
+                                             (dict(name="train", n=1, offset=3), "offset applies to the 'heldout'"),
+                                             (dict(name="dev", n=1, offset=2), "split must be 'train' or 'heldout'")])
+def test_make_split_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         tasks.make_split(**kwargs)

@@ -74,3 +74,36 @@ def test_resumed_training_equals_uninterrupted_and_exports_a_loadable_checkpoint
         ref.model.encoder(input_ids=ids, cache=hf_cache)
         want = ref(decoder_input_ids=canvas, cache=hf_cache).logits
     torch.testing.assert_close(ours.denoise(canvas, cache), want, atol=1e-4, rtol=0)
+
+
+def _schedule(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"lr": 1e-3, "min_lr_frac": 0.1, "warmup": 10, "total_steps": 110, "restart_at": 0,
+                                 **kw})
+
+
+def test_lr_schedule_warms_up_decays_to_its_floor_and_restarts(train):
+    import math
+
+    a = _schedule()
+    assert math.isclose(train.lr_at(0, a), 1e-4) and math.isclose(train.lr_at(9, a), 1e-3)
+    assert math.isclose(train.lr_at(60, a), 1e-3 * (0.1 + 0.9 * 0.5))  # half-way through the cosine
+    assert math.isclose(train.lr_at(110, a), 1e-4) and math.isclose(train.lr_at(500, a), 1e-4)
+    b = _schedule(restart_at=1000)
+    assert [train.lr_at(1000 + s, b) for s in (0, 9, 60, 110)] == [train.lr_at(s, a) for s in (0, 9, 60, 110)]
+    with pytest.raises(ValueError, match="before restart_at"):
+        train.lr_at(999, b)
+
+
+def test_resume_keeps_the_runs_schedule_unless_a_flag_is_given(train, tmp_path):
+    train.main(_args(tmp_path, "--max-steps", "2", "--lr", "1e-3"))
+    resume = ["--run-dir", str(tmp_path), "--resume", "--eval-minutes", "0"]
+    train.main(resume + ["--max-steps", "3", "--restart-at", "2", "--total-steps", "4"])
+    train.main(resume + ["--max-steps", "4"])
+    ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert ck["step"] == 4
+    assert {k: ck["args"][k] for k in train.SCHEDULE} == dict(lr=1e-3, min_lr_frac=0.05, warmup=2, total_steps=4,
+                                                              restart_at=2)
+    with pytest.raises(SystemExit):  # restarting the schedule ahead of the checkpoint
+        train.main(resume + ["--max-steps", "5", "--restart-at", "9"])

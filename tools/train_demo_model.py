@@ -36,6 +36,13 @@ Commands::
     python tools/train_demo_model.py --minutes 140               # new run in /work/train_runs/demo
     python tools/train_demo_model.py --resume --minutes 120       # continue the last checkpoint
     python tools/train_demo_model.py --export dgemma_compile/demo/model [--from best|last]
+
+The shipped model (26,870 steps, about 3.6 hours of one core): a run with ``--total-steps 24000`` (its other
+flags the defaults) resumed several times, with the ``add`` format of the time: unpadded until step 21,427, operands
+zero-padded until 24,370 (``dgemma_compile/demo/tasks.py`` at commits 9e20e72 and ff29834), then
+``--resume --restart-at 24370 --lr 5e-4 --total-steps 2500 --max-steps 26870`` on today's fixed-width format. Those
+earlier formats exist only in git history, so an exact re-run checks out those revisions for its first two phases;
+a fresh run on today's format is ``--total-steps 24000 --minutes 200`` (not run as such).
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ from dgemma_compile.demo import tasks as T
 
 DEFAULT_RUN_DIR = "/work/train_runs/demo"
 CANVAS = 16
+# learning-rate schedule defaults (lr_at); on --resume a run keeps its own values unless a flag is given
+SCHEDULE = {"lr": 2e-3, "min_lr_frac": 0.05, "warmup": 300, "total_steps": 20000, "restart_at": 0}
 
 # Generation settings shipped with the model (tuned for this model; see eval_demo_model.py).
 GENERATION_CONFIG = {
@@ -255,9 +264,11 @@ def validation_split(n: int, seed: int, train_n: int):
 
 
 def lr_at(step: int, args) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_frac * lr`` at ``total_steps``; with ``--restart-at S`` the
-    schedule (warm-up included) starts over at global step S."""
-    step -= getattr(args, "restart_at", 0) or 0
+    """Linear warm-up, then cosine decay to ``min_lr_frac * lr`` at ``total_steps``, then constant; with
+    ``--restart-at S`` the schedule (warm-up included) starts over at global step S (steps counted from S)."""
+    step -= args.restart_at
+    if step < 0:
+        raise ValueError(f"step {step + args.restart_at} is before restart_at={args.restart_at}")
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     frac = min(1.0, (step - args.warmup) / max(1, args.total_steps - args.warmup))
@@ -342,12 +353,16 @@ def main(argv=None):
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this global step")
     ap.add_argument("--size", default="base")
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--min-lr-frac", type=float, default=0.05)
-    ap.add_argument("--warmup", type=int, default=300)
-    ap.add_argument("--total-steps", type=int, default=20000, help="length of the cosine schedule")
-    ap.add_argument("--restart-at", type=int, default=0,
-                    help="start the schedule over at this global step (fine-tuning a resumed run)")
+    # schedule flags default to None: on --resume, the ones given explicitly replace the run's (see SCHEDULE)
+    ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {SCHEDULE['lr']})")
+    ap.add_argument("--min-lr-frac", type=float, default=None, help=f"default {SCHEDULE['min_lr_frac']}")
+    ap.add_argument("--warmup", type=int, default=None, help=f"warm-up steps (default {SCHEDULE['warmup']})")
+    ap.add_argument("--total-steps", type=int, default=None,
+                    help=f"where the cosine ends: a global step, or with --restart-at S the schedule's length after S "
+                         f"(default {SCHEDULE['total_steps']})")
+    ap.add_argument("--restart-at", type=int, default=None,
+                    help="start the schedule (warm-up included) over at this global step, to fine-tune a resumed run; "
+                         "must not be ahead of the checkpoint's step")
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--enc-weight", type=float, default=0.5)
     ap.add_argument("--p-full-noise", type=float, default=0.1)
@@ -402,12 +417,17 @@ def main(argv=None):
         # keep the run's hyperparameters; the budget / logging flags of this invocation win, and so
         # does an explicitly given --total-steps / --lr (a new schedule for the continuation)
         own = {"minutes", "max_steps", "eval_minutes", "eval_n", "ckpt_minutes", "threads", "log_every", "run_dir", "resume", "experts"}
-        for k in ("total_steps", "lr", "restart_at"):
-            if getattr(args, k) != ap.get_default(k):
-                own.add(k)
+        own |= {k for k in SCHEDULE if getattr(args, k) is not None}
         merged = vars(args).copy()
         merged.update({k: v for k, v in resume["args"].items() if k not in own})
         args = argparse.Namespace(**merged)
+    for k, v in SCHEDULE.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    start_step = resume["step"] if resume is not None else 0
+    if args.restart_at > start_step:
+        ap.error(f"--restart-at {args.restart_at} is ahead of the starting step {start_step}: the learning rate would "
+                 "be computed for negative steps")
 
     if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         from build_demo_tokenizer import save_tokenizer

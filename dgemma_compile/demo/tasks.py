@@ -35,6 +35,7 @@ parts: prompts ``[0, 500)`` are the test set (the README's table), prompts from
 from __future__ import annotations
 
 import random
+import re
 
 TASKS: tuple[str, ...] = ("sort", "rev", "dedup", "add")
 
@@ -86,23 +87,22 @@ def task_of(prompt: str) -> str:
     return prompt.strip().split(" ", 1)[0]
 
 
+_ADD = re.compile(r"add (\d{3})\+(\d{3})=")
+_LIST = re.compile(r"(sort|rev|dedup) (\d(?: \d)*)=")
+
+
 def answer(prompt: str) -> str:
-    """The exact answer of a prompt, recomputed from the prompt text."""
+    """The exact answer of a prompt, recomputed from the prompt text (surrounding whitespace ignored).
+
+    Raises ``ValueError`` for anything but a prompt in the suite's format (e.g. ``add 5+7=``, ``sort 12 3=``).
+    """
     p = prompt.strip()
-    if not p.endswith(SEPARATOR):
-        raise ValueError(f"prompt must end with {SEPARATOR!r}: {prompt!r}")
-    task, _, body = p[:-1].partition(" ")
-    if task == "add":
-        a, b = body.split("+")
-        return f"{int(a) + int(b):04d}"
-    xs = body.split()
-    if task == "sort":
-        return " ".join(sorted(xs))
-    if task == "rev":
-        return " ".join(reversed(xs))
-    if task == "dedup":
-        return " ".join(dict.fromkeys(xs))
-    raise ValueError(f"unknown task {task!r} in prompt {prompt!r}")
+    if m := _ADD.fullmatch(p):
+        return f"{int(m[1]) + int(m[2]):04d}"
+    if m := _LIST.fullmatch(p):
+        xs = m[2].split(" ")
+        return " ".join({"sort": sorted(xs), "rev": xs[::-1], "dedup": list(dict.fromkeys(xs))}[m[1]])
+    raise ValueError(f"not a prompt of the task suite ({', '.join(TASKS)}; see demo/tasks.py): {prompt!r}")
 
 
 def check(prompt: str, completion: str) -> bool:
@@ -130,9 +130,12 @@ def make_split(
 
     Tasks cycle round-robin. "heldout" uses its own seed stream, has no duplicate prompts and
     excludes every prompt of ``make_split("train", train_n, seed)``; it returns the stream's
-    examples ``[offset, offset + n)``, so slices with different offsets never share a prompt.
-    Raises ``ValueError`` for another split name or a negative ``n`` / ``offset``.
+    examples ``[offset, offset + n)``, so non-overlapping slices never share a prompt.
+    Raises ``ValueError`` for an unknown split name, a negative ``n`` or ``offset``, or an
+    ``offset`` with the "train" split.
     """
+    if name not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {name!r}")
     if n < 0 or offset < 0:
         raise ValueError(f"n and offset must be >= 0, got n={n}, offset={offset}")
     if offset and name != "heldout":
@@ -162,4 +165,3 @@ def make_split(
             out.append((task, prompt, ans))
             i += 1
         return out[offset:]
-    raise ValueError(f"split must be 'train' or 'heldout', got {name!r}")
