@@ -15,6 +15,7 @@ bound method); blocks are marked by `on_block` (ours), the streamer's `put` (tra
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import time
@@ -61,7 +62,7 @@ class Context:
         return sum(t != self.cfg.pad_token_id for s in sequences for t in s)
 
 
-class System:
+class System(abc.ABC):
     """Prepared in `__init__` (compile there; `compile_s` set), timed inside `install()`; `request(req)` runs one
     generate call and returns (sequences, tokens, decoder forwards summed over rows); `finish()` adds notes."""
 
@@ -71,8 +72,9 @@ class System:
     def install(self):
         return contextlib.nullcontext()
 
+    @abc.abstractmethod
     def request(self, req: workloads.Request):
-        raise NotImplementedError
+        """Run one generate call: (sequences, generated tokens, decoder forwards summed over rows)."""
 
     def finish(self) -> None:
         pass
@@ -82,8 +84,9 @@ class _Ours(System):
     def __init__(self, ctx: Context):
         self.ctx = ctx
 
+    @abc.abstractmethod
     def _generate(self, *args, **kwargs):
-        raise NotImplementedError
+        """`generate` with the library's signature (eager function or compiled generator)."""
 
     def request(self, req):
         out = self._generate(req.prompts, self.ctx.cfg, seed=req.seeds, on_block=self.ctx.rec.block_end)

@@ -349,7 +349,8 @@ class DiffusionGemma(nn.Module):
     def _check_ids(self, ids: torch.Tensor, cache: KVCache, name: str) -> tuple[int, int]:
         self._check_cache(cache)
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{name} must be an integer tensor [B, T], got {tuple(ids.shape)} {ids.dtype}")
+            got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"{name} must be an integer tensor [B, T], got {got}")
         B, T = ids.shape
         if B != cache.batch_size:
             raise ValueError(f"{name} has batch {B} but the cache was made for batch {cache.batch_size}")
