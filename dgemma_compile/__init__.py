@@ -2,7 +2,7 @@
 
 Low-level API: `load(path)` -> model; `model.new_cache(B, S)`; `model.encode(ids, cache)`;
 `model.denoise(canvas, cache, self_conditioning_logits)`; `generate(model, prompts, config, seed=...)`;
-`build(model)` -> compiled generator with the same `generate`.
+`build(model)` -> compiled generator with the same `generate`; `Observer` for per-step and per-unit timings.
 """
 
 from .compile import CompiledGenerator, CompileOptions, build
@@ -11,8 +11,10 @@ from .generate import GenerationOutput, RequestStats, generate
 from .kv_cache import CacheFullError, KVCache
 from .loader import CheckpointError, load, load_tokenizer
 from .model import DiffusionGemma
+from .observe import Observer
 
 __all__ = [
-    "CacheFullError", "CheckpointError", "CompileOptions", "CompiledGenerator", "ConfigError", "DiffusionGemma", "GenerationConfig", "GenerationOutput",
-    "KVCache", "ModelConfig", "RequestStats", "build", "generate", "load", "load_tokenizer",
+    "CacheFullError", "CheckpointError", "CompileOptions", "CompiledGenerator", "ConfigError", "DiffusionGemma",
+    "GenerationConfig", "GenerationOutput", "KVCache", "ModelConfig", "Observer", "RequestStats", "build", "generate",
+    "load", "load_tokenizer",
 ]

@@ -13,14 +13,16 @@ encoder pass, eos -> pad. Two deliberate differences, each tested:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .config import ConfigError, GenerationConfig
 from .model import DiffusionGemma
-from .sampler import BlockState, StepNoise, denoise_update, start_canvas, step_noise, temperature
+from .observe import STEP, Observer, SpanTimer
+from .sampler import start_canvas, step_noise, temperature
+from .steps import EagerSteps, StepRunner, prefill
 
 
 @dataclass
@@ -30,7 +32,7 @@ class RequestStats:
 
     num_tokens: int = 0
     steps_per_block: list[int] = field(default_factory=list)
-    finish_reason: str = "length"  # "eos" or "length"
+    finish_reason: str = "length"  # "eos", "length" or "stop" (the stop hook ended the request)
 
     @property
     def blocks(self) -> int:
@@ -55,6 +57,15 @@ class GenerationOutput:
 
 
 BlockCallback = Callable[[int, list[list[int]]], None]
+"""on_block(block, new_tokens): after block `block` (0-based, counted per request) is final; new_tokens[i] holds the
+token ids request i gained from it (empty for requests already done). i is the request's index in the call."""
+
+StopHook = Callable[[int, list[list[int]]], Iterable[int]]
+"""stop(block, new_tokens) -> indices of requests to end now, called right after `on_block` with the same arguments
+(e.g. a stop string seen in the request's text). An ended request gets finish_reason "stop"; its sequence ends with
+the block that triggered it (the caller trims text it does not want) and no further block is denoised for it.
+The hook's verdict wins over eos or the budget ending the request in the same block; indices of requests done in an
+earlier block are ignored; an index outside the call raises ValueError."""
 
 
 def validate_prompts(model: DiffusionGemma, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -87,43 +98,6 @@ def _seeds(seed: int | Sequence[int], n: int) -> list[int]:
     return seeds
 
 
-class EagerSteps:
-    """The reference step functions: the model's checked public passes and `sampler.denoise_update`, uncompiled.
-
-    The block loop (`run_block_diffusion`) drives any object with these methods; `compile.CompiledSteps` is the
-    compiled one. Tensors are [R, ...] for the R requests of the call.
-    """
-
-    def __init__(self, model: DiffusionGemma, cfg: GenerationConfig, rows: int, max_seq_len: int):
-        self.model, self.cfg = model, cfg
-        self.cache = model.new_cache(rows, max_seq_len)
-
-    def prefill(self, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
-        self.model.encode(input_ids_RT, self.cache, lengths_R)
-
-    def begin_block(self, canvas_RC: torch.Tensor, frozen_R: torch.Tensor) -> None:
-        self.state = BlockState.start(canvas_RC, frozen_R, self.cfg.stability_threshold)
-        self.steps = torch.zeros_like(frozen_R, dtype=torch.long)
-        self.sc_logits = None
-
-    def step(self, temperature_: float, noise: StepNoise) -> torch.Tensor:
-        """One denoise step; returns the finished flags [R]."""
-        cfg = self.cfg
-        self.steps += ~self.state.finished
-        logits = self.model.denoise(self.state.canvas, self.cache, self.sc_logits)
-        self.state, scaled = denoise_update(self.state, logits, temperature_, noise, entropy_bound=cfg.entropy_bound,
-                                            confidence_threshold=cfg.confidence_threshold, stop_early=cfg.stop_early)
-        self.sc_logits = scaled.to(self.model.dtype)
-        return self.state.finished
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(argmax canvas [R, C], decoder passes of this block [R])."""
-        return self.state.argmax, self.steps
-
-    def commit(self, tokens_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
-        self.model.encode(tokens_RC, self.cache, n_new_R)
-
-
 def plan(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: GenerationConfig | None,
          seed: int | Sequence[int]) -> tuple[GenerationConfig, list[list[int]], list[int], int]:
     """Resolve and validate a request batch: (config, prompts, seeds, committed slots needed per row)."""
@@ -138,7 +112,8 @@ def plan(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: Genera
 
 @torch.no_grad()
 def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
-             seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None) -> GenerationOutput:
+             seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
+             observer: Observer | None = None) -> GenerationOutput:
     """Generate continuations of `prompts` (lists of token ids) by block diffusion, eagerly.
 
     Args:
@@ -147,46 +122,63 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: Ge
         config: generation parameters; default `model.generation_config` (or the reference defaults).
         seed: one seed for every request, or one per request. A request's output depends only on its prompt, its
             seed and the config.
-        on_block: called after each committed block with (block index, per-request newly final token ids).
+        on_block: called after each finalised block (see `BlockCallback`).
+        stop: per-request host stop hook, called after each finalised block (see `StopHook`).
+        observer: receives per-step timings (`observe.Observer`).
     Returns:
         `GenerationOutput` with sequences and per-request statistics.
     Raises:
         ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context).
     """
     cfg, prompts, seeds, max_seq_len = plan(model, prompts, config, seed)
-    steps = EagerSteps(model, cfg, len(prompts), max_seq_len)
-    return run_block_diffusion(model, steps, prompts, cfg, seeds, on_block)
+    runner = EagerSteps(model, cfg, len(prompts), max_seq_len)
+    return run_block_diffusion(model, runner, prompts, cfg, seeds, on_block=on_block, stop=stop,
+                               timer=SpanTimer(model.device, observer))
 
 
-def run_block_diffusion(model: DiffusionGemma, steps, prompts: list[list[int]], cfg: GenerationConfig,
-                        seeds: list[int], on_block: BlockCallback | None = None) -> GenerationOutput:
-    """The block loop over validated inputs, driving `steps` (`EagerSteps` or a compiled equivalent)."""
+def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list[list[int]], cfg: GenerationConfig,
+                        seeds: list[int], *, on_block: BlockCallback | None = None, stop: StopHook | None = None,
+                        timer: SpanTimer | None = None) -> GenerationOutput:
+    """The block loop over validated inputs (see `plan`), driving `runner` (eager or compiled steps): prefill in
+    fixed chunks; per block: start canvas, denoise steps n = N..1 until every row finished, finalise (eos, budget,
+    `on_block`, `stop`), commit the argmax canvas of rows still running."""
     dev, V, C = model.device, model.config.vocab_size, model.config.canvas_length
     R, N = len(prompts), cfg.max_denoising_steps
+    timer = timer or SpanTimer(dev, None)
     num_blocks = math.ceil(cfg.max_new_tokens / C)
     lengths = torch.tensor([len(p) for p in prompts], device=dev)
     input_ids = torch.full((R, int(lengths.max())), cfg.pad_token_id, dtype=torch.long, device=dev)
     for r, p in enumerate(prompts):
         input_ids[r, :len(p)] = torch.tensor(p, device=dev)
-    steps.prefill(input_ids, lengths)
+    prefill(runner, input_ids, lengths)
 
-    eos = torch.tensor(cfg.eos_token_ids, device=dev)
+    eos = torch.tensor(cfg.eos_token_ids, dtype=torch.long, device=dev)
     sequences: list[list[int]] = [[] for _ in range(R)]
     stats = [RequestStats() for _ in range(R)]
     done = torch.zeros(R, dtype=torch.bool, device=dev)
     for block in range(num_blocks):
-        steps.begin_block(torch.stack([start_canvas(s, block, C, V, dev) for s in seeds]), done)
+        runner.begin_block(torch.stack([start_canvas(s, block, C, V, dev) for s in seeds]), done)
         for n in range(N, 0, -1):
-            finished = steps.step(temperature(n, N, cfg.t_min, cfg.t_max), step_noise(seeds, block, n, C, V, dev))
+            noise = step_noise(seeds, block, n, C, V, dev)
+            with timer.span(STEP):
+                finished = runner.step(temperature(n, N, cfg.t_min, cfg.t_max), noise)
             if bool(finished.all()):
                 break
-        argmax, block_steps = steps.result()
+        argmax, block_steps = runner.result()
+        live = (~done).tolist()
         new_tokens = _finalize_block(argmax, done, eos, cfg, sequences, stats, block_steps)
+        timer.flush(block)
         if on_block is not None:
             on_block(block, new_tokens)
+        if stop is not None:
+            for r in stop(block, new_tokens):
+                if not 0 <= r < R:
+                    raise ValueError(f"stop: returned request index {r}, outside [0, {R})")
+                if live[r]:
+                    stats[r].finish_reason, done[r] = "stop", True
         if bool(done.all()) or block == num_blocks - 1:
             break
-        steps.commit(argmax, torch.where(done, 0, C))
+        runner.encode_chunk(argmax, torch.where(done, 0, C))
     return GenerationOutput(sequences=sequences, stats=stats)
 
 

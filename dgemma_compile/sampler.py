@@ -11,6 +11,7 @@ Legend: B batch, C canvas, V vocab, P stability_threshold (history depth).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -77,7 +78,7 @@ def entropy(logits_BCV: torch.Tensor) -> torch.Tensor:
     return -(log_p * log_p.exp()).sum(-1)
 
 
-def entropy_bound_accept(entropy_BC: torch.Tensor, bound: float) -> torch.Tensor:
+def entropy_bound_accept(entropy_BC: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
     """bool [B, C]: sort entropies ascending and accept position j while (cumulative entropy up to and including
     j) - entropy_j <= bound. The lowest-entropy position is always accepted (arXiv 2505.24857)."""
     sorted_e, order = torch.sort(entropy_BC, dim=-1)
@@ -94,31 +95,27 @@ def sample_inverse_cdf(logits_BCV: torch.Tensor, uniform_BC: torch.Tensor) -> to
     return ids.clamp(max=logits_BCV.shape[-1] - 1)
 
 
-@dataclass
-class BlockState:
-    """Per-row denoising state of the current block.
+class StepUpdate(NamedTuple):
+    """What one denoise step computes from the decoder's logits (see `denoise_update`).
 
-    canvas: int64 [B, C]; argmax: int64 [B, C] (what gets committed); history: int64 [P, B, C], the argmax canvases
-    of the previous P steps (-1 before the first); finished: bool [B], rows whose block stopped (frozen).
+    canvas, argmax: int64 [B, C]; history: int64 [P, B, C]; finished: bool [B]; scaled: float32 [B, C, V], the
+    temperature-scaled logits (the next step's self-conditioning input).
     """
 
     canvas: torch.Tensor
     argmax: torch.Tensor
     history: torch.Tensor
     finished: torch.Tensor
-
-    @classmethod
-    def start(cls, canvas_BC: torch.Tensor, finished_B: torch.Tensor, stability_threshold: int) -> "BlockState":
-        B, C = canvas_BC.shape
-        history = torch.full((stability_threshold, B, C), -1, dtype=torch.long, device=canvas_BC.device)
-        return cls(canvas=canvas_BC, argmax=canvas_BC.clone(), history=history, finished=finished_B.clone())
+    scaled: torch.Tensor
 
 
-def denoise_update(state: BlockState, logits_BCV: torch.Tensor, temperature_: float | torch.Tensor,
-                   noise: StepNoise, *, entropy_bound: float, confidence_threshold: float,
-                   stop_early: bool) -> tuple[BlockState, torch.Tensor]:
-    """Everything after the decoder in one denoise step. Returns the new state and the temperature-scaled logits
-    [B, C, V] (the next step's self-conditioning input). Rows already finished keep canvas and argmax frozen.
+def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
+                   finished_B: torch.Tensor, logits_BCV: torch.Tensor, temperature_: float | torch.Tensor,
+                   noise: StepNoise, *, entropy_bound: float | torch.Tensor,
+                   confidence_threshold: float | torch.Tensor, stop_early: bool) -> StepUpdate:
+    """Everything after the decoder in one denoise step, as a pure function of the current per-row state (canvas,
+    argmax and history of the previous P argmax canvases, -1 before the first; finished rows). Rows already finished
+    keep canvas and argmax frozen.
 
     Stopping (`StableAndConfidentStoppingCriteria`): argmax equal to each of the previous P argmax canvases (so never
     on a block's first step when P >= 1) and mean entropy of the scaled logits < confidence_threshold.
@@ -129,14 +126,14 @@ def denoise_update(state: BlockState, logits_BCV: torch.Tensor, temperature_: fl
     ent = entropy(scaled)
     accepted = entropy_bound_accept(ent, entropy_bound)
     canvas = torch.where(accepted, sampled, noise.renoise)
-    frozen = state.finished[:, None]
-    argmax = torch.where(frozen, state.argmax, argmax)
-    canvas = torch.where(frozen, state.canvas, canvas)
-    history, finished = state.history, state.finished
+    frozen = finished_B[:, None]
+    argmax = torch.where(frozen, argmax_BC, argmax)
+    canvas = torch.where(frozen, canvas_BC, canvas)
+    history, finished = history_PBC, finished_B
     if stop_early:
         stable = (history == argmax[None]).all(dim=-1).all(dim=0)
         confident = ent.mean(dim=-1) < confidence_threshold
         finished = finished | (stable & confident)
         if history.shape[0]:
             history = torch.cat([history[1:], argmax[None]], dim=0)
-    return BlockState(canvas=canvas, argmax=argmax, history=history, finished=finished), scaled
+    return StepUpdate(canvas=canvas, argmax=argmax, history=history, finished=finished, scaled=scaled)

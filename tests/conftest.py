@@ -19,3 +19,14 @@ def tiny_dir(tmp_path_factory):
 
     return write_checkpoint(tmp_path_factory.mktemp("tiny"), tokenizer=True, vocab_size=48,
                             layer_types=("sliding_attention", "sliding_attention", "full_attention"))
+
+
+@pytest.fixture(scope="session")
+def tiny_compiled(tiny_dir):
+    """(model, compiled generator) on the tiny checkpoint, shared by every test that compiles it: two buckets keep
+    compile time down (1-2 requests run in the first, 3-4 in the second, more in groups)."""
+    import dgemma_compile as dg
+    from dgemma_compile.compile import CompileOptions, build
+
+    model = dg.load(tiny_dir)
+    return model, build(model, CompileOptions(batch_buckets=(2, 4), max_seq_len=64))

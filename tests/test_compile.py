@@ -1,20 +1,21 @@
 """The compiled generator against the eager oracle, and its compile reports (CPU: Inductor C++, no CUDA graphs)."""
 
+import logging
+from collections import Counter
+
 import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.compile import CompileOptions, build
+from dgemma_compile.compile import CompileOptions, CudaGraphs, UnitFactory
 from dgemma_compile.config import ConfigError
 
 PROMPTS = [[2, 5, 6], [2, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [2, 20, 21, 22, 23, 24]]
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    model = dg.load(tiny_dir)
-    # two buckets keep CI compile time down: 1-2 requests run in the first, 3-4 in the second, more in groups
-    return model, build(model, CompileOptions(batch_buckets=(2, 4), max_seq_len=64))
+def tiny(tiny_compiled):
+    return tiny_compiled
 
 
 @pytest.mark.parametrize("stop_early", [True, False])
@@ -55,15 +56,83 @@ def test_too_long_for_the_static_cache_is_a_clear_error(tiny):
         gen.generate([[2] * 60], dg.GenerationConfig(max_new_tokens=16))
 
 
+class Units(dg.Observer):
+    def __init__(self):
+        self.units, self.steps = Counter(), 0
+
+    def on_unit(self, name, seconds):
+        assert seconds >= 0
+        self.units[name] += 1
+
+    def on_step(self, seconds):
+        self.steps += 1
+
+
 def test_more_requests_than_the_largest_bucket_run_in_groups(tiny):
+    """Six requests: a group of 4 in the larger bucket, then 2 in the smaller one; on_block and stop see the call's
+    request indices (stop ends request 5, in the second group, after its first block)."""
     model, gen = tiny
-    prompts = [[2, 3 + i] for i in range(6)]  # a group of 4, then a group of 2 in the smaller bucket
-    cfg = dg.GenerationConfig(max_new_tokens=8, max_denoising_steps=3, eos_token_ids=(1,))
-    streamed = []
-    out = gen.generate(prompts, cfg, seed=1, on_block=lambda i, toks: streamed.append(toks))
-    assert out.sequences == dg.generate(model, prompts, cfg, seed=1).sequences
-    assert all(len(toks) == 6 for toks in streamed)
-    assert {k.split("[")[1] for k in gen.compiles} >= {"B2_P1_stop]", "B4_P1_stop]"}
+    prompts = [[2, 3 + i] for i in range(6)]
+    cfg = dg.GenerationConfig(max_new_tokens=16, max_denoising_steps=3, eos_token_ids=())
+    streamed, seen = [], Units()
+    out = gen.generate(prompts, cfg, seed=1, on_block=lambda i, toks: streamed.append((i, toks)), observer=seen,
+                       stop=lambda block, toks: [5])
+    eager = dg.generate(model, prompts, cfg, seed=1, stop=lambda block, toks: [5])
+    assert out.sequences == eager.sequences and out.stats == eager.stats
+    assert out.stats[5].finish_reason == "stop" and len(out.sequences[5]) == 8
+    assert [i for i, _ in streamed] == [0, 1, 0, 1]
+    assert all(len(toks) == 6 for _, toks in streamed)
+    assert [len(t) for t in streamed[2][1]] == [0, 0, 0, 0, 8, 8] and [len(t) for t in streamed[3][1]] == [0] * 4 + [8, 0]
+    assert {name.split("[")[1] for name in seen.units} == {"B2_P1_stop]", "B4_P1_stop]"}
+    assert seen.steps == sum(n for name, n in seen.units.items() if name.startswith("denoise_step["))
+
+
+class FakeGraphs(CudaGraphs):
+    """CUDA-graph calls on a CPU: `capture` records the function instead of kernels; `replay` runs it."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.captures, self.replays = fail, 0, 0
+
+    def pool(self):
+        return "pool"
+
+    def capture(self, fn, pool):
+        assert pool == "pool"
+        self.captures += 1
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        fake = self
+
+        class Graph:
+            def replay(self):
+                fake.replays += 1
+                fn()
+
+        return Graph()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_cuda_graph_capture_and_its_logged_fallback(fail, caplog):
+    """The capture logic on a CPU: two compiled calls, a capture after the second, replays from the third on; a
+    failed capture is logged with its reason and the unit keeps running compiled (every call still takes effect)."""
+    factory = UnitFactory(CompileOptions(), "cpu", graphs=FakeGraphs(fail=fail))
+    x = torch.zeros(3)
+    unit = factory.unit("add_one", lambda: x.add_(1))
+    with caplog.at_level(logging.INFO, logger="dgemma_compile"):
+        for _ in range(5):
+            unit()
+    assert x.tolist() == [5.0] * 3 and factory.graphs.captures == 1 and factory.compiles["add_one"] == 1
+    if fail:
+        assert unit.graph is None and "operation not permitted" in unit.graph_error
+        assert any(r.levelno == logging.WARNING and "capture failed for add_one" in r.message for r in caplog.records)
+        assert factory.graphs.replays == 0
+    else:
+        assert unit.graph is not None and unit.graph_error is None and factory.graphs.replays == 3
+        assert any("captured CUDA graph for add_one" in r.message for r in caplog.records)
+
+
+def test_no_cuda_graphs_on_a_cpu_by_default():
+    assert UnitFactory(CompileOptions(cuda_graphs=True), "cpu").graphs is None
 
 
 @pytest.mark.parametrize("kw,name", [(dict(batch_buckets=(4, 2)), "batch_buckets"),

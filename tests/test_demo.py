@@ -6,7 +6,7 @@ from transformers.cache_utils import DynamicCache
 
 import dgemma_compile as dg
 from helpers import softcap
-from dgemma_compile.cli import DEMO_MODEL
+from dgemma_compile.demo import DEMO_MODEL
 from dgemma_compile.compile import CompileOptions, build
 from dgemma_compile.demo import tasks
 

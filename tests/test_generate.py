@@ -91,13 +91,14 @@ def test_batch_rows_equal_solo_runs(tiny_dir):
 
 @pytest.mark.parametrize("budget", [1, 7, 8, 13, 17])
 def test_max_new_tokens_is_exact(tiny_dir, budget):
+    """With eos off, every request returns exactly `max_new_tokens` tokens (the reference rounds up to canvases)."""
     model = dg.load(tiny_dir)
-    cfg = dg.GenerationConfig(max_new_tokens=budget, max_denoising_steps=3, eos_token_ids=(47,))
-    out = dg.generate(model, [[2, 5, 6, 7]], cfg, seed=0)
-    n = len(out.sequences[0])
-    assert n == budget or (out.stats[0].finish_reason == "eos" and n < budget)
-    assert out.stats[0].num_tokens == sum(t != 0 for t in out.sequences[0])
-    assert out.stats[0].blocks == -(-n // 8)
+    cfg = dg.GenerationConfig(max_new_tokens=budget, max_denoising_steps=3, eos_token_ids=())
+    out = dg.generate(model, [[2, 5, 6, 7], [2, 9]], cfg, seed=0)
+    for seq, st in zip(out.sequences, out.stats):
+        assert len(seq) == budget and st.finish_reason == "length"
+        assert st.num_tokens == sum(t != 0 for t in seq)
+        assert st.blocks == -(-budget // 8)
 
 
 def test_fixed_steps_when_early_stop_disabled(tiny_dir):
@@ -192,7 +193,80 @@ def test_eos_as_one_integer():
 
 
 def test_absent_generation_keys_take_reference_defaults(tiny_dir):
-    assert dg.load(tiny_dir).generation_config == dg.GenerationConfig()
-    assert dg.GenerationConfig() == dg.GenerationConfig(max_new_tokens=256, max_denoising_steps=48, entropy_bound=0.1,
-                                                        t_min=0.4, t_max=0.8, stability_threshold=1,
-                                                        confidence_threshold=0.005)
+    """Our defaults are transformers' DiffusionGemma generation defaults (read from transformers, not repeated)."""
+    ref = G.DiffusionGemmaGenerationConfig._get_default_generation_params()
+    ours = dg.GenerationConfig()
+    assert ours == dg.GenerationConfig.from_hf_dict({k: v for k, v in ref.items() if k != "sampler_config"})
+    assert ours.entropy_bound == ref["sampler_config"].entropy_bound
+    for key in ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "stability_threshold",
+                "confidence_threshold"):
+        assert getattr(ours, key) == ref[key], key
+    assert dg.load(tiny_dir).generation_config == ours
+
+
+def test_stop_hook_ends_rows_after_their_block(tiny_dir):
+    """A request ended by the stop hook keeps the block that triggered it, gets finish "stop", is not denoised
+    further; its batch mates get exactly the tokens of a run without the hook."""
+    model = dg.load(tiny_dir)
+    cfg = dg.GenerationConfig(max_new_tokens=24, max_denoising_steps=3, eos_token_ids=())
+    prompts, seeds = [[2, 5, 6], [2, 7, 8, 9], [2, 11]], [3, 4, 5]
+    free = dg.generate(model, prompts, cfg, seed=seeds)
+    calls = []
+
+    def stop(block, new_tokens):
+        calls.append((block, [list(t) for t in new_tokens]))
+        return [1] if block == 0 else [0] if block == 1 else []
+
+    out = dg.generate(model, prompts, cfg, seed=seeds, stop=stop)
+    assert [b for b, _ in calls] == [0, 1, 2]
+    assert calls[1][1][1] == [] and calls[2][1][0] == [], "ended rows gain nothing afterwards"
+    assert out.sequences[1] == free.sequences[1][:8] and out.stats[1].finish_reason == "stop"
+    assert out.stats[1].steps_per_block == free.stats[1].steps_per_block[:1]
+    assert out.stats[1].num_tokens == sum(t != 0 for t in out.sequences[1])
+    assert out.sequences[0] == free.sequences[0][:16] and out.stats[0].finish_reason == "stop"
+    assert out.sequences[2] == free.sequences[2] and out.stats[2] == free.stats[2]
+
+
+def test_stop_hook_wins_in_its_block_ignores_earlier_finished_requests_and_checks_indices(tiny_dir):
+    model = dg.load(tiny_dir)
+    cfg = dg.GenerationConfig(max_new_tokens=16, max_denoising_steps=2, eos_token_ids=())
+    prompts = [[2, 5], [2, 9, 9]]
+    free = dg.generate(model, prompts, cfg, seed=1)
+    eos = next(t for t in free.sequences[1][:8] if t not in free.sequences[0])  # row 1's first block only
+    with_eos = cfg.replace(eos_token_ids=(eos,))
+    base = dg.generate(model, prompts, with_eos, seed=1)
+    assert base.stats[1].finish_reason == "eos" and base.stats[1].blocks == 1
+    assert base.stats[0].finish_reason == "length" and base.stats[0].blocks == 2
+    # the hook names row 1 again after its eos: ignored; it names row 0 in the block that also hits the budget: "stop"
+    out = dg.generate(model, prompts, with_eos, seed=1, stop=lambda block, toks: [0, 1] if block == 1 else [])
+    assert out.stats[1] == base.stats[1] and out.sequences == base.sequences
+    assert out.stats[0].finish_reason == "stop" and out.stats[0].steps_per_block == base.stats[0].steps_per_block
+    with pytest.raises(ValueError, match="stop: returned request index 3"):
+        dg.generate(model, [[2, 5]], cfg, seed=1, stop=lambda block, toks: [3])
+
+
+class Events(dg.Observer):
+    """Records the order of steps, block ends and on_block calls."""
+
+    def __init__(self):
+        self.log = []
+
+    def on_step(self, seconds):
+        assert seconds >= 0
+        self.log.append("step")
+
+    def on_unit(self, name, seconds):
+        self.log.append(name.split("[")[0])
+
+    def on_block_end(self, block):
+        self.log.append(f"end{block}")
+
+
+def test_observer_sees_every_step_and_on_block_runs_before_the_next_blocks_steps(tiny_dir):
+    model = dg.load(tiny_dir)
+    cfg = dg.GenerationConfig(max_new_tokens=24, max_denoising_steps=3, eos_token_ids=())
+    events = Events()
+    out = dg.generate(model, [[2, 5, 6], [2, 9]], cfg, seed=2, observer=events,
+                      on_block=lambda block, toks: events.log.append(f"text{block}"))
+    per_block = [max(st.steps_per_block[b] for st in out.stats) for b in range(3)]
+    assert events.log == sum((["step"] * n + [f"end{b}", f"text{b}"] for b, n in enumerate(per_block)), [])

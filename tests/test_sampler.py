@@ -7,7 +7,19 @@ from hypothesis import strategies as st
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as ref
 
 from dgemma_compile import sampler
-from dgemma_compile.sampler import BlockState, StepNoise, denoise_update
+from dgemma_compile.sampler import StepNoise, denoise_update
+
+
+def start(canvas, frozen, stability):
+    """(canvas, argmax, history, finished) of a block's start, as `steps.DenoiseState.begin` sets them."""
+    B, C = canvas.shape
+    return canvas, canvas.clone(), torch.full((stability, B, C), -1, dtype=torch.long), frozen.clone()
+
+
+def update(state, logits, temperature, noise, **kw):
+    """One `denoise_update`; returns the new (canvas, argmax, history, finished) and the update."""
+    new = denoise_update(*state, logits, temperature, noise, **kw)
+    return (new.canvas, new.argmax, new.history, new.finished), new
 
 
 def random_logits(seed, B, C, V, spread):
@@ -39,24 +51,35 @@ def test_acceptance_matches_entropy_bound_sampler(seed, B, C, V, bound, spread, 
 
 @settings(max_examples=30)
 @given(seed=st.integers(0, 2**31), B=st.integers(1, 4), C=st.integers(1, 16), stability=st.integers(0, 3),
-       threshold=st.floats(0.001, 3.0), steps=st.integers(1, 6))
-def test_stop_flags_match_stable_and_confident(seed, B, C, stability, threshold, steps):
+       threshold=st.floats(0.001, 3.0), steps=st.integers(1, 6), temperature=st.floats(0.05, 4.0))
+def test_stop_flags_match_stable_and_confident(seed, B, C, stability, threshold, steps, temperature):
+    """Stop flags against transformers' criteria fed the temperature-scaled logits (a drawn T: at T = 1 scaled and
+    unscaled entropies agree), with the expected argmax history kept here, independently of ours."""
     g = torch.Generator().manual_seed(seed)
     V = 6
     crit = ref.StableAndConfidentStoppingCriteria(stability_threshold=stability, confidence_threshold=threshold)
-    state = BlockState.start(torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.bool), stability)
+    state = start(torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.bool), stability)
     flags_ref = torch.zeros(B, dtype=torch.bool)
+    argmax_ref = torch.zeros(B, C, dtype=torch.long)
+    history_ref: list[torch.Tensor] = []  # argmax canvases of earlier steps, oldest first
     base = torch.randn(B, C, V, generator=g) * 20
     for _ in range(steps):
         # mostly-stable argmax with occasional flips, and a mix of confident / unconfident rows
         logits = base + torch.randn(B, C, V, generator=g) * torch.rand(B, 1, 1, generator=g) * 15
         noise = StepNoise(uniform=torch.rand(B, C, generator=g), renoise=torch.randint(0, V, (B, C), generator=g))
-        prev_finished = state.finished
-        state, scaled = denoise_update(state, logits, 1.0, noise, entropy_bound=0.1, confidence_threshold=threshold,
-                                       stop_early=True)
-        argmax_ref = torch.where(prev_finished[:, None], state.argmax, logits.argmax(-1))
-        flags_ref |= crit(argmax_ref, torch.where(prev_finished[:, None, None], logits, scaled))
-        assert torch.equal(state.finished, flags_ref)
+        frozen = flags_ref.clone()
+        state, new = update(state, logits, temperature, noise, entropy_bound=0.1, confidence_threshold=threshold,
+                            stop_early=True)
+        scaled_ref = logits / temperature
+        torch.testing.assert_close(new.scaled, scaled_ref, atol=0, rtol=0)
+        argmax_ref = torch.where(frozen[:, None], argmax_ref, scaled_ref.argmax(-1))
+        flags_ref |= crit(argmax_ref, torch.where(frozen[:, None, None], logits, scaled_ref))
+        history_ref.append(argmax_ref.clone())
+        assert torch.equal(new.argmax, argmax_ref)
+        assert torch.equal(new.finished, flags_ref)
+        expected = [torch.full((B, C), -1, dtype=torch.long)] * stability + history_ref
+        assert torch.equal(new.history, torch.stack(expected[len(expected) - stability:]) if stability
+                           else torch.zeros(0, B, C, dtype=torch.long))
 
 
 def test_never_stops_on_first_step():
@@ -64,21 +87,21 @@ def test_never_stops_on_first_step():
     B, C, V = 3, 8, 5
     logits = torch.full((B, C, V), -30.0)
     logits[..., 2] = 30.0
-    state = BlockState.start(torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.bool), 1)
+    state = start(torch.zeros(B, C, dtype=torch.long), torch.zeros(B, dtype=torch.bool), 1)
     noise = StepNoise(uniform=torch.rand(B, C), renoise=torch.randint(0, V, (B, C)))
-    state, _ = denoise_update(state, logits, 0.4, noise, entropy_bound=0.1, confidence_threshold=0.005, stop_early=True)
-    assert not state.finished.any()
-    state, _ = denoise_update(state, logits, 0.4, noise, entropy_bound=0.1, confidence_threshold=0.005, stop_early=True)
-    assert state.finished.all()
+    state, new = update(state, logits, 0.4, noise, entropy_bound=0.1, confidence_threshold=0.005, stop_early=True)
+    assert not new.finished.any()
+    state, new = update(state, logits, 0.4, noise, entropy_bound=0.1, confidence_threshold=0.005, stop_early=True)
+    assert new.finished.all()
 
 
 def test_frozen_rows_keep_their_state():
     B, C, V = 2, 4, 7
-    state = BlockState.start(torch.randint(0, V, (B, C)), torch.tensor([True, False]), 1)
-    before = state.canvas.clone(), state.argmax.clone()
+    state = start(torch.randint(0, V, (B, C)), torch.tensor([True, False]), 1)
+    before = state[0].clone(), state[1].clone()
     noise = StepNoise(uniform=torch.rand(B, C), renoise=torch.randint(0, V, (B, C)))
     logits = torch.randn(B, C, V) * 5
-    new, _ = denoise_update(state, logits, 0.5, noise, entropy_bound=0.1, confidence_threshold=0.005, stop_early=True)
+    _, new = update(state, logits, 0.5, noise, entropy_bound=0.1, confidence_threshold=0.005, stop_early=True)
     assert torch.equal(new.canvas[0], before[0][0]) and torch.equal(new.argmax[0], before[1][0])
     assert torch.equal(new.argmax[1], logits[1].argmax(-1))
 

@@ -1,4 +1,4 @@
-"""Custom ops that enter compiled graphs opaquely, each with its eager reference implementation.
+"""`dgemma::moe_experts`: the routed experts of one MoE layer, with its eager reference implementation.
 
 `dgemma::moe_experts` runs the routed experts of one MoE layer. On CPU its implementation is the transformers
 reference loop (only the experts that received tokens, accumulated in expert order), which has data-dependent

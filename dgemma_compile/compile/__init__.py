@@ -1,0 +1,15 @@
+"""The compiler side of dgemma_compile, split by concern:
+
+- `options.py`: `CompileOptions` (every knob, with its reason) and `applied()`;
+- `units.py`: `CompiledUnit` (one compiled step over static buffers, CUDA-graph capture) and `UnitFactory`;
+- `generator.py`: batch buckets, `CompiledGenerator` and `build(model)`;
+- `explain.py`: `torch._dynamo.explain` reports per unit (`UnitReport`).
+"""
+
+from .explain import UnitReport, explain
+from .generator import Bucket, CompiledGenerator, build
+from .options import CompileOptions, applied
+from .units import CompiledUnit, CudaGraphs, UnitFactory
+
+__all__ = ["Bucket", "CompileOptions", "CompiledGenerator", "CompiledUnit", "CudaGraphs", "UnitFactory",
+           "UnitReport", "applied", "build", "explain"]

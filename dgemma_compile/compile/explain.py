@@ -1,0 +1,75 @@
+"""Compile reports: what `torch._dynamo.explain` says of each compile unit of a bucket, plus the compiles observed
+while a short mixed workload runs (recompiles show up there). `torch._dynamo.explain` resets Dynamo, so the
+generator's compiled state is dropped and rebuilt: keep this out of a serving process."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import GenerationConfig
+from .options import applied
+
+if TYPE_CHECKING:
+    from .generator import CompiledGenerator
+
+
+@dataclass
+class UnitReport:
+    """What `torch._dynamo.explain` says of one compile unit, plus compiles seen during a workload."""
+
+    unit: str
+    graph_count: int
+    graph_break_count: int
+    break_reasons: list[dict]
+    ops_per_graph: list[int]
+    guard_count: int
+    compiles_in_workload: int = 0
+    recompiles_in_workload: int = 0
+
+    def text(self) -> str:
+        lines = [f"{self.unit}: graphs={self.graph_count} graph_breaks={self.graph_break_count} "
+                 f"ops_per_graph={self.ops_per_graph} guards={self.guard_count} "
+                 f"compiles_in_workload={self.compiles_in_workload} recompiles={self.recompiles_in_workload}"]
+        for r in self.break_reasons:
+            lines.append(f"  break: {r['reason']}\n    at: {r['user_stack']}")
+        return "\n".join(lines)
+
+
+def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationConfig | None = None,
+            workload: Callable[["CompiledGenerator"], None] | None = None) -> list[UnitReport]:
+    """Per compile unit: `torch._dynamo.explain` of the bucket serving `batch_size`, then the compiles seen while
+    `workload(gen)` runs (default: `default_workload`)."""
+    bucket = gen.bucket(batch_size, config)
+    reports = []
+    with torch.no_grad(), applied(gen.options):
+        for unit in bucket.units:
+            bucket.inputs.n_new.zero_()
+            ex = torch._dynamo.explain(unit.fn)()
+            reports.append(UnitReport(
+                unit=unit.name, graph_count=ex.graph_count, graph_break_count=ex.graph_break_count,
+                break_reasons=[{"reason": str(b.reason), "user_stack": [str(f) for f in b.user_stack]}
+                               for b in ex.break_reasons],
+                ops_per_graph=[len(ops) for ops in ex.ops_per_graph], guard_count=len(ex.out_guards)))
+    gen.reset()  # explain reset Dynamo; start from fresh compiled units
+    before = Counter(gen.compiles)
+    (workload or default_workload)(gen)
+    for r in reports:
+        kind = r.unit.split("[")[0]
+        seen = {name: n - before[name] for name, n in gen.compiles.items() if name.startswith(kind + "[")}
+        r.compiles_in_workload = sum(seen.values())
+        r.recompiles_in_workload = sum(max(0, n - 1) for n in seen.values())
+    return reports
+
+
+def default_workload(gen: "CompiledGenerator") -> None:
+    """Prompts of different lengths, block counts and batch sizes within the first bucket that holds two rows."""
+    cfg = gen.model.generation_config.replace(max_denoising_steps=3)
+    C = gen.model.config.canvas_length
+    bos = gen.model.config.bos_token_id
+    gen.generate([[bos] + [3] * 4], cfg.replace(max_new_tokens=C), seed=1)
+    gen.generate([[bos] + [4] * (C + 3), [bos, 5]], cfg.replace(max_new_tokens=2 * C), seed=[2, 3])

@@ -1,0 +1,207 @@
+"""`build(model)`: the compiled block-diffusion generator, with its static batch buckets.
+
+Two compile units per batch bucket (`units.CompiledUnit`, `torch.compile(fullgraph=True, dynamic=False)` over the
+bucket's static buffers), both the very step functions the eager generator calls (`steps.py`):
+- the denoise step (`steps.denoise_step`): decoder forward + the whole sampler + convergence and per-row state update,
+  in place, with no host synchronisation inside;
+- the encoder chunk (`steps.encode_chunk`): one causal pass over a fixed-size block, used for prefill chunks and for
+  commits.
+Per-step scalars (temperature, bounds, lengths, flags) live in device tensors, so prompts of other lengths, other
+block counts and batch sizes within a bucket reuse the same graphs. On CUDA each unit of each bucket is captured
+as a CUDA graph; a failed capture is logged and that unit runs compiled without a graph (never silently).
+
+The block loop is the eager generator's (`generate.run_block_diffusion`) and so are the host-side buffer fills
+(`steps.BufferSteps`): compiled and eager differ only in whether the two step functions are compiled; tests assert
+identical tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ConfigError, GenerationConfig
+from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, plan, run_block_diffusion
+from ..model import DiffusionGemma
+from ..observe import UNIT, Observer, SpanTimer
+from ..steps import BufferSteps, DenoiseState, StepInputs, denoise_step, encode_chunk
+from .options import CompileOptions
+from .units import CompiledUnit, CudaGraphs, UnitFactory
+
+
+class Bucket:
+    """One static batch size and structural config: its KV cache, `DenoiseState` and `StepInputs` buffers, and the
+    two compile units `denoise` and `encode` (zero-argument callables over them)."""
+
+    def __init__(self, model: DiffusionGemma, factory: UnitFactory, rows: int, stability: int, stop_early: bool):
+        self.rows = rows
+        self.cache = model.new_cache(rows, factory.options.max_seq_len)
+        self.state = DenoiseState.allocate(model, rows, stability)
+        self.inputs = StepInputs.allocate(model, rows, self.cache.block_size)
+        self.tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
+        cache, state, inputs = self.cache, self.state, self.inputs
+        self.denoise: CompiledUnit = factory.unit(
+            f"denoise_step[{self.tag}]", lambda: denoise_step(model, cache, state, inputs, stop_early=stop_early))
+        self.encode: CompiledUnit = factory.unit(f"encoder_chunk[{self.tag}]", lambda: encode_chunk(model, cache, inputs))
+
+    @property
+    def units(self) -> tuple[CompiledUnit, CompiledUnit]:
+        return self.denoise, self.encode
+
+    def steps(self, cfg: GenerationConfig, requests: int, timer: SpanTimer) -> BufferSteps:
+        """A `StepRunner` for `requests` <= rows requests over this bucket's buffers and units (resets the cache);
+        each unit call is a `UNIT` span of `timer`."""
+
+        def timed(unit: CompiledUnit) -> Callable[[], None]:
+            def call() -> None:
+                with timer.span(UNIT, unit.name):
+                    unit()
+            return call
+
+        return BufferSteps(cfg=cfg, requests=requests, cache=self.cache, state=self.state, inputs=self.inputs,
+                           denoise=timed(self.denoise), encode=timed(self.encode))
+
+
+@dataclass
+class CompiledGenerator:
+    """The compiled block-diffusion generator returned by `build`; `generate` has the eager generator's interface
+    and outputs. Compiles lazily, per bucket, on first use (or `warmup`)."""
+
+    model: DiffusionGemma
+    options: CompileOptions
+    graphs: CudaGraphs | None = None  # a CUDA-graph seam for tests; default: real CUDA graphs on CUDA devices
+    _buckets: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.units = UnitFactory(self.options, self.model.device, self.graphs)
+
+    @property
+    def compiles(self) -> Counter:
+        """Inductor compiles per unit name "kind[bucket tag]" (above one: a recompile)."""
+        return self.units.compiles
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent in Inductor (Dynamo tracing excluded)."""
+        return self.units.compile_seconds
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The buckets built so far."""
+        return list(self._buckets.values())
+
+    def bucket_for(self, requests: int) -> int:
+        """The static batch size that runs `requests` rows (the largest bucket if more; callers split)."""
+        return next((b for b in self.options.batch_buckets if b >= requests), self.options.batch_buckets[-1])
+
+    def bucket(self, batch_size: int, config: GenerationConfig | None = None) -> Bucket:
+        """The bucket (cache, buffers, compile units) that serves `batch_size` requests under `config` (default: the
+        model's generation config). Buckets are keyed by batch size and the structural config: the stability
+        history depth (none when early stopping is off) and stop_early."""
+        cfg = (config or self.model.generation_config).resolved(self.model.config)
+        rows = self.bucket_for(batch_size)
+        depth = cfg.stability_threshold if cfg.stop_early else 0
+        key = (rows, depth, cfg.stop_early)
+        if key not in self._buckets:
+            self._buckets[key] = Bucket(self.model, self.units, rows, depth, cfg.stop_early)
+        return self._buckets[key]
+
+    def reset(self) -> None:
+        """Drop every bucket (after `torch._dynamo.reset()`; the next call recompiles)."""
+        self._buckets.clear()
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
+                 seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
+                 observer: Observer | None = None) -> GenerationOutput:
+        """Same contract as `dgemma_compile.generate(model, ...)`; more requests than the largest bucket run in
+        consecutive groups (outputs do not depend on grouping; `on_block` and `stop` always see request indices of
+        the whole call, and block indices counted per request). `observer` also receives per-unit timings.
+
+        Raises:
+            ConfigError: as the eager generator, and `max_seq_len` when a request needs more committed slots than
+                `CompileOptions.max_seq_len`.
+        """
+        cfg, prompts, seeds, needed = plan(self.model, prompts, config, seed)
+        if needed > self.options.max_seq_len:
+            raise ConfigError(f"max_seq_len: these requests need {needed} committed slots per row, more than "
+                              f"CompileOptions.max_seq_len={self.options.max_seq_len}")
+        timer = SpanTimer(self.model.device, observer)
+        group = self.options.batch_buckets[-1]
+        sequences: list[list[int]] = []
+        stats: list[RequestStats] = []
+        for start in range(0, len(prompts), group):
+            ps, ss = prompts[start:start + group], seeds[start:start + group]
+            runner = self.bucket(len(ps), cfg).steps(cfg, len(ps), timer)
+            out = run_block_diffusion(self.model, runner, ps, cfg, ss, timer=timer,
+                                      on_block=_global_rows(on_block, start, len(ps), len(prompts)),
+                                      stop=_global_stop(stop, start, len(ps), len(prompts)))
+            sequences += out.sequences
+            stats += out.stats
+        return GenerationOutput(sequences=sequences, stats=stats)
+
+    @torch.no_grad()
+    def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None) -> float:
+        """Compile the bucket that serves `batch_size` requests (both units) and return the seconds it took."""
+        start = time.perf_counter()
+        bucket = self.bucket(batch_size, config)
+        bucket.inputs.n_new.zero_()
+        bucket.cache.reset()
+        bucket.encode()
+        bucket.state.finished.zero_()
+        bucket.denoise()
+        return time.perf_counter() - start
+
+    def explain(self, batch_size: int = 1, config: GenerationConfig | None = None,
+                workload: Callable[["CompiledGenerator"], None] | None = None):
+        """`explain.explain(self, ...)`: per compile unit, what `torch._dynamo.explain` reports and the compiles seen
+        during a workload. Resets Dynamo: keep it out of a serving process."""
+        from .explain import explain
+
+        return explain(self, batch_size, config, workload)
+
+
+def _global_rows(on_block: BlockCallback | None, start: int, n: int, total: int) -> BlockCallback | None:
+    """on_block of a group of n requests starting at `start`, seen with the call's request indices."""
+    if on_block is None:
+        return None
+
+    def forward(block: int, toks: list[list[int]]) -> None:
+        on_block(block, [[] for _ in range(start)] + toks + [[] for _ in range(total - start - n)])
+
+    return forward
+
+
+def _global_stop(stop: StopHook | None, start: int, n: int, total: int) -> StopHook | None:
+    """The stop hook of a group, called with the call's request indices and answering in the group's."""
+    if stop is None:
+        return None
+
+    def forward(block: int, toks: list[list[int]]) -> list[int]:
+        rows = list(stop(block, [[] for _ in range(start)] + toks + [[] for _ in range(total - start - n)]))
+        bad = [r for r in rows if not 0 <= r < total]
+        if bad:
+            raise ValueError(f"stop: returned request indices {bad}, outside [0, {total})")
+        return [r - start for r in rows if start <= r < start + n]
+
+    return forward
+
+
+def build(model: DiffusionGemma, options: CompileOptions | None = None, *, graphs: CudaGraphs | None = None
+          ) -> CompiledGenerator:
+    """A compiled generator for `model` (same `generate` interface and outputs as the eager one).
+
+    Nothing compiles until first use; call `warmup(batch_size)` to compile ahead and time it. `graphs` replaces the
+    CUDA-graph calls (tests run the capture logic on CPU with a fake).
+
+    Raises:
+        TypeError: `model` is not a dgemma_compile `DiffusionGemma`.
+    """
+    if not isinstance(model, DiffusionGemma):
+        raise TypeError(f"build() takes a dgemma_compile DiffusionGemma, got {type(model).__name__}")
+    model.requires_grad_(False)
+    return CompiledGenerator(model=model, options=options or CompileOptions(), graphs=graphs)
