@@ -5,9 +5,11 @@ compiled static-cache path) and an autoregressive baseline, on the same checkpoi
     python -m bench --model scaled --prompt-len 256 --output-len 512 --repeats 3
     python -m bench --model full --device cuda --prompt-len 1024 --output-len 1024   # see bench/h200.sh
 
-Each system runs in its own process (`--in-process` to share one), one untimed warm-up pass then `--repeats` timed
-passes; compile time is reported apart. Results: markdown and CSV under bench/results/
-({model}_{device}_{YYYY-MM-DD}.md/.csv), the markdown also on stdout.
+Each system runs in its own long-lived worker process (`--in-process` to share this one): every system is first
+prepared one at a time (load, compile, one untimed warm-up pass), then the `--repeats` timed passes run round-robin
+(repeat 1 of every system, then repeat 2, ...; `runner.py`), so that load on the machine hits every system alike.
+`--sequential` runs one system to the end before the next starts instead. Compile time is reported apart. Results:
+markdown and CSV under bench/results/ ({model}_{device}_{YYYY-MM-DD}.md/.csv), the markdown also on stdout.
 """
 
 from __future__ import annotations
@@ -54,9 +56,12 @@ def parser() -> argparse.ArgumentParser:
                    "spec on CUDA, none on CPU)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="per system: stop timed repeats once they took this long (at least one runs)")
-    p.add_argument("--timeout-s", type=float, default=900, help="per system and workload, compile included")
-    p.add_argument("--in-process", action="store_true", help="run every system in this process (faster start; "
-                   "memory peaks then include what earlier systems left allocated)")
+    p.add_argument("--timeout-s", type=float, default=900, help="per system and workload: seconds spent on its "
+                   "requests (prepare with compile, warm-up and timed repeats), waits for other systems excluded")
+    p.add_argument("--in-process", action="store_true", help="run every system in this process, still round-robin "
+                   "(faster start, no timeouts; memory peaks then include the other systems' allocations)")
+    p.add_argument("--sequential", action="store_true", help="no interleaving: each system's worker runs all its "
+                   "repeats and exits before the next starts (when N copies of the model do not fit in memory)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--note", default="", help="free text printed with the results (e.g. machine contention)")
@@ -105,7 +110,8 @@ def _roofline(spec: models.ModelSpec, work: workloads.Workload, dtype: str, peak
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark; returns {"markdown", "sections", "paths"} (for tests)."""
+    """Run the benchmark; returns {"markdown", "sections", "paths", "order"} (for tests; order: per workload kind,
+    (repeat index, system) of every timed repeat in the order they ran)."""
     args = parser().parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
@@ -119,19 +125,18 @@ def main(argv: list[str] | None = None) -> dict:
     load_start, started = environment.load_average(), environment.now()
     peaks = _Peaks(args, device)
 
-    sections, csv_sections, dtypes = [], [], set()
+    sections, csv_sections, dtypes, orders = [], [], set(), {}
     for kind in [k.strip() for k in args.workloads.split(",") if k.strip()]:
         wspec = workloads.WorkloadSpec(kind=kind, prompt_len=args.prompt_len, output_len=args.output_len,
                                        steps=args.steps, batch=args.batch if kind == "fixed" else 1,
                                        n_prompts=args.n_prompts, seed=args.seed, repeats=args.repeats)
         work, _ = systems.workload_for(spec, wspec)
         log(f"{spec.name} / {work.describe()}")
-        raw = []
-        for system in chosen:
-            payload = dict(system=system, model=dataclasses.asdict(spec), workload=wspec.to_dict(), device=device,
-                           dtype=args.dtype, threads=threads, max_seq_len=args.max_seq_len, budget_s=args.budget_s)
-            raw.append(runner.run_in_process(payload, log) if args.in_process
-                       else runner.run_isolated(payload, args.timeout_s, log))
+        payloads = [dict(system=system, model=dataclasses.asdict(spec), workload=wspec.to_dict(), device=device,
+                         dtype=args.dtype, threads=threads, max_seq_len=args.max_seq_len) for system in chosen]
+        measured = runner.measure(payloads, wspec.repeats, interleave=not args.sequential, isolated=not args.in_process,
+                                  timeout_s=args.timeout_s, budget_s=args.budget_s, log=log)
+        raw, orders[kind] = measured.results, measured.order
         ok = [r for r in raw if r.get("status") == "ok"]
         dtypes |= {r["dtype"] for r in ok}
         roof = _roofline(spec, work, ok[0]["dtype"], peaks) if ok else None
@@ -147,7 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=", ".join(sorted(dtypes)) or args.dtype or "-", threads_n=threads,
         threads=f"torch {threads} thread(s) per system, OMP_NUM_THREADS={threads}",
         versions=", ".join(f"{k} {v}" for k, v in vers.items()), versions_dict=vers,
-        isolation="every system in this process" if args.in_process else "every system in its own process",
+        isolation=("every system in this process" if args.in_process else
+                   "every system in its own worker process, kept alive for the whole workload"),
+        schedule=("sequential: each system prepared, warmed up and timed to the end before the next started"
+                  if args.sequential else
+                  "interleaved: systems prepared (compile, warm-up) one at a time, then timed repeats round-robin "
+                  "(repeat 1 of every system in the order listed, then repeat 2, ...)"),
         memory=("CUDA max_memory_allocated during the timed passes" if device.startswith("cuda") else
                 "resident-set high-water mark (VmHWM) during the timed passes, weights included"),
         load=f"load average 1/5/15 min at start {load_start}, at end {environment.load_average()} "
@@ -163,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         paths[0].write_text(md)
         report.write_csv(paths[1], meta, csv_sections)
         log(f"wrote {paths[0]} and {paths[1]}")
-    return {"markdown": md, "sections": sections, "paths": paths}
+    return {"markdown": md, "sections": sections, "paths": paths, "order": orders}
 
 
 if __name__ == "__main__":

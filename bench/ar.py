@@ -1,10 +1,10 @@
 """Autoregressive baseline on the same weights: the encoder used as a causal LM, greedy, one token per forward.
 
-Compiled exactly the way `dgemma_compile.build` compiles its units: each step is a `compile.CompiledUnit` (a
-zero-argument function over static buffers, `torch.compile(fullgraph=True, dynamic=False)` under
-`CompileOptions`, with the token, lengths and counts in tensors so no position recompiles; on CUDA a graph captured
-after two warm calls, a failed capture logged), with compile counts and seconds from a `CompiledGenerator`'s
-`counting_backend`.
+Compiled exactly the way `dgemma_compile.build` compiles its units: each step is a `CompiledUnit` made by the
+library's public `compile.UnitFactory` (a zero-argument function over static buffers,
+`torch.compile(fullgraph=True, dynamic=False)` under `CompileOptions`, with the token, lengths and counts in tensors
+so no position recompiles; on CUDA a graph captured after two warm calls, a failed capture logged); the factory
+counts the compiles and their seconds.
 
 Two units over one static cache (`block_size` = canvas length):
 - `prefill`: `model.encode_block(ids [B, C], cache, n_new)`, then the greedy token at each row's last real prompt
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from dgemma_compile.compile import CompiledUnit, CompileOptions, build
+from dgemma_compile.compile import CompileOptions, UnitFactory
+from dgemma_compile.ops.moe import resolve_moe_impl
 
 
 class ARBaseline:
@@ -39,28 +40,31 @@ class ARBaseline:
         self.tok = torch.zeros(batch, 1, **long)
         self.ones = torch.ones(batch, **long)
         self.rows = torch.arange(batch, device=dev)
-        self.gen = build(model, self.options)  # for its counting backend, CUDA-graph switch and pool only
-        unit = lambda name, fn: CompiledUnit(name, fn, self.options, backend=self.gen.counting_backend(name),  # noqa: E731
-                                             cuda_graphs=self.gen.use_cuda_graphs, graph_pool=self.gen.graph_pool)
-        self.prefill_unit = unit("ar_prefill_chunk", self._prefill)
-        self.step = unit("ar_step", self._step)
+        self.units = UnitFactory(self.options, dev)
+        cfg = model.config  # the experts as our compiled generator runs them
+        self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=model.dtype, num_experts=cfg.num_experts,
+                                         top_k=cfg.top_k_experts, compiled=True)
+        self.prefill_unit = self.units.unit("ar_prefill_chunk", self._prefill)
+        self.step = self.units.unit("ar_step", self._step)
 
     @property
     def compile_seconds(self) -> float:
-        return self.gen.compile_seconds
+        """Seconds spent in Inductor for both units (Dynamo tracing excluded)."""
+        return self.units.compile_seconds
 
     @property
     def compiles(self) -> int:
-        return sum(self.gen.compiles.values())
+        """Inductor compiles of both units (two unless something recompiled)."""
+        return sum(self.units.compiles.values())
 
     def _prefill(self) -> None:
-        hidden = self.model.encode_block(self.ids, self.cache, self.n_new)
+        hidden = self.model.encode_block(self.ids, self.cache, self.n_new, moe_impl=self.moe_impl)
         last = hidden[self.rows, (self.n_new - 1).clamp(min=0)]
         tok = self.model.logits(last).argmax(-1)
         self.tok.copy_(torch.where(self.n_new > 0, tok, self.tok[:, 0])[:, None])
 
     def _step(self) -> None:
-        hidden = self.model.encode_block(self.tok, self.cache, self.ones)
+        hidden = self.model.encode_block(self.tok, self.cache, self.ones, moe_impl=self.moe_impl)
         self.tok.copy_(self.model.logits(hidden[:, -1]).argmax(-1)[:, None])
 
     def prefill(self, prompts: list[list[int]]) -> None:

@@ -4,9 +4,12 @@
 
 1. Demo model, float32 on CUDA: compiled tokens must equal eager tokens (several prompts, blocks, batch sizes).
 2. Reports, per compile unit and bucket, whether its CUDA graph was captured or why it fell back (logged).
-3. Per-step latency (median of CUDA-event timings) of the denoise step and the encoder chunk, eager vs compiled,
+3. The public `Observer` hook on CUDA (CUDA-event spans read after each block): one `on_step` per denoise step,
+   one denoise-unit span per step (compiled), positive durations, block ends in order (`check_observer`, which
+   also runs on a CPU: tests/test_bench.py).
+4. Per-step latency (median of CUDA-event timings) of the denoise step and the encoder chunk, eager vs compiled,
    for the demo model and for a random-weight bf16 model with DiffusionGemma-like proportions.
-Exit status 1 if tokens differ. Prints versions and the device first.
+Exit status 1 if tokens differ or the observer check fails. Prints versions and the device first.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dgemma_compile as dg  # noqa: E402
-from dgemma_compile.cli import DEMO_MODEL  # noqa: E402
+from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
 from dgemma_compile.compile import CompileOptions, build  # noqa: E402
 from dgemma_compile.config import ModelConfig, RopeConfig  # noqa: E402
 from dgemma_compile.model import DiffusionGemma  # noqa: E402
@@ -40,21 +43,57 @@ def cuda_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def check_tokens(model) -> bool:
-    gen = build(model, CompileOptions(batch_buckets=(1, 4), max_seq_len=256))
+def check_tokens(model, gen) -> bool:
+    """Compiled (`gen`, buckets 1 and 4) == eager tokens and stats; prints each unit's CUDA-graph state."""
     cfg = model.generation_config.replace(max_new_tokens=40)
     prompts = [[2, 5, 6, 7], [2] + [9] * 20, [2, 11, 12]]
     ok = True
     for ps in (prompts[:1], prompts):
-        eager = dg.generate(model, ps, cfg, seed=3)
+        eager = dg.generate(model, ps, cfg, seed=3, moe_impl=gen.moe_impl)
         compiled = gen.generate(ps, cfg, seed=3)
         same = eager.sequences == compiled.sequences and eager.stats == compiled.stats
         print(f"tokens compiled == eager (batch {len(ps)}): {same}")
         ok &= same
-    for bucket in gen._buckets.values():
-        for unit in (bucket.denoise, bucket.encode):
+    for bucket in gen.buckets:
+        for unit in bucket.units:
             state = "captured" if unit.graph is not None else f"no graph ({unit.graph_error or 'not captured yet'})"
             print(f"  {unit.name}: {state}")
+    return ok
+
+
+class CountingObserver(dg.Observer):
+    """Keeps every span and block end it receives."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self.units: list[tuple[str, float]] = []
+        self.blocks: list[int] = []
+
+    def on_step(self, seconds: float) -> None:
+        self.steps.append(seconds)
+
+    def on_unit(self, name: str, seconds: float) -> None:
+        self.units.append((name, seconds))
+
+    def on_block_end(self, block: int) -> None:
+        self.blocks.append(block)
+
+
+def check_observer(generate, cfg: dg.GenerationConfig, label: str, compiled: bool) -> bool:
+    """One prompt through `generate(prompts, cfg, seed=..., observer=...)`: as many `on_step` spans as decoder
+    passes, block ends 0, 1, ... in order, every duration > 0, and (compiled) one denoise-unit span per step plus
+    encoder-chunk spans; eager generators report no units."""
+    obs = CountingObserver()
+    out = generate([[2, 5, 6, 7]], cfg, seed=5, observer=obs)
+    passes = out.stats[0].steps_per_block
+    denoise = [s for n, s in obs.units if n.startswith("denoise_step[")]
+    encode = [s for n, s in obs.units if n.startswith("encoder_chunk[")]
+    ok = (len(obs.steps) == sum(passes) and obs.blocks == list(range(len(passes)))
+          and all(s > 0 for s in obs.steps + [s for _, s in obs.units])
+          and ((len(denoise) == len(obs.steps) and len(encode) >= len(passes)) if compiled else not obs.units))
+    print(f"observer ({label}): {len(obs.steps)} steps for {sum(passes)} decoder passes, blocks {obs.blocks}, "
+          f"{len(denoise)} denoise + {len(encode)} encoder unit spans, median step "
+          f"{statistics.median(obs.steps) * 1e3:.3f} ms: {'ok' if ok else 'WRONG'}")
     return ok
 
 
@@ -68,8 +107,9 @@ def step_latency(model, label: str, repeats: int) -> None:
     for _ in range(3):  # reach and pass the CUDA-graph capture
         bucket.denoise()
     compiled_ms = cuda_ms(bucket.denoise, repeats)
-    canvas = bucket.buf.canvas
-    eager_ms = cuda_ms(lambda: model.denoise_block(canvas, bucket.cache, bucket.buf.sc_logits, bucket.buf.has_sc), repeats)
+    state = bucket.state
+    eager_ms = cuda_ms(lambda: model.denoise_block(state.canvas, bucket.cache, state.sc_logits, state.has_sc,
+                                                   moe_impl=gen.moe_impl), repeats)
     graph = "graph" if bucket.denoise.graph is not None else "no graph"
     print(f"{label}: denoise step at context 512: eager {eager_ms:.2f} ms, compiled ({graph}) {compiled_ms:.2f} ms, "
           f"ratio {eager_ms / compiled_ms:.2f}x; compile {compile_s:.0f} s")
@@ -93,16 +133,20 @@ def scaled_model(device) -> DiffusionGemma:
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=20)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
         return 2
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, dgemma_compile from {dg.__file__}")
     demo = dg.load(DEMO_MODEL, device="cuda")
-    ok = check_tokens(demo)
+    gen = build(demo, CompileOptions(batch_buckets=(1, 4), max_seq_len=256))
+    ok = check_tokens(demo, gen)
+    cfg = demo.generation_config.replace(max_new_tokens=40)
+    ok &= check_observer(gen.generate, cfg, "compiled, CUDA events", compiled=True)
+    ok &= check_observer(lambda *a, **k: dg.generate(demo, *a, **k), cfg, "eager, CUDA events", compiled=False)
     step_latency(demo, "demo fp32", args.repeats)
     step_latency(scaled_model("cuda"), "scaled bf16", args.repeats)
     return 0 if ok else 1

@@ -2,7 +2,12 @@
 
 Ratios are "speedup of ours-compiled": other system's time / ours-compiled's time (per denoise step, per canvas,
 time to first block, end to end), and ours-compiled tok/s / other tok/s; > 1 means ours-compiled is faster. Both
-come from the same run. The AR baseline's "step" is one forward (one token).
+come from the same run. "paired" is the median over repeat rounds of (other pass / ours-compiled pass of the same
+round): with interleaved repeats the two passes of a round ran back to back, so a slow spell of the machine cancels.
+The AR baseline's "step" is one forward (one token).
+
+Spread per system: min / median / p90 of every timed step, and of the pass time (one timed repeat over the whole
+workload).
 """
 
 from __future__ import annotations
@@ -13,26 +18,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import roofline as rl
-from .timing import median, p90
+from .timing import median, p90, spread
 
 BASE = "ours-compiled"
 COLUMNS = [
-    ("step_ms", "step ms median"), ("step_p90_ms", "step ms p90"), ("canvas_ms", "canvas ms"), ("ttfb_ms", "TTFB ms"),
+    ("step_min_ms", "step ms min"), ("step_ms", "step ms median"), ("step_p90_ms", "step ms p90"),
+    ("canvas_ms", "canvas ms"), ("ttfb_ms", "TTFB ms"),
     ("request_ms", "request ms"), ("tok_s", "tok/s"), ("tok_per_fwd", "tok/fwd"), ("forwards", "forwards"),
     ("compile_s", "compile s"), ("peak_mem_mb", "peak MB"),
 ]
+SPREAD = [("repeats_timed", "repeats"), ("pass_min_ms", "pass ms min"), ("pass_ms", "pass ms median"),
+          ("pass_p90_ms", "pass ms p90"), ("pass_p90_over_min", "p90 / min")]
 RATIOS = [("step_ms", "per step"), ("canvas_ms", "per canvas"), ("ttfb_ms", "TTFB"), ("request_ms", "end to end"),
-          ("tok_s", "tok/s")]
+          ("tok_s", "tok/s"), ("pass_paired", "pass, paired")]
 
 
 def summarize(r: dict) -> dict:
-    """Medians and derived numbers of one system's raw result (`systems.run` output)."""
+    """Medians and derived numbers of one system's raw result (`session.Session.result()`)."""
     if r.get("status") != "ok":
         return {"system": r["system"], "status": r.get("status", "n/a")}
     ms = lambda xs: [x * 1e3 for x in xs]  # noqa: E731
     rep = median(r["repeat_s"])
+    step_min, step_med, step_p90 = spread(ms(r["step_s"]))
+    pass_min, pass_med, pass_p90 = spread(ms(r["repeat_s"]))
     s = dict(system=r["system"], status="ok",
-             step_ms=median(ms(r["step_s"])), step_p90_ms=p90(ms(r["step_s"])),
+             step_min_ms=step_min, step_ms=step_med, step_p90_ms=step_p90,
+             pass_min_ms=pass_min, pass_ms=pass_med, pass_p90_ms=pass_p90,
+             pass_p90_over_min=pass_p90 / pass_min if pass_min else float("nan"),
+             repeats_timed=len(r["repeat_s"]), pass_s=list(r["repeat_s"]),
              canvas_ms=median(ms(r["canvas_s"])), ttfb_ms=median(ms(r["ttfb_s"])),
              request_ms=median(ms(r["request_s"])),
              tok_s=r["tokens"] / rep if rep > 0 else float("nan"),
@@ -54,6 +67,9 @@ def with_ratios(rows: list[dict]) -> list[dict]:
         for key, _ in RATIOS:
             if base is None or r["status"] != "ok":
                 r[f"speedup_{key}"] = float("nan")
+            elif key == "pass_paired":
+                pairs = [o / b for o, b in zip(r["pass_s"], base["pass_s"]) if b > 0]
+                r[f"speedup_{key}"] = median(pairs)
             elif key == "tok_s":
                 r[f"speedup_{key}"] = base[key] / r[key] if r[key] else float("nan")
             else:
@@ -106,18 +122,19 @@ def section(title: str, description: str, raw: list[dict], roof: rl.Roofline | N
 
 
 LEGEND = (
-    "Columns: step = one denoise step (AR: one one-token forward), median and p90 over every timed step; canvas = "
-    "median wall time per canvas (block 0 from its first step; later blocks include the previous block's commit "
+    "Columns: step = one denoise step (AR: one one-token forward), min, median and p90 over every timed step; canvas = "
+    "median time per canvas (block 0 from its first step; later blocks include the previous block's commit "
     "pass; AR: C tokens); TTFB = request start to the first canvas final, prefill included; request = median "
     "generate call; tok/s = generated tokens per pass / median pass time (prefill included); tok/fwd = generated "
     "tokens / decoder forwards (summed over rows); forwards per pass; compile s apart from every timing; peak MB "
-    "during the timed passes.")
+    "during the timed passes. Spread: pass = one timed repeat over the whole workload, min / median / p90 over the "
+    "repeats (p90 / min: how much the machine moved under this system).")
 
 
 def markdown(meta: dict, sections: list[Section]) -> str:
     out = [f"# dgemma_compile benchmark: `{meta['model']}` on {meta['device_tag']} ({meta['date']})", ""]
-    for k in ("command", "checkpoint", "device", "dtype", "threads", "versions", "isolation", "memory", "load",
-              "started", "finished", "note"):
+    for k in ("command", "checkpoint", "device", "dtype", "threads", "versions", "isolation", "schedule", "memory",
+              "load", "started", "finished", "note"):
         if meta.get(k):
             out.append(f"- {k}: {meta[k]}")
     out += ["", LEGEND]
@@ -132,7 +149,13 @@ def markdown(meta: dict, sections: list[Section]) -> str:
                 continue
             cells = [_fmt(r[k]) for k, _ in COLUMNS] + ([_fmt(r.get("accuracy"))] if has_acc else [])
             out.append(f"| {r['system']} | " + " | ".join(cells) + " |")
-        out += ["", f"Speedup of {BASE} (other time / {BASE} time; tok/s: {BASE} / other; > 1: {BASE} faster):", "",
+        out += ["", "Spread over the timed repeats:", "", "| system | " + " | ".join(h for _, h in SPREAD) + " |",
+                "|---" + "|---:" * len(SPREAD) + "|"]
+        for r in sec.rows:
+            if r["status"] == "ok":
+                out.append(f"| {r['system']} | " + " | ".join(_fmt(r[k]) for k, _ in SPREAD) + " |")
+        out += ["", f"Speedup of {BASE} (other time / {BASE} time; tok/s: {BASE} / other; pass, paired: median over "
+                f"rounds of other pass / {BASE} pass of the same round; > 1: {BASE} faster):", "",
                 "| system | " + " | ".join(h for _, h in RATIOS) + " |", "|---" + "|---:" * len(RATIOS) + "|"]
         for r in sec.rows:
             if r["status"] == "ok" and r["system"] != BASE:
@@ -157,9 +180,10 @@ def markdown(meta: dict, sections: list[Section]) -> str:
 
 
 CSV_FIELDS = ["model", "device", "device_name", "dtype", "date", "workload", "batch", "prompt_len", "output_len",
-              "steps", "repeats", "system", "status", "step_ms", "step_p90_ms", "unit_step_ms", "canvas_ms", "ttfb_ms",
-              "request_ms", "tok_s", "tok_per_fwd", "tokens", "forwards", "compile_s", "peak_mem_mb",
-              "speedup_step_ms", "speedup_canvas_ms", "speedup_ttfb_ms", "speedup_request_ms", "speedup_tok_s",
+              "steps", "repeats", "system", "status", "step_min_ms", "step_ms", "step_p90_ms", "unit_step_ms", "canvas_ms", "ttfb_ms",
+              "request_ms", "repeats_timed", "pass_min_ms", "pass_ms", "pass_p90_ms", "pass_p90_over_min", "tok_s",
+              "tok_per_fwd", "tokens", "forwards", "compile_s", "peak_mem_mb", "speedup_step_ms", "speedup_canvas_ms",
+              "speedup_ttfb_ms", "speedup_request_ms", "speedup_tok_s", "speedup_pass_paired",
               "floor_ms", "floor_fraction", "accuracy", "python", "torch", "transformers", "dgemma_compile", "threads"]
 
 

@@ -1,31 +1,30 @@
-"""The systems under test, each run on one workload in its own process (see `worker.py`).
+"""The systems under test and where each one's steps are timed (`session.py` prepares and repeats them).
 
-- ours-compiled: `dg.build(model).generate` (compiled denoise step + encoder chunk); a step is timed at
-  `CompiledSteps.step` (compiled unit + host-side buffer fills), and the compiled unit alone too.
-- ours-eager: `dg.generate(model, ...)`, the eager reference loop; timed at `EagerSteps.step`.
+- ours-compiled: `dg.build(model).generate` (compiled denoise step + encoder chunk); a step is the block loop's
+  step span reported to a public `dgemma_compile.Observer` (`on_step`: host-side buffer fills + the compiled unit),
+  the compiled unit alone is its `on_unit` span.
+- ours-eager: `dg.generate(model, ...)`, the eager reference loop; steps from the same `Observer.on_step`.
 - hf-eager: transformers `DiffusionGemmaForBlockDiffusion.generate` (dynamic cache); timed at its
   `_denoising_step` (decoder forward + sampling + acceptance + stop check, like ours).
 - hf-compiled: the same with `cache_implementation="static"`, which makes transformers torch.compile its decoder
   forward, encoder and sampler pieces (`_compile_functions`); timed at `_denoising_step`.
 - ar-compiled: `ar.ARBaseline`, the encoder as a causal LM, greedy, one token per forward; each forward timed.
 
-Step timers are installed for the run only (class attributes in this worker process, or the transformers model's
-bound method); blocks are marked by `on_block` (ours), the streamer's `put` (transformers) or every C tokens (AR).
+Our library is never patched: ours are observed through `generate(..., observer=...)`. transformers' model gets a
+step timer on its own instance for the session (`install()`); the AR baseline wraps its own step. Blocks are marked by
+`Observer.on_block_end` (ours), the streamer's `put` (transformers) or every C tokens (AR).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import logging
-import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from . import models, workloads
-from .timing import Clock, PeakMemory, Recorder, patched
+from .timing import Recorder, RecorderObserver, patched
 
 SYSTEMS = ("ours-compiled", "ours-eager", "hf-eager", "hf-compiled", "ar-compiled")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,8 +62,9 @@ class Context:
 
 
 class System(abc.ABC):
-    """Prepared in `__init__` (compile there; `compile_s` set), timed inside `install()`; `request(req)` runs one
-    generate call and returns (sequences, tokens, decoder forwards summed over rows); `finish()` adds notes."""
+    """Prepared in `__init__` (compile there; `compile_s` set), timed while `install()` is entered (the whole
+    session); `request(req)` runs one generate call and returns (sequences, tokens, decoder forwards summed over
+    rows); `finish()` adds notes and extras."""
 
     timing = ""
     compile_s: float | None = None
@@ -81,25 +81,26 @@ class System(abc.ABC):
 
 
 class _Ours(System):
+    """Our generators, observed through the public `Observer` hook (`RecorderObserver`), never patched."""
+
     def __init__(self, ctx: Context):
         self.ctx = ctx
+        self.observer = RecorderObserver(ctx.rec, live=ctx.model.device.type != "cuda")
 
     @abc.abstractmethod
     def _generate(self, *args, **kwargs):
         """`generate` with the library's signature (eager function or compiled generator)."""
 
     def request(self, req):
-        out = self._generate(req.prompts, self.ctx.cfg, seed=req.seeds, on_block=self.ctx.rec.block_end)
+        out = self._generate(req.prompts, self.ctx.cfg, seed=req.seeds, observer=self.observer)
         return out.sequences, self.ctx.count(out.sequences), sum(s.decoder_passes for s in out.stats)
 
 
+_SPAN = "CPU: wall time; CUDA: device time between two CUDA events"
+
+
 class OursEager(_Ours):
-    timing = "per step: EagerSteps.step wall time"
-
-    def install(self):
-        from dgemma_compile.generate import EagerSteps
-
-        return patched(EagerSteps, "step", self.ctx.rec.timed(EagerSteps.step))
+    timing = f"per step: Observer.on_step, the block loop's step span (host-side input fills + denoise_step; {_SPAN})"
 
     def _generate(self, *args, **kwargs):
         import dgemma_compile as dg
@@ -108,7 +109,8 @@ class OursEager(_Ours):
 
 
 class OursCompiled(_Ours):
-    timing = "per step: CompiledSteps.step wall time (compiled unit + host-side buffer fills)"
+    timing = (f"per step: Observer.on_step, the block loop's step span (host-side input fills + the compiled "
+              f"denoise unit; {_SPAN}); the unit alone: Observer.on_unit")
 
     def __init__(self, ctx: Context):
         import dgemma_compile as dg
@@ -120,32 +122,16 @@ class OursCompiled(_Ours):
         self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=ctx.max_seq_len or max(need, C)))
         self.compile_s = self.gen.warmup(B, ctx.cfg)
         self.bucket = self.gen.bucket(B, ctx.cfg)
-        self.unit = self.bucket.denoise
-        self.unit_s: list[float] = []
-
-    def _timed_unit(self) -> None:
-        rec = self.ctx.rec
-        t0 = rec.clock()
-        self.unit()
-        if rec.current is not None:  # timed passes only
-            self.unit_s.append(rec.clock() - t0)
-
-    @contextlib.contextmanager
-    def install(self):
-        from dgemma_compile.compile import CompiledSteps
-
-        with patched(CompiledSteps, "step", self.ctx.rec.timed(CompiledSteps.step)), \
-                patched(self.bucket, "denoise", self._timed_unit):
-            yield
 
     def _generate(self, *args, **kwargs):
         return self.gen.generate(*args, **kwargs)
 
     def finish(self) -> None:
         ctx = self.ctx
-        ctx.extra.update(unit_step_s=self.unit_s, compile_units=dict(self.gen.compiles), inductor_s=self.gen.compile_seconds)
+        ctx.extra.update(unit_step_s=self.observer.units, compile_units=dict(self.gen.compiles),
+                         inductor_s=self.gen.compile_seconds)
         ctx.notes.append(f"compile s = gen.warmup({ctx.batch}) wall time (Inductor {self.gen.compile_seconds:.1f} s of it)")
-        _graph_notes(ctx, (self.unit, self.bucket.encode))
+        _graph_notes(ctx, self.bucket.units)
 
 
 class _Streamer:
@@ -246,7 +232,8 @@ def _graph_notes(ctx: Context, units) -> None:
             ctx.notes.append(f"{u.name}: CUDA graph replayed")
 
 
-def _make(system: str, ctx: Context) -> System:
+def make(system: str, ctx: Context) -> System:
+    """The prepared (compiled, where it compiles) `System` named `system`."""
     if system == "ours-compiled":
         return OursCompiled(ctx)
     if system == "ours-eager":
@@ -267,88 +254,3 @@ def workload_for(spec: models.ModelSpec, wspec: workloads.WorkloadSpec):
         mcfg, gcfg = models.full_config(tiny=spec.direct == "full-tiny"), dg.GenerationConfig()
     tokenizer = dg.load_tokenizer(spec.checkpoint) if spec.name == "demo" and wspec.kind == "adaptive" else None
     return workloads.build(wspec, mcfg, gcfg, tokenizer=tokenizer, demo_tasks=tokenizer is not None), tokenizer
-
-
-def _counter(group: str, name: str) -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters[group][name])
-
-
-def run(system: str, spec: models.ModelSpec, wspec: workloads.WorkloadSpec, device: str = "cpu",
-        dtype: str | None = None, max_seq_len: int | None = None, budget_s: float | None = None) -> dict:
-    """Run `system` on the workload: build and compile, one untimed warm-up pass, `repeats` timed passes.
-
-    Returns the raw measurement (lists of seconds and counts; `report.py` turns them into medians and ratios).
-    `max_seq_len`: static committed slots of the compiled systems' caches (default: just enough for the workload).
-    `budget_s`: stop after the timed repeat that crosses this many seconds (at least one repeat runs).
-    """
-    if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
-    warnings.filterwarnings("ignore")
-    logging.getLogger("torch._inductor").setLevel(logging.ERROR)
-    dev = torch.device(device)
-    dt = DTYPES[dtype] if dtype else None
-    torch.manual_seed(0)
-    work, tokenizer = workload_for(spec, wspec)
-    clock, mem = Clock(dev), PeakMemory(dev)
-    load = models.load_transformers if system.startswith("hf-") else models.load_ours
-    ctx = Context(model=load(spec, dev, dt), work=work, rec=Recorder(clock), max_seq_len=max_seq_len)
-    rec = ctx.rec
-
-    t0 = time.perf_counter()
-    cache_before = (_counter("inductor", "fxgraph_cache_hit"), _counter("inductor", "fxgraph_cache_miss"))
-    sut = _make(system, ctx)
-    prepare_s = time.perf_counter() - t0
-
-    def run_pass(record: bool):
-        tokens = forwards = 0
-        outs = []
-        for req in work.requests:
-            with rec.request() if record else contextlib.nullcontext():
-                seqs, n_tok, n_fwd = sut.request(req)
-            tokens, forwards = tokens + n_tok, forwards + n_fwd
-            outs.append(seqs)
-        return tokens, forwards, outs
-
-    with sut.install():
-        t1 = time.perf_counter()
-        run_pass(record=False)  # warm-up: excluded
-        warm_s = time.perf_counter() - t1
-        graphs_before = _counter("stats", "unique_graphs")
-        mem.reset()
-        repeat_s: list[float] = []
-        for _ in range(wspec.repeats):
-            t = clock()
-            tokens, forwards, outs = run_pass(record=True)
-            repeat_s.append(clock() - t)
-            if budget_s is not None and sum(repeat_s) > budget_s and len(repeat_s) < wspec.repeats:
-                ctx.notes.append(f"time budget: {len(repeat_s)} of {wspec.repeats} timed repeats")
-                break
-        peak = mem.read_mb()
-        new_graphs = _counter("stats", "unique_graphs") - graphs_before
-    sut.finish()
-    compile_s = sut.compile_s
-    if system == "hf-compiled":
-        compile_s = max(0.0, prepare_s + warm_s - min(repeat_s))
-        ctx.notes.append("compile s = warm-up pass minus the fastest timed pass (transformers compiles lazily)")
-    hits = _counter("inductor", "fxgraph_cache_hit") - cache_before[0]
-    misses = _counter("inductor", "fxgraph_cache_miss") - cache_before[1]
-    if hits or misses:
-        ctx.notes.append(f"Inductor FX graph cache: {hits} hit(s), {misses} miss(es) (hits make compile s smaller)")
-    if new_graphs:
-        ctx.notes.append(f"WARNING: {new_graphs} new graph(s) compiled during the timed passes")
-    if tokenizer is not None:
-        from dgemma_compile.demo.tasks import check
-
-        pairs = [(t, s) for req, seqs in zip(work.requests, outs) for t, s in zip(req.texts or [], seqs)]
-        ctx.extra["accuracy"] = sum(check(t, tokenizer.decode(s, skip_special_tokens=True)) for t, s in pairs) / len(pairs)
-    return dict(
-        system=system, status="ok", device=str(dev), dtype=str(ctx.model.dtype).replace("torch.", ""),
-        timing=sut.timing, step_s=[s for r in rec.requests for s in r.steps],
-        canvas_s=[d for r in rec.requests for d in r.block_durations()],
-        ttfb_s=[r.block_ends[0] - r.start for r in rec.requests if r.block_ends],
-        request_s=[r.end - r.start for r in rec.requests], repeat_s=repeat_s, tokens=tokens, forwards=forwards,
-        compile_s=compile_s, peak_mem_mb=peak, mem_kind=mem.kind, notes=ctx.notes, extra=ctx.extra,
-        threads=torch.get_num_threads(),
-    )

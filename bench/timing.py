@@ -1,8 +1,11 @@
-"""Clocks, per-request timing records, temporary patches and peak-memory probes shared by every system.
+"""Clocks, per-request timing records, the `Observer` that feeds them, temporary patches (transformers only) and
+peak-memory probes shared by every system.
 
 CPU: `time.perf_counter`. CUDA: the clock synchronises the device before reading `perf_counter`, so a mark means
 "everything launched so far has finished" (the generators measured here synchronise with the host every step anyway,
 to test for a finished block).
+Our generators are timed through their public `dgemma_compile.Observer` hook (`RecorderObserver`): step and unit
+durations are the library's spans (CPU: wall time; CUDA: device time between two events, read after each block).
 Peak memory: CPU resident-set high-water mark (Linux `VmHWM`, reset through /proc/self/clear_refs so that it covers
 only the timed runs; `ru_maxrss` of the whole process when that is unavailable); CUDA `max_memory_allocated`.
 """
@@ -16,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from dgemma_compile import Observer
 
 
 class Clock:
@@ -70,16 +75,19 @@ class Recorder:
             self.requests.append(self.current)
             self.current = None
 
+    def add_step(self, start: float, seconds: float) -> None:
+        """One step of the current request (ignored outside a recorded request) that began at clock time `start`."""
+        if self.current is not None:
+            if self.current.first_step is None:
+                self.current.first_step = start
+            self.current.steps.append(seconds)
+
     def timed(self, fn):
         """`fn` wrapped so that each call's duration is appended to the current request's steps."""
         def wrapper(*args, **kwargs):
             t0 = self.clock()
             out = fn(*args, **kwargs)
-            t1 = self.clock()
-            if self.current is not None:
-                if self.current.first_step is None:
-                    self.current.first_step = t0
-                self.current.steps.append(t1 - t0)
+            self.add_step(t0, self.clock() - t0)
             return out
         return wrapper
 
@@ -88,9 +96,52 @@ class Recorder:
             self.current.block_ends.append(self.clock())
 
 
+class RecorderObserver(Observer):
+    """Feeds a `dgemma_compile.Observer`'s timings into `rec` while a request is recorded: each `on_step` is a step,
+    `on_unit` durations of units whose name starts with `unit_prefix` are kept in `units` (the compiled denoise unit
+    alone), each `on_block_end` marks a block end (clock time).
+
+    The first step's start instant (block 0 of `RequestTimes.block_durations`): with `live` spans (CPU, delivered
+    as each step ends) it is the clock at delivery minus the step's duration; on CUDA spans arrive only after the
+    block, so it is the block end minus the summed device time of the block's steps (the host gaps between steps
+    of block 0 are then left out).
+    """
+
+    def __init__(self, rec: Recorder, *, live: bool, unit_prefix: str = "denoise_step["):
+        self.rec, self.live, self.unit_prefix = rec, live, unit_prefix
+        self.units: list[float] = []
+        self._block_steps = 0.0
+
+    def on_step(self, seconds: float) -> None:
+        cur = self.rec.current
+        if cur is None:
+            return
+        cur.steps.append(seconds)
+        if cur.first_step is None:
+            if self.live:
+                cur.first_step = self.rec.clock() - seconds
+            else:
+                self._block_steps += seconds
+
+    def on_unit(self, name: str, seconds: float) -> None:
+        if self.rec.current is not None and name.startswith(self.unit_prefix):
+            self.units.append(seconds)
+
+    def on_block_end(self, block: int) -> None:
+        cur = self.rec.current
+        if cur is None:
+            return
+        now = self.rec.clock()
+        if cur.first_step is None:
+            cur.first_step = now - self._block_steps
+        self._block_steps = 0.0
+        cur.block_ends.append(now)
+
+
 @contextlib.contextmanager
 def patched(obj, name: str, value):
-    """Temporarily replace attribute `name` of `obj` (a class or an instance)."""
+    """Temporarily replace attribute `name` of `obj` (a class or an instance). Only for transformers' model: our
+    library is observed through its public `Observer` hook, never patched (tests/test_bench.py checks)."""
     had = name in vars(obj)
     old = vars(obj).get(name)
     setattr(obj, name, value)
@@ -105,6 +156,11 @@ def patched(obj, name: str, value):
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs: list[float]) -> tuple[float, float, float]:
+    """(min, median, p90) of `xs` (NaNs when empty)."""
+    return (min(xs) if xs else float("nan")), median(xs), p90(xs)
 
 
 def p90(xs: list[float]) -> float:

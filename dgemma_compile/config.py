@@ -193,7 +193,8 @@ class GenerationConfig:
 
     - `max_new_tokens`: exact budget of generated tokens per request (the reference rounds up to whole canvases).
     - `max_denoising_steps` (N): denoise steps per block at most; step n = N..1 uses temperature
-      T = t_min + (t_max - t_min) * n / N (`LinearTemperatureScheduleLogitsProcessor`).
+      T = t_min + (t_max - t_min) * n / N (`LinearTemperatureScheduleLogitsProcessor`); t_min == t_max is a constant
+      temperature (transformers refuses it); T below float32's smallest normal (0 included) is greedy.
     - `entropy_bound`: accept the lowest-entropy positions while (cumulative entropy - own entropy) <= bound
       (`EntropyBoundSampler.accept_canvas`, arXiv 2505.24857).
     - `stability_threshold`, `confidence_threshold`: stop a block when the argmax canvas equals the one of each of
@@ -230,7 +231,8 @@ class GenerationConfig:
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0, name,
                      f"must be a finite number >= 0, got {v!r}")
-        _require(self.t_max > self.t_min, "t_max", f"must be > t_min (got t_max={self.t_max}, t_min={self.t_min})")
+        # t_min == t_max (a constant temperature) is allowed: a deliberate difference from transformers.
+        _require(self.t_max >= self.t_min, "t_max", f"must be >= t_min (got t_max={self.t_max}, t_min={self.t_min})")
         if self.eos_token_ids is not None:
             _require(isinstance(self.eos_token_ids, (tuple, list)) and all(_is_int(e) and e >= 0 for e in self.eos_token_ids),
                      "eos_token_id",
@@ -238,6 +240,19 @@ class GenerationConfig:
         if self.pad_token_id is not None:
             _require(_is_int(self.pad_token_id) and self.pad_token_id >= 0, "pad_token_id",
                      f"must be a non-negative token id, got {self.pad_token_id!r}")
+
+    def with_temperature(self, temperature: float) -> "GenerationConfig":
+        """What one user-facing temperature T means (the CLI's --temperature, the server's `temperature`): T scales
+        the whole schedule, t_min' = T * t_min and t_max' = T * t_max, so T = 1 keeps the checkpoint's schedule
+        (its tuned default), T < 1 sharpens every step proportionally, and T = 0 is greedy decoding (argmax tokens,
+        every position accepted; see `sampler.GREEDY_BELOW`).
+
+        Raises:
+            ConfigError: T negative, not finite or not a number (names `temperature`).
+        """
+        ok = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and math.isfinite(temperature)
+        _require(ok and temperature >= 0, "temperature", f"must be a finite number >= 0, got {temperature!r}")
+        return self.replace(t_min=self.t_min * temperature, t_max=self.t_max * temperature)
 
     def replace(self, **changes: Any) -> "GenerationConfig":
         """A validated copy with `changes` applied."""

@@ -3,11 +3,14 @@
 The loop of transformers' `DiffusionGemmaGenerationMixin.generate` (REFERENCE.md, "The block-diffusion loop"):
 prefill; per block: a uniform random canvas, denoise steps n = N..1 (temperature schedule, sampling, entropy-bound
 acceptance, renoise, stable-and-confident stop with per-row frozen state), commit of the argmax canvas with an
-encoder pass, eos -> pad. Two deliberate differences, each tested:
+encoder pass, eos -> pad. Deliberate differences, each tested:
 - `max_new_tokens` is exact (the block that crosses it is truncated); the reference rounds up to whole canvases.
-- each request draws from its own counter-based random stream (`sampler.stream_seed`) and sampling uses one
-  uniform per position (inverse CDF) instead of `torch.multinomial`, so a request's tokens depend only on its
-  prompt and seed, never on its batch mates. Rows that finished are frozen instead of denoised further.
+- each request draws from its own counter-based random stream (`rng.py`, Philox4x32-10 keyed by its seed) and
+  sampling uses one uniform per position (a chunked inverse CDF, `sampler.SCHEME`) instead of `torch.multinomial`,
+  so a request's tokens depend only on its prompt, seed and config, never on its batch mates. Rows that finished
+  are frozen instead of denoised further.
+- a constant temperature (t_min == t_max) is allowed, and temperatures below float32's smallest normal are greedy.
+- a per-request stop hook can end requests after any block (finish_reason "stop").
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import torch
 from .config import ConfigError, GenerationConfig
 from .model import DiffusionGemma
 from .observe import STEP, Observer, SpanTimer
-from .sampler import start_canvas, step_noise, temperature
+from .ops.moe import resolve_moe_impl
+from .sampler import SCHEME
 from .steps import EagerSteps, StepRunner, prefill
+from .stop_check import StopCheck
 
 
 @dataclass
@@ -54,6 +59,14 @@ class GenerationOutput:
 
     sequences: list[list[int]]
     stats: list[RequestStats]
+    forwards_per_block: list[int] = field(default_factory=list)
+    """Denoise forwards the batch ran per block (one forward serves every row)."""
+    wasted_forwards: list[int] = field(default_factory=list)
+    """Per block: forwards run after every row had finished (frozen-only; see `stop_check.StopCheck`)."""
+    moe_impl: str = ""
+    """The routed experts' implementation that ran (`ops.moe.resolve_moe_impl`)."""
+    scheme: str = SCHEME
+    """The sampling numerics (`sampler.SCHEME`)."""
 
 
 BlockCallback = Callable[[int, list[list[int]]], None]
@@ -68,13 +81,17 @@ The hook's verdict wins over eos or the budget ending the request in the same bl
 earlier block are ignored; an index outside the call raises ValueError."""
 
 
-def validate_prompts(model: DiffusionGemma, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    """Check and normalise prompts. Raises `ConfigError` naming the prompt and the problem."""
+def validate_prompts(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
+                     max_new_tokens: int | Sequence[int]) -> list[list[int]]:
+    """Check and normalise prompts (`max_new_tokens`: one budget, or one per prompt). Raises `ConfigError` naming the
+    prompt and the problem."""
     cfg = model.config
     if len(prompts) == 0:
         raise ConfigError("prompts: no prompt given")
     out = []
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     for i, p in enumerate(prompts):
+        max_new_tokens = budgets[i]
         ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
         if not ids:
             raise ConfigError(f"prompts[{i}]: empty prompt")
@@ -98,75 +115,119 @@ def _seeds(seed: int | Sequence[int], n: int) -> list[int]:
     return seeds
 
 
-def plan(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: GenerationConfig | None,
-         seed: int | Sequence[int]) -> tuple[GenerationConfig, list[list[int]], list[int], int]:
-    """Resolve and validate a request batch: (config, prompts, seeds, committed slots needed per row)."""
-    cfg = (config or getattr(model, "generation_config", None) or GenerationConfig()).resolved(model.config)
-    prompts = validate_prompts(model, prompts, cfg.max_new_tokens)
+STRUCTURAL = ("stability_threshold", "stop_early", "eos_token_ids", "pad_token_id")
+"""GenerationConfig fields every request of one call must share (they shape the compiled step or the block loop);
+the others (budgets, steps, temperatures, bounds) may differ per request."""
+
+
+def resolve_configs(model: DiffusionGemma, config: GenerationConfig | Sequence[GenerationConfig] | None,
+                    n: int) -> list[GenerationConfig]:
+    """One resolved config per request: `config` is one for all, one per request, or None (the model's).
+
+    Raises:
+        ConfigError: a list of the wrong length, or requests that differ in a `STRUCTURAL` field.
+    """
+    default = getattr(model, "generation_config", None) or GenerationConfig()
+    if config is None or isinstance(config, GenerationConfig):
+        return [(config or default).resolved(model.config)] * n
+    cfgs = [(c or default).resolved(model.config) for c in config]
+    if len(cfgs) != n:
+        raise ConfigError(f"config: give one GenerationConfig, or one per prompt ({n}), got {len(cfgs)}")
+    for name in STRUCTURAL:
+        values = {getattr(c, name) for c in cfgs}
+        if len(values) > 1:
+            raise ConfigError(f"config: {name} must be the same for every request of a call, got {sorted(values)}")
+    return cfgs
+
+
+def plan(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
+         config: GenerationConfig | Sequence[GenerationConfig] | None, seed: int | Sequence[int]
+         ) -> tuple[list[GenerationConfig], list[list[int]], list[int], int]:
+    """Resolve and validate a request batch: (one config per request, prompts, seeds, committed slots needed per
+    row)."""
+    n = len(prompts) if hasattr(prompts, "__len__") else 0
+    cfgs = resolve_configs(model, config, n)
+    prompts = validate_prompts(model, prompts, [c.max_new_tokens for c in cfgs])
     seeds = _seeds(seed, len(prompts))
-    num_blocks = math.ceil(cfg.max_new_tokens / model.config.canvas_length)
+    C = model.config.canvas_length
     # the last block is never committed
-    max_seq_len = max(len(p) for p in prompts) + (num_blocks - 1) * model.config.canvas_length
-    return cfg, prompts, seeds, max_seq_len
+    max_seq_len = max(len(p) + (math.ceil(c.max_new_tokens / C) - 1) * C for p, c in zip(prompts, cfgs))
+    return cfgs, prompts, seeds, max_seq_len
 
 
 @torch.no_grad()
-def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
+def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
+             config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
              seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
-             observer: Observer | None = None) -> GenerationOutput:
+             observer: Observer | None = None, moe_impl: str = "auto") -> GenerationOutput:
     """Generate continuations of `prompts` (lists of token ids) by block diffusion, eagerly.
 
     Args:
         model: a loaded `DiffusionGemma`.
         prompts: B token-id sequences of any lengths (>= 1).
-        config: generation parameters; default `model.generation_config` (or the reference defaults).
+        config: generation parameters: one for every request, or one per request (they may differ in everything but
+            `STRUCTURAL`); default `model.generation_config` (or the reference defaults).
         seed: one seed for every request, or one per request. A request's output depends only on its prompt, its
             seed and the config.
         on_block: called after each finalised block (see `BlockCallback`).
         stop: per-request host stop hook, called after each finalised block (see `StopHook`).
         observer: receives per-step timings (`observe.Observer`).
+        moe_impl: the routed experts' implementation: "auto" (the eager rule of `ops.moe.resolve_moe_impl`: "loop",
+            transformers' summation order), or "loop" | "grouped" | "dense" (to reproduce a compiled generator's
+            numerics: pass its `moe_impl`). The output's `moe_impl` says which ran.
     Returns:
         `GenerationOutput` with sequences and per-request statistics.
     Raises:
         ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context).
     """
-    cfg, prompts, seeds, max_seq_len = plan(model, prompts, config, seed)
-    runner = EagerSteps(model, cfg, len(prompts), max_seq_len)
-    return run_block_diffusion(model, runner, prompts, cfg, seeds, on_block=on_block, stop=stop,
-                               timer=SpanTimer(model.device, observer))
+    cfgs, prompts, seeds, max_seq_len = plan(model, prompts, config, seed)
+    impl = resolve_moe_impl(moe_impl, dtype=model.dtype, num_experts=model.config.num_experts,
+                            top_k=model.config.top_k_experts, compiled=False)
+    runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl)
+    out = run_block_diffusion(model, runner, prompts, cfgs, on_block=on_block, stop=stop,
+                              timer=SpanTimer(model.device, observer))
+    out.moe_impl = impl
+    return out
 
 
-def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list[list[int]], cfg: GenerationConfig,
-                        seeds: list[int], *, on_block: BlockCallback | None = None, stop: StopHook | None = None,
-                        timer: SpanTimer | None = None) -> GenerationOutput:
-    """The block loop over validated inputs (see `plan`), driving `runner` (eager or compiled steps): prefill in
-    fixed chunks; per block: start canvas, denoise steps n = N..1 until every row finished, finalise (eos, budget,
-    `on_block`, `stop`), commit the argmax canvas of rows still running."""
-    dev, V, C = model.device, model.config.vocab_size, model.config.canvas_length
-    R, N = len(prompts), cfg.max_denoising_steps
+def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list[list[int]],
+                        cfgs: list[GenerationConfig], *, on_block: BlockCallback | None = None,
+                        stop: StopHook | None = None, timer: SpanTimer | None = None,
+                        stop_check: StopCheck | None = None) -> GenerationOutput:
+    """The block loop over validated inputs (see `plan`), driving `runner` (eager or compiled steps, built for these
+    requests and seeds): prefill in fixed chunks; per block: start canvases, denoise steps until every row finished
+    (stopped early or ran its step budget), finalise (eos, budget, `on_block`, `stop`), commit the argmax canvas of
+    rows still running. The host reads one flag per step, when `stop_check` says (default: "sync", every step);
+    everything else stays on the device."""
+    dev, C = model.device, model.config.canvas_length
+    R = len(prompts)
     timer = timer or SpanTimer(dev, None)
-    num_blocks = math.ceil(cfg.max_new_tokens / C)
+    stop_check = stop_check or StopCheck("sync")
+    out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)])
+    sequences, stats = out.sequences, out.stats
+    num_blocks = max(math.ceil(c.max_new_tokens / C) for c in cfgs)
+    max_steps = max(c.max_denoising_steps for c in cfgs)
     lengths = torch.tensor([len(p) for p in prompts], device=dev)
-    input_ids = torch.full((R, int(lengths.max())), cfg.pad_token_id, dtype=torch.long, device=dev)
+    input_ids = torch.full((R, int(lengths.max())), cfgs[0].pad_token_id, dtype=torch.long, device=dev)
     for r, p in enumerate(prompts):
         input_ids[r, :len(p)] = torch.tensor(p, device=dev)
     prefill(runner, input_ids, lengths)
 
-    eos = torch.tensor(cfg.eos_token_ids, dtype=torch.long, device=dev)
-    sequences: list[list[int]] = [[] for _ in range(R)]
-    stats = [RequestStats() for _ in range(R)]
+    eos = torch.tensor(cfgs[0].eos_token_ids, dtype=torch.long, device=dev)
     done = torch.zeros(R, dtype=torch.bool, device=dev)
     for block in range(num_blocks):
-        runner.begin_block(torch.stack([start_canvas(s, block, C, V, dev) for s in seeds]), done)
-        for n in range(N, 0, -1):
-            noise = step_noise(seeds, block, n, C, V, dev)
+        runner.begin_block(block, done)
+        stop_check.begin_block()
+        for _ in range(max_steps):
             with timer.span(STEP):
-                finished = runner.step(temperature(n, N, cfg.t_min, cfg.t_max), noise)
-            if bool(finished.all()):
+                finished = runner.step()
+            if stop_check.done(finished.all()):
                 break
         argmax, block_steps = runner.result()
         live = (~done).tolist()
-        new_tokens = _finalize_block(argmax, done, eos, cfg, sequences, stats, block_steps)
+        out.forwards_per_block.append(stop_check.steps)
+        out.wasted_forwards.append(stop_check.steps - int(block_steps.max()))
+        new_tokens = _finalize_block(argmax, done, eos, cfgs, sequences, stats, block_steps)
         timer.flush(block)
         if on_block is not None:
             on_block(block, new_tokens)
@@ -179,10 +240,10 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
         if bool(done.all()) or block == num_blocks - 1:
             break
         runner.encode_chunk(argmax, torch.where(done, 0, C))
-    return GenerationOutput(sequences=sequences, stats=stats)
+    return out
 
 
-def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, eos: torch.Tensor, cfg: GenerationConfig,
+def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, eos: torch.Tensor, cfgs: list[GenerationConfig],
                     sequences: list[list[int]], stats: list[RequestStats], steps_B: torch.Tensor) -> list[list[int]]:
     """Append each live row's block up to its first eos and its token budget; mark rows done (in place)."""
     new_tokens: list[list[int]] = []
@@ -192,7 +253,7 @@ def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, eos: torch.Te
             new_tokens.append([])
             continue
         row = argmax_BC[b].tolist()
-        st = stats[b]
+        st, cfg = stats[b], cfgs[b]
         st.steps_per_block.append(int(steps_B[b]))
         eos_at = int(is_eos[b].float().argmax()) if bool(is_eos[b].any()) else None
         keep = row[:eos_at + 1] if eos_at is not None else row

@@ -23,6 +23,7 @@ from . import ops  # noqa: F401  (registers torch.ops.dgemma.*)
 from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
 from .masks import block_mask_mod, dense_block_mask, flex_block_attention, make_block_mask
+from .ops import MOE_IMPLS
 
 ATTENTION_BACKENDS = ("flex", "dense")
 
@@ -146,9 +147,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E gated experts stored as 3-D tensors: gate_up_proj [E, 2I, D], down_proj [E, D, I]. Eager reference:
-    a loop over the experts that received tokens, accumulated in expert order like transformers (`ops.moe_experts`,
-    a custom op so that compiled graphs stay whole)."""
+    """E gated experts stored as 3-D tensors: gate_up_proj [E, 2I, D], down_proj [E, D, I], run by one custom op
+    (`ops.moe_experts`) whose `impl` names the implementation: "loop" (transformers' order, the reference),
+    "grouped" or "dense" (see `ops/moe.py`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -156,8 +157,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
-    def forward(self, x_ND, w_NK, idx_NK):
-        return torch.ops.dgemma.moe_experts(x_ND, w_NK, idx_NK, self.gate_up_proj, self.down_proj)
+    def forward(self, x_ND, w_NK, idx_NK, impl: str):
+        return torch.ops.dgemma.moe_experts(x_ND, w_NK, idx_NK, self.gate_up_proj, None, self.down_proj, None, impl)
 
 
 class Layer(nn.Module):
@@ -181,13 +182,13 @@ class Layer(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
         self.register_buffer("decoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x_BTD, cos, sin, cache, mask_BTS, n_new_B, encoder: bool):
+    def forward(self, x_BTD, cos, sin, cache, mask_BTS, n_new_B, encoder: bool, moe_impl: str):
         attn = self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, self.layer, mask_BTS, n_new_B, commit=encoder)
         h = x_BTD + self.post_attention_layernorm(attn)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         h_ND = h.reshape(-1, h.shape[-1])
         w_NK, idx_NK = self.router(h_ND)
-        moe = self.experts(self.pre_feedforward_layernorm_2(h_ND), w_NK, idx_NK).reshape(h.shape)
+        moe = self.experts(self.pre_feedforward_layernorm_2(h_ND), w_NK, idx_NK, moe_impl).reshape(h.shape)
         h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
         return h * (self.encoder_layer_scalar if encoder else self.decoder_layer_scalar)
 
@@ -210,18 +211,23 @@ class DiffusionGemma(nn.Module):
     `window_kind` selects the sliding-window semantics of denoise passes: "anchored" (the reference, default) or
     "symmetric" (|q - k| <= W); see `masks.py`. `attention` selects FlexAttention on block masks ("flex", the
     default: one code path for eager, compiled, CPU and GPU) or softmax attention on dense masks ("dense", the test
-    reference).
+    reference). `moe_impl` is the default implementation of the routed experts (one of `ops.MOE_IMPLS`; "loop",
+    transformers' summation order, by default); the forward calls take a `moe_impl` that overrides it per call.
     """
 
-    def __init__(self, config: ModelConfig, *, window_kind: str = "anchored", attention: str = "flex"):
+    def __init__(self, config: ModelConfig, *, window_kind: str = "anchored", attention: str = "flex",
+                 moe_impl: str = "loop"):
         super().__init__()
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        if moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
         if window_kind not in ("anchored", "symmetric"):
             raise ValueError(f"window_kind must be 'anchored' or 'symmetric', got {window_kind!r}")
         self.config = config
         self.window_kind = window_kind
         self.attention = attention
+        self.moe_impl = moe_impl
         self.generation_config = GenerationConfig()  # the loader sets the checkpoint's
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
@@ -257,7 +263,8 @@ class DiffusionGemma(nn.Module):
                          dtype=self.dtype, device=self.device)
 
     @torch.no_grad()
-    def encode(self, input_ids: torch.Tensor, cache: KVCache, input_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, cache: KVCache, input_lengths: torch.Tensor | None = None,
+               moe_impl: str | None = None) -> torch.Tensor:
         """Causal encoder pass (prefill or commit) over `input_ids` placed right after what each row of the cache
         holds; writes their keys/values and advances `cache.lengths`.
 
@@ -265,12 +272,14 @@ class DiffusionGemma(nn.Module):
             input_ids: int64 [B, T]. Rows may be right-padded: `input_lengths` [B] (int64, default all T) gives each
                 row's real tokens; padding positions are ignored (their outputs are meaningless).
             cache: from `new_cache`, batch size B.
+            moe_impl: the experts' implementation (`ops.MOE_IMPLS`); None: `self.moe_impl`.
         Returns:
             Final-norm hidden states [B, T, D] in the model dtype (`logits()` turns them into float32 logits).
         Raises:
-            ValueError: shapes or ids out of range. CacheFullError: a row would exceed `cache.max_seq_len`.
-            Nothing is written when an error is raised.
+            ValueError: shapes or ids out of range, an unknown moe_impl. CacheFullError: a row would exceed
+            `cache.max_seq_len`. Nothing is written when an error is raised.
         """
+        self._check_moe_impl(moe_impl)
         B, T = self._check_ids(input_ids, cache, "input_ids")
         n_B = torch.full((B,), T, dtype=torch.long, device=input_ids.device) if input_lengths is None else input_lengths
         if (not isinstance(n_B, torch.Tensor) or n_B.dtype not in (torch.int64, torch.int32) or n_B.shape != (B,)
@@ -286,11 +295,12 @@ class DiffusionGemma(nn.Module):
         outs = []
         for start in range(0, T, cache.block_size):
             chunk = input_ids[:, start:start + cache.block_size]
-            outs.append(self.encode_block(chunk, cache, (n_B - start).clamp(0, chunk.shape[1])))
+            outs.append(self.encode_block(chunk, cache, (n_B - start).clamp(0, chunk.shape[1]), moe_impl))
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()
-    def denoise(self, canvas: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def denoise(self, canvas: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None = None,
+                moe_impl: str | None = None) -> torch.Tensor:
         """Bidirectional denoiser pass over `canvas` placed right after each row's cached tokens. Reads the committed
         cache and never changes it (the canvas keys/values only pass through the cache's block slots, scratch space).
         With nothing committed yet, the canvas attends only to itself.
@@ -300,29 +310,34 @@ class DiffusionGemma(nn.Module):
             self_conditioning_logits: [B, C, V] logits of the previous step (the generator passes the
                 temperature-scaled ones), or None on a block's first step (the soft embedding is then zero, not
                 uniform).
+            moe_impl: the experts' implementation (`ops.MOE_IMPLS`); None: `self.moe_impl`.
         Returns:
             float32 logits [B, C, V], soft-capped.
         """
+        self._check_moe_impl(moe_impl)
         B, C = self._check_ids(canvas, cache, "canvas")
         V = self.config.vocab_size
         sc = self_conditioning_logits
         if sc is not None and (sc.shape != (B, C, V) or not sc.is_floating_point()):
             raise ValueError(f"self_conditioning_logits must be floating point [B={B}, C={C}, V={V}], "
                              f"got {sc.dtype} {tuple(sc.shape)}")
-        return self.denoise_block(canvas, cache, self_conditioning_logits)
+        return self.denoise_block(canvas, cache, self_conditioning_logits, moe_impl=moe_impl)
 
     # ----- unchecked building blocks (no host synchronisation; what compiled steps call) ------------------------
-    def encode_block(self, ids_BT: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor) -> torch.Tensor:
+    def encode_block(self, ids_BT: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor,
+                     moe_impl: str | None = None) -> torch.Tensor:
         """One encoder pass over T <= cache.block_size tokens, n_new_B [B] of them real per row; commits them and
-        advances `cache.lengths`. No validation: callers check (see `encode`)."""
-        hidden = self._forward_block(self._embed(ids_BT), cache, n_new_B, encoder=True)
+        advances `cache.lengths`. `moe_impl` None: `self.moe_impl`. No validation: callers check (see `encode`)."""
+        hidden = self._forward_block(self._embed(ids_BT), cache, n_new_B, encoder=True, moe_impl=moe_impl)
         cache.lengths += n_new_B
         return hidden
 
     def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
-                      self_conditioning_mask_B: torch.Tensor | None = None) -> torch.Tensor:
+                      self_conditioning_mask_B: torch.Tensor | None = None,
+                      moe_impl: str | None = None) -> torch.Tensor:
         """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
-        self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch."""
+        self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch.
+        `moe_impl` None: `self.moe_impl`."""
         embeds = self._embed(canvas_BC)
         if self_conditioning_logits is None:
             soft = torch.zeros_like(embeds)
@@ -333,7 +348,7 @@ class DiffusionGemma(nn.Module):
             if self_conditioning_mask_B is not None:
                 soft = torch.where(self_conditioning_mask_B[:, None, None], soft, torch.zeros_like(soft))
         x = self.self_conditioning(embeds, soft)
-        return self.logits(self._forward_block(x, cache, None, encoder=False))
+        return self.logits(self._forward_block(x, cache, None, encoder=False, moe_impl=moe_impl))
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         """Tied lm_head, then float32 soft-capping cap * tanh(logits / cap)."""
@@ -362,6 +377,10 @@ class DiffusionGemma(nn.Module):
             raise ValueError(f"{name} holds token ids outside [0, {self.config.vocab_size})")
         return B, T
 
+    def _check_moe_impl(self, moe_impl: str | None) -> None:
+        if moe_impl is not None and moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+
     def _check_cache(self, cache: KVCache) -> None:
         shapes = [(self.config.num_kv_heads[i], self.config.head_dims[i]) for i in range(self.config.num_layers)]
         got = [(k.shape[1], k.shape[3]) for k in cache.keys]
@@ -371,8 +390,10 @@ class DiffusionGemma(nn.Module):
                              f"on {k0.device if k0 is not None else None}); use this model's new_cache()")
 
     def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor | None,
-                       encoder: bool) -> torch.Tensor:
-        """The layers over one block; `n_new_B` None means every block token is real (a canvas)."""
+                       encoder: bool, moe_impl: str | None = None) -> torch.Tensor:
+        """The layers over one block; `n_new_B` None means every block token is real (a canvas); `moe_impl` None
+        means `self.moe_impl`."""
+        moe_impl = self.moe_impl if moe_impl is None else moe_impl
         B, T, _ = x_BTD.shape
         positions_BT = cache.lengths[:, None] + torch.arange(T, device=x_BTD.device)[None, :]
         rope, masks = {}, {}
@@ -389,6 +410,6 @@ class DiffusionGemma(nn.Module):
                 masks[lt] = make_block_mask(mask_mod, B, T, S, x_BTD.device)
         for layer in self.layers:
             cos, sin = rope[layer.layer_type]
-            x_BTD = layer(x_BTD, cos, sin, cache, masks[layer.layer_type], n_new_B, encoder)
+            x_BTD = layer(x_BTD, cos, sin, cache, masks[layer.layer_type], n_new_B, encoder, moe_impl)
         return self.norm(x_BTD)
 

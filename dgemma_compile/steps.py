@@ -5,7 +5,8 @@
 - `DenoiseState` is the per-row state of the block in flight and `StepInputs` the per-step inputs, both static
   device buffers; "no self-conditioning yet" is the `has_sc` flag in every path.
 - `denoise_step` and `encode_chunk` are the two steps, pure functions of (model, cache, buffers) that update the
-  buffers in place with no host synchronisation. The eager generator calls them directly; the compiled generator
+  buffers in place with no host synchronisation; the denoise step draws its own noise from the request's
+  counter-based stream (`rng.py`) and reads its temperature from a per-row table. The eager generator calls them directly; the compiled generator
   compiles exactly these functions (`compile/generator.py`).
 - `BufferSteps` implements `StepRunner` over those buffers for any pair of zero-argument step callables, so eager
   and compiled share every host-side fill; `EagerSteps` is the eager instance.
@@ -16,7 +17,7 @@ P stability_threshold (history depth), T block tokens (encoder chunk).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +26,8 @@ import torch
 from .config import GenerationConfig
 from .kv_cache import KVCache
 from .model import DiffusionGemma
-from .sampler import StepNoise, denoise_update
+from . import rng
+from .sampler import StepNoise, denoise_update, temperature_table
 
 
 class StepRunner(Protocol):
@@ -37,11 +39,13 @@ class StepRunner(Protocol):
     def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
         """Causal pass over T' <= T tokens, n_new_R[r] of row r real: a prefill chunk or a commit; writes the KV."""
 
-    def begin_block(self, canvas_RC: torch.Tensor, frozen_R: torch.Tensor) -> None:
-        """Start a block from its start canvas; rows in `frozen_R` (done requests) stay frozen."""
+    def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
+        """Start block `block` (0-based, per request) from each request's start canvas (`rng.start_canvas`); rows in
+        `frozen_R` (done requests) stay frozen."""
 
-    def step(self, temperature: float, noise: StepNoise) -> torch.Tensor:
-        """One denoise step; returns the finished flags, bool [R]."""
+    def step(self) -> torch.Tensor:
+        """One denoise step (every per-step value is already on the device); returns the finished flags, bool [R].
+        A row finishes when it stops early or has run its step budget."""
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's argmax canvas int64 [R, C] (what gets committed) and decoder passes int64 [R]."""
@@ -91,53 +95,86 @@ class DenoiseState:
 
 @dataclass
 class StepInputs:
-    """Per-step and per-chunk inputs as device tensors (never Python scalars, so a compiled step never recompiles).
+    """Per-request parameters and per-chunk inputs as device tensors (never Python scalars, so a compiled step
+    never recompiles when a value changes, and rows of one bucket may carry different values).
 
-    temperature, entropy_bound, confidence: float32 0-d; uniform: float32 [B, C] and renoise: int64 [B, C], the
-    step's random draws; ids: int64 [B, T] and n_new: int64 [B], the encoder chunk and its real tokens per row.
+    seeds: int64 [B], each request's 64-bit seed as its two's-complement bit pattern (`rng.seed_tensor`); block:
+    int64 [B], the block in flight; temperature: float32 [B, W] and greedy: bool [B, W], each row's temperature
+    table indexed by its step counter (`sampler.temperature_table`); budget: int64 [B], denoise steps per block at
+    most (max_denoising_steps); entropy_bound, confidence: float32 [B]; ids: int64 [B, T] and n_new: int64 [B],
+    the encoder chunk and its real tokens per row.
     """
 
+    seeds: torch.Tensor
+    block: torch.Tensor
     temperature: torch.Tensor
+    greedy: torch.Tensor
+    budget: torch.Tensor
     entropy_bound: torch.Tensor
     confidence: torch.Tensor
-    uniform: torch.Tensor
-    renoise: torch.Tensor
     ids: torch.Tensor
     n_new: torch.Tensor
 
     @classmethod
-    def allocate(cls, model: DiffusionGemma, rows: int, block_size: int) -> "StepInputs":
-        C, dev = model.config.canvas_length, model.device
+    def allocate(cls, model: DiffusionGemma, rows: int, block_size: int, width: int) -> "StepInputs":
+        dev = model.device
         f32, long = dict(dtype=torch.float32, device=dev), dict(dtype=torch.long, device=dev)
-        return cls(temperature=torch.ones((), **f32), entropy_bound=torch.zeros((), **f32),
-                   confidence=torch.zeros((), **f32), uniform=torch.zeros(rows, C, **f32),
-                   renoise=torch.zeros(rows, C, **long), ids=torch.zeros(rows, block_size, **long),
-                   n_new=torch.zeros(rows, **long))
+        return cls(seeds=torch.zeros(rows, **long), block=torch.zeros(rows, **long),
+                   temperature=torch.ones(rows, width, **f32),
+                   greedy=torch.zeros(rows, width, dtype=torch.bool, device=dev), budget=torch.ones(rows, **long),
+                   entropy_bound=torch.ones(rows, **f32), confidence=torch.zeros(rows, **f32),
+                   ids=torch.zeros(rows, block_size, **long), n_new=torch.zeros(rows, **long))
+
+    def set_requests(self, cfgs: Sequence[GenerationConfig], seeds: Sequence[int]) -> None:
+        """Fill the per-request rows from one resolved config and seed per request; padding rows get harmless
+        values (they stay frozen). Raises ValueError when a config asks more steps than the table width W."""
+        R, dev = len(cfgs), self.seeds.device
+        T, greedy = temperature_table([(c.t_min, c.t_max, c.max_denoising_steps) for c in cfgs],
+                                      self.temperature.shape[1])
+        self.seeds.zero_()
+        self.seeds[:R] = rng.seed_tensor(seeds, device=dev)
+        self.temperature.fill_(1.0)
+        self.temperature[:R] = T.to(dev)
+        self.greedy.fill_(False)
+        self.greedy[:R] = greedy.to(dev)
+        self.budget.fill_(1)
+        self.budget[:R] = torch.tensor([c.max_denoising_steps for c in cfgs], device=dev)
+        self.entropy_bound.fill_(1.0)
+        self.entropy_bound[:R] = torch.tensor([c.entropy_bound for c in cfgs], dtype=torch.float32, device=dev)
+        self.confidence.zero_()
+        self.confidence[:R] = torch.tensor([c.confidence_threshold for c in cfgs], dtype=torch.float32, device=dev)
 
 
 def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs, *,
-                 stop_early: bool) -> None:
-    """One denoise step over all rows, in place: count the pass for live rows, decoder forward with
-    self-conditioning where `has_sc`, then `sampler.denoise_update` (sampling, entropy-bound acceptance, renoise,
-    stable-and-confident stop, frozen rows), and keep the scaled logits (cast to the model dtype) for the next step."""
+                 stop_early: bool, moe_impl: str) -> None:
+    """One denoise step over all rows, in place: each row's temperature from its table at its step counter k and
+    its noise from `rng.step_noise` at step n = budget - k (drawn here, inside the step); count the pass for live
+    rows; decoder forward with self-conditioning where `has_sc`; `sampler.denoise_update` (sampling, entropy-bound
+    acceptance, renoise, stable-and-confident stop, frozen rows); a row that ran its budget finishes; keep the
+    self-conditioning logits (cast to the model dtype, finite) for the next step. `moe_impl`: the routed experts'
+    implementation (`ops.moe.resolve_moe_impl`)."""
+    C, V = state.canvas.shape[1], model.config.vocab_size
+    k_B1 = state.steps.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
+    uniform, renoise = rng.step_noise(inputs.seeds, inputs.block, inputs.budget - state.steps, C, V)
     state.steps.add_((~state.finished).long())
-    logits = model.denoise_block(state.canvas, cache, state.sc_logits, state.has_sc)
-    new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits, inputs.temperature,
-                         StepNoise(uniform=inputs.uniform, renoise=inputs.renoise),
-                         entropy_bound=inputs.entropy_bound, confidence_threshold=inputs.confidence,
-                         stop_early=stop_early)
+    logits = model.denoise_block(state.canvas, cache, state.sc_logits, state.has_sc, moe_impl=moe_impl)
+    new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
+                         inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
+                         StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
+                         confidence_B=inputs.confidence, stop_early=stop_early)
     state.canvas.copy_(new.canvas)
     state.argmax.copy_(new.argmax)
     state.history.copy_(new.history)
-    state.finished.copy_(new.finished)
-    state.sc_logits.copy_(new.scaled)
+    state.finished.copy_(new.finished | (state.steps >= inputs.budget))
+    big = torch.finfo(state.sc_logits.dtype).max
+    state.sc_logits.copy_(new.sc_logits.clamp(-big, big))
     state.has_sc.fill_(True)
 
 
-def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs) -> None:
+def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, *, moe_impl: str) -> None:
     """One causal encoder pass over `inputs.ids` with `inputs.n_new` real tokens per row (prefill chunk or commit);
     writes their keys/values and advances `cache.lengths`."""
-    model.encode_block(inputs.ids, cache, inputs.n_new)
+    model.encode_block(inputs.ids, cache, inputs.n_new, moe_impl=moe_impl)
 
 
 def prefill(runner: StepRunner, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
@@ -152,13 +189,13 @@ class BufferSteps:
     """`StepRunner` over static buffers: every host-side fill lives here, the steps are the callables `denoise` and
     `encode` (zero-argument, over `state`, `inputs` and `cache`): eager functions or compiled units."""
 
-    def __init__(self, *, cfg: GenerationConfig, requests: int, cache: KVCache, state: DenoiseState,
-                 inputs: StepInputs, denoise: Callable[[], None], encode: Callable[[], None]):
-        self.R, self.cache, self.state, self.inputs = requests, cache, state, inputs
+    def __init__(self, *, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], cache: KVCache,
+                 state: DenoiseState, inputs: StepInputs, denoise: Callable[[], None], encode: Callable[[], None]):
+        self.R, self.cache, self.state, self.inputs = len(cfgs), cache, state, inputs
         self.denoise, self.encode = denoise, encode
         self.block_size = inputs.ids.shape[1]
-        inputs.entropy_bound.fill_(cfg.entropy_bound)
-        inputs.confidence.fill_(cfg.confidence_threshold)
+        self.vocab_size = state.sc_logits.shape[-1]
+        inputs.set_requests(cfgs, seeds)
         cache.reset()
 
     def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
@@ -169,16 +206,14 @@ class BufferSteps:
         inp.n_new[:R] = n_new_R
         self.encode()
 
-    def begin_block(self, canvas_RC: torch.Tensor, frozen_R: torch.Tensor) -> None:
-        self.state.begin(canvas_RC, frozen_R)
+    def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
+        inp, R, C = self.inputs, self.R, self.state.canvas.shape[1]
+        inp.block.fill_(block)
+        self.state.begin(rng.start_canvas(inp.seeds[:R], inp.block[:R], C, self.vocab_size), frozen_R)
 
-    def step(self, temperature: float, noise: StepNoise) -> torch.Tensor:
-        inp, R = self.inputs, self.R
-        inp.temperature.fill_(temperature)
-        inp.uniform[:R] = noise.uniform
-        inp.renoise[:R] = noise.renoise
+    def step(self) -> torch.Tensor:
         self.denoise()
-        return self.state.finished[:R]
+        return self.state.finished[:self.R]
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.state.argmax[:self.R], self.state.steps[:self.R]
@@ -186,13 +221,15 @@ class BufferSteps:
 
 class EagerSteps(BufferSteps):
     """The reference `StepRunner`: `denoise_step` and `encode_chunk` called eagerly over buffers of exactly R rows
-    and a cache of `max_seq_len` committed slots."""
+    and a cache of `max_seq_len` committed slots, with the routed experts run by `moe_impl`."""
 
-    def __init__(self, model: DiffusionGemma, cfg: GenerationConfig, requests: int, max_seq_len: int):
-        cache = model.new_cache(requests, max_seq_len)
-        state = DenoiseState.allocate(model, requests, cfg.stability_threshold if cfg.stop_early else 0)
-        inputs = StepInputs.allocate(model, requests, cache.block_size)
-        super().__init__(cfg=cfg, requests=requests, cache=cache, state=state, inputs=inputs,
-                         denoise=lambda: denoise_step(model, cache, state, inputs, stop_early=cfg.stop_early),
-                         encode=lambda: encode_chunk(model, cache, inputs))
-
+    def __init__(self, model: DiffusionGemma, cfgs: Sequence[GenerationConfig], seeds: Sequence[int],
+                 max_seq_len: int, moe_impl: str):
+        structural = cfgs[0]
+        cache = model.new_cache(len(cfgs), max_seq_len)
+        state = DenoiseState.allocate(model, len(cfgs), structural.stability_threshold if structural.stop_early else 0)
+        inputs = StepInputs.allocate(model, len(cfgs), cache.block_size, max(c.max_denoising_steps for c in cfgs))
+        super().__init__(cfgs=cfgs, seeds=seeds, cache=cache, state=state, inputs=inputs,
+                         denoise=lambda: denoise_step(model, cache, state, inputs, stop_early=structural.stop_early,
+                                                      moe_impl=moe_impl),
+                         encode=lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl))

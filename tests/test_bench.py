@@ -1,11 +1,16 @@
 """Smoke tests of the benchmark (bench/) at a tiny size, so that it cannot rot. No speed assertions.
 
 The end-to-end test compiles ours-compiled once, with the same tiny checkpoint and cache size as test_compile.py
-(so both share Inductor's on-disk FX graph cache).
+(so both share Inductor's on-disk FX graph cache). The runner tests check the protocol with real worker processes:
+round-robin order (from the runner and from the workers' own clocks), failures, timeouts and crashes as "n/a" rows.
 """
 
+import ast
 import csv
+import dataclasses
 import math
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives bes
 
 from bench import models, report, roofline, runner, workloads  # noqa: E402
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 SYSTEMS = ["ours-compiled", "ours-eager", "hf-eager"]
-POSITIVE = ["step_ms", "step_p90_ms", "canvas_ms", "ttfb_ms", "request_ms", "tok_s", "tok_per_fwd", "forwards",
-            "tokens", "peak_mem_mb", "floor_ms", "floor_fraction"]
+POSITIVE = ["step_min_ms", "step_ms", "step_p90_ms", "pass_min_ms", "pass_ms", "pass_p90_ms", "canvas_ms", "ttfb_ms",
+            "request_ms", "tok_s", "tok_per_fwd", "forwards", "tokens", "peak_mem_mb", "floor_ms", "floor_fraction"]
 
 
 def _positive(row: dict, key: str) -> bool:
@@ -25,13 +31,33 @@ def _positive(row: dict, key: str) -> bool:
     return math.isfinite(x) and x > 0
 
 
+def _round_robin(systems: list[str], repeats: int) -> list[tuple[int, str]]:
+    return [(i, s) for i in range(repeats) for s in systems]
+
+
+def _order_from_workers(raw: list[dict]) -> list[tuple[int, str]]:
+    """(repeat index, system) of every timed repeat, sorted by the start time each worker recorded itself."""
+    starts = [(t, i, r["system"]) for r in raw if r.get("status") == "ok" for i, t in enumerate(r["repeat_started"])]
+    return [(i, s) for _, i, s in sorted(starts)]
+
+
+def _payloads(tiny_dir, systems: list[str], **workload) -> list[dict]:
+    spec = models.ModelSpec(name="tiny", checkpoint=str(tiny_dir))
+    w = workloads.WorkloadSpec(prompt_len=5, output_len=8, steps=2, **workload).to_dict()
+    return [dict(system=s, model=dataclasses.asdict(spec), workload=w, device="cpu", dtype=None, threads=1,
+                 max_seq_len=64) for s in systems]
+
+
 def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_dir, tmp_path):
-    """One block of 8 tokens, 2 fixed steps, three systems: markdown + CSV with every row, column and ratio."""
+    """One block of 8 tokens, 2 fixed steps, three systems, 2 repeats round-robin: markdown + CSV with every row,
+    column, spread and ratio."""
     from bench.__main__ import main
 
     res = main(["--checkpoint", str(tiny_dir), "--model", "tiny", "--device", "cpu", "--prompt-len", "5",
-                "--output-len", "8", "--steps", "2", "--repeats", "1", "--systems", ",".join(SYSTEMS),
+                "--output-len", "8", "--steps", "2", "--repeats", "2", "--systems", ",".join(SYSTEMS),
                 "--in-process", "--max-seq-len", "64", "--bandwidth", "1e10", "--out", str(tmp_path)])
+    assert res["order"] == {"fixed": _round_robin(SYSTEMS, 2)}
+    assert _order_from_workers(res["sections"][0].raw) == _round_robin(SYSTEMS, 2)
     md_path, csv_path = res["paths"]
     assert md_path.name.startswith("tiny_cpu_") and md_path.suffix == ".md" and csv_path.suffix == ".csv"
     rows = list(csv.DictReader(open(csv_path)))
@@ -43,28 +69,119 @@ def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_dir, tmp_path):
         for key in POSITIVE:
             assert _positive(r, key), (r["system"], key, r[key])
         assert int(r["tokens"]) == 8 and int(r["forwards"]) == 2  # one block, two steps, batch 1
+        assert int(r["repeats_timed"]) == 2
+        assert float(r["step_min_ms"]) <= float(r["step_ms"]) <= float(r["step_p90_ms"])
+        assert float(r["pass_min_ms"]) <= float(r["pass_ms"]) <= float(r["pass_p90_ms"])
+        assert float(r["pass_p90_over_min"]) >= 1
     base, others = rows[0], rows[1:]
-    assert _positive(base, "compile_s") and _positive(base, "unit_step_ms")
+    assert _positive(base, "compile_s") and _positive(base, "unit_step_ms")  # unit time: Observer.on_unit
+    assert float(base["unit_step_ms"]) <= float(base["step_ms"])  # each unit span lies inside its step span
     for r in others:
         for key, _ in report.RATIOS:
             assert _positive(r, f"speedup_{key}"), (r["system"], key)
+    raw = {r["system"]: r for r in res["sections"][0].raw}
+    assert len(raw["ours-compiled"]["extra"]["unit_step_s"]) == 2 * 2  # one unit span per step, 2 steps x 2 repeats
+    assert all(len(r["step_s"]) == 2 * 2 for r in raw.values())
     md = md_path.read_text()
     assert md == res["markdown"]
-    for needle in ["| system | step ms median", "Speedup of ours-compiled", "Roofline", "torch ", "transformers ",
-                   "threads", "How each system was timed"] + [f"| {s} |" for s in SYSTEMS]:
+    for needle in ["| system | step ms min | step ms median | step ms p90", "Spread over the timed repeats",
+                   "| pass ms min | pass ms median | pass ms p90", "schedule: interleaved", "round-robin",
+                   "Speedup of ours-compiled", "pass, paired", "Roofline", "torch ", "transformers ", "threads",
+                   "How each system was timed", "Observer.on_step"] + [f"| {s} |" for s in SYSTEMS]:
         assert needle in md, needle
 
 
-def test_a_failing_system_is_reported_not_raised():
-    """The per-process runner turns a failure into an "n/a (reason)" row."""
-    payload = dict(system="no-such-system", model={"name": "demo", "checkpoint": str(models.DEMO_DIR), "direct": None},
-                   workload=workloads.WorkloadSpec().to_dict(), device="cpu", dtype=None, threads=1)
-    out = runner.run_isolated(payload, timeout_s=120, log=lambda *a: None)
-    assert out["status"].startswith("n/a (ValueError: unknown system")
-    rows = report.with_ratios([report.summarize(out)])
-    assert "n/a" in report.markdown({"model": "x", "device_tag": "cpu", "date": "d"},
-                                    [report.section("w", "d", [out], None)])
-    assert math.isnan(rows[0]["speedup_step_ms"])
+def test_worker_processes_interleave_round_robin_and_a_failure_is_a_row(tiny_dir):
+    """Real workers: two live systems and one that fails to prepare; the timed repeats alternate between the live
+    ones (as the workers' own clocks show), the failing one becomes "n/a (reason)" and the others carry on."""
+    systems = ["ours-eager", "no-such-system", "hf-eager"]
+    m = runner.measure(_payloads(tiny_dir, systems, repeats=3), 3, timeout_s=300, log=lambda *a: None)
+    live = ["ours-eager", "hf-eager"]
+    assert m.order == _round_robin(live, 3)
+    assert _order_from_workers(m.results) == _round_robin(live, 3)
+    assert [r["system"] for r in m.results] == systems
+    assert m.results[1]["status"].startswith("n/a (ValueError: unknown system")
+    assert m.results[0]["status"] == m.results[2]["status"] == "ok"
+    rows = report.with_ratios([report.summarize(r) for r in m.results])
+    assert math.isnan(rows[1]["speedup_step_ms"])
+    md = report.markdown({"model": "x", "device_tag": "cpu", "date": "d"}, [report.section("w", "d", m.results, None)])
+    assert "| no-such-system | n/a (ValueError" in md
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_in_process_order_and_budget(tiny_dir, interleave):
+    """In one process: round-robin, or one system after the other; a time budget of 0 s stops after one repeat."""
+    systems = ["ours-eager", "hf-eager"]
+    m = runner.measure(_payloads(tiny_dir, systems, repeats=2), 2, interleave=interleave, isolated=False,
+                       log=lambda *a: None)
+    expected = _round_robin(systems, 2) if interleave else [(i, s) for s in systems for i in range(2)]
+    assert m.order == expected and _order_from_workers(m.results) == expected
+    m = runner.measure(_payloads(tiny_dir, systems[:1], repeats=2), 2, isolated=False, budget_s=0.0,
+                       log=lambda *a: None)
+    assert len(m.results[0]["repeat_s"]) == 1 and "time budget: 1 of 2 timed repeats" in m.results[0]["notes"]
+
+
+def test_a_timeout_and_a_crash_are_rows_not_errors(tiny_dir):
+    """A worker past its time limit is killed (n/a, timed out); a worker that dies answers as n/a with its status."""
+    (p,) = _payloads(tiny_dir, ["ours-eager"], repeats=1)
+    m = runner.measure([p], 1, timeout_s=0.2, log=lambda *a: None)
+    assert m.results[0]["status"] == "n/a (timed out after 0.2 s)" and m.order == []
+    w = runner.WorkerProcess("ours-eager", threads=1, timeout_s=60)
+    os.kill(w.proc.pid, signal.SIGKILL)
+    reply = w.call({"op": "prepare", "payload": p})
+    assert not reply["ok"] and reply["result"]["status"] == f"n/a (worker exited with status {-signal.SIGKILL})"
+
+
+def test_the_observer_check_of_gpu_check_runs_on_a_cpu(tiny_dir):
+    """bench/gpu_check.py imports without a GPU, says so, and its observer check holds on the eager generator."""
+    import dgemma_compile as dg
+    from bench import gpu_check
+
+    import torch
+
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 2
+    model = dg.load(tiny_dir)
+    cfg = model.generation_config.replace(max_new_tokens=16)
+    assert gpu_check.check_observer(lambda *a, **k: dg.generate(model, *a, **k), cfg, "eager cpu", compiled=False)
+
+
+def _private_uses(path: Path) -> list[str]:
+    """Reaches into private state: `x._name` on anything but `self` (bench's own classes), except transformers'
+    `_denoising_step`; private names imported from dgemma_compile; getattr/setattr/delattr with a "_..." name;
+    `patched(...)` of anything but transformers' `_denoising_step`."""
+    bad = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        where = f"{path.name}:{getattr(n, 'lineno', '?')}"
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):
+            own = isinstance(n.value, ast.Name) and n.value.id == "self"
+            if not own and n.attr != "_denoising_step":
+                bad.append(f"{where} {ast.unparse(n)}")
+        elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("dgemma_compile"):
+            names = n.module.split(".") + [a.name for a in n.names]
+            if any(x.startswith("_") for x in names):
+                bad.append(f"{where} from {n.module} import {[a.name for a in n.names]}")
+        elif isinstance(n, ast.Import):
+            bad += [f"{where} import {a.name}" for a in n.names
+                    if a.name.startswith("dgemma_compile") and any(x.startswith("_") for x in a.name.split("."))]
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+            args = [a.value for a in n.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if n.func.id in ("getattr", "setattr", "delattr") and any(a.startswith("_") for a in args):
+                bad.append(f"{where} {ast.unparse(n)}")
+            if n.func.id == "patched" and args != ["_denoising_step"]:
+                bad.append(f"{where} {ast.unparse(n)}")
+    return bad
+
+
+def test_bench_uses_public_api_only(tmp_path):
+    """STYLE.md: bench and the GPU check use public hooks, never private attributes of dgemma_compile."""
+    files = sorted(BENCH.glob("*.py"))
+    assert len(files) >= 10
+    assert [b for f in files for b in _private_uses(f)] == []
+    probe = tmp_path / "probe.py"  # the checker flags what it exists for, so the empty list above means something
+    probe.write_text("gen._buckets\nfrom dgemma_compile.generate import _seeds\npatched(CompiledSteps, 'step', f)\n"
+                     "getattr(gen, '_buckets')\nself._x\nmodel._denoising_step\npatched(m, '_denoising_step', f)\n")
+    assert len(_private_uses(probe)) == 4
 
 
 def test_roofline_of_the_full_model_matches_the_reference_figures():

@@ -26,7 +26,7 @@ def test_compiled_tokens_equal_eager(tiny, stop_early):
     cfg = dg.GenerationConfig(max_new_tokens=20, max_denoising_steps=5, t_min=0.8, t_max=1.5, entropy_bound=0.5,
                               eos_token_ids=(1,), stop_early=stop_early)
     seeds = [11, 12, 13]
-    eager = dg.generate(model, PROMPTS, cfg, seed=seeds)
+    eager = dg.generate(model, PROMPTS, cfg, seed=seeds, moe_impl=gen.moe_impl)
     compiled = gen.generate(PROMPTS, cfg, seed=seeds)
     assert compiled.sequences == eager.sequences
     assert compiled.stats == eager.stats
@@ -48,6 +48,41 @@ def test_no_recompiles_across_a_mixed_workload(tiny):
         gen.generate([[2, 9, 9, 9]], base.replace(max_new_tokens=17, entropy_bound=2.0), seed=7)
         gen.generate(PROMPTS + [[2, 4]], base.replace(confidence_threshold=0.5, max_denoising_steps=6), seed=3)
     assert dict(gen.compiles) == before
+
+
+def test_rows_of_one_bucket_carry_their_own_parameters_without_recompiling(tiny):
+    """Per-request configs in one bucket (temperature schedules including a greedy one, entropy bounds, confidence
+    thresholds, step budgets, token budgets): no recompile, the eager oracle's tokens, and each row's tokens equal
+    its solo run's."""
+    model, gen = tiny
+    base = dg.GenerationConfig(max_new_tokens=16, max_denoising_steps=4, eos_token_ids=(1,))
+    cfgs = [base, base.replace(t_min=0.0, t_max=0.0, max_denoising_steps=2),
+            base.replace(t_min=1.0, t_max=1.0, entropy_bound=3.0, max_new_tokens=9),
+            base.replace(confidence_threshold=0.9, max_denoising_steps=6, t_min=0.2)]
+    prompts, seeds = [[2, 5], [2, 6, 7], [2, 8, 9, 10], [2, 11]], [1, 2, 3, 4]
+    gen.generate(prompts, base, seed=seeds)  # warm the bucket of 4
+    before = dict(gen.compiles)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = gen.generate(prompts, cfgs, seed=seeds)
+    assert dict(gen.compiles) == before
+    eager = dg.generate(model, prompts, cfgs, seed=seeds, moe_impl=gen.moe_impl)
+    assert out.sequences == eager.sequences and out.stats == eager.stats
+    for i in range(4):
+        solo = dg.generate(model, prompts[i:i + 1], cfgs[i], seed=seeds[i], moe_impl=gen.moe_impl)
+        assert solo.sequences[0] == out.sequences[i] and solo.stats[0] == out.stats[i]
+    assert max(s.steps_per_block[0] for s in out.stats[:1]) <= 4 and max(out.stats[1].steps_per_block) <= 2
+    assert len(out.sequences[2]) <= 9
+
+
+def test_structural_fields_must_agree_within_a_call(tiny):
+    _, gen = tiny
+    base = dg.GenerationConfig(max_new_tokens=8, max_denoising_steps=2)
+    with pytest.raises(ConfigError, match="stop_early"):
+        gen.generate([[2, 3], [2, 4]], [base, base.replace(stop_early=False)])
+    with pytest.raises(ConfigError, match="one per prompt"):
+        gen.generate([[2, 3], [2, 4]], [base])
+    with pytest.raises(ConfigError, match="max_denoising_steps"):
+        gen.generate([[2, 3]], base.replace(max_denoising_steps=300))
 
 
 def test_too_long_for_the_static_cache_is_a_clear_error(tiny):
@@ -77,7 +112,7 @@ def test_more_requests_than_the_largest_bucket_run_in_groups(tiny):
     streamed, seen = [], Units()
     out = gen.generate(prompts, cfg, seed=1, on_block=lambda i, toks: streamed.append((i, toks)), observer=seen,
                        stop=lambda block, toks: [5])
-    eager = dg.generate(model, prompts, cfg, seed=1, stop=lambda block, toks: [5])
+    eager = dg.generate(model, prompts, cfg, seed=1, stop=lambda block, toks: [5], moe_impl=gen.moe_impl)
     assert out.sequences == eager.sequences and out.stats == eager.stats
     assert out.stats[5].finish_reason == "stop" and len(out.sequences[5]) == 8
     assert [i for i, _ in streamed] == [0, 1, 0, 1]

@@ -48,13 +48,48 @@ def test_demo_generation_is_reproducible(demo):
     assert all(s.finish_reason == "eos" for s in a.stats), "the demo model ends its answers"
 
 
-def test_demo_compiled_tokens_equal_eager(demo):
+@pytest.fixture(scope="module")
+def demo_gen(demo):
+    return build(demo[0], CompileOptions(batch_buckets=(4,), max_seq_len=128))
+
+
+def test_demo_compiled_tokens_equal_eager(demo, demo_gen):
     model, tok = demo
     prompts = [tok(p)["input_ids"] for p in heldout(4)[1:]]
-    gen = build(model, CompileOptions(batch_buckets=(4,), max_seq_len=128))
-    eager = dg.generate(model, prompts, seed=[1, 2, 3])
-    compiled = gen.generate(prompts, seed=[1, 2, 3])
+    eager = dg.generate(model, prompts, seed=[1, 2, 3], moe_impl=demo_gen.moe_impl)
+    compiled = demo_gen.generate(prompts, seed=[1, 2, 3])
     assert compiled.sequences == eager.sequences and compiled.stats == eager.stats
+
+
+@pytest.mark.parametrize("T", [0.0, 1e-45, 1e-38, 1e-30, 1e-6])
+def test_demo_answers_at_tiny_and_zero_temperature(demo, demo_gen, T):
+    """A constant temperature T (t_min == t_max): below float32's smallest normal it is greedy by definition, just
+    above it the scaled logits are huge but finite; every answer is right, eager and compiled alike."""
+    model, tok = demo
+    examples = tasks.make_split("heldout", 4, seed=0)
+    prompts = [tok(p)["input_ids"] for _, p, _ in examples]
+    cfg = model.generation_config.replace(t_min=T, t_max=T)
+    eager = dg.generate(model, prompts, cfg, seed=5, moe_impl=demo_gen.moe_impl)
+    compiled = demo_gen.generate(prompts, cfg, seed=5)
+    assert compiled.sequences == eager.sequences and compiled.stats == eager.stats
+    answers = [tok.decode(seq, skip_special_tokens=True) for seq in eager.sequences]
+    assert all(tasks.check(p, a) for (_, p, _), a in zip(examples, answers)), answers
+    assert all(st.finish_reason == "eos" for st in eager.stats)
+
+
+def test_with_temperature_scales_the_schedule_and_zero_is_greedy(demo):
+    model, tok = demo
+    cfg = model.generation_config
+    assert cfg.with_temperature(1.0) == cfg
+    assert (cfg.with_temperature(0.5).t_min, cfg.with_temperature(0.5).t_max) == (cfg.t_min * 0.5, cfg.t_max * 0.5)
+    prompts = [tok(p)["input_ids"] for p in heldout(2)]
+    greedy = dg.generate(model, prompts, cfg.with_temperature(0.0), seed=1)
+    # the old failure: t_min = 0, t_max = 1e-40 used to overflow and return all pad tokens
+    tiny = dg.generate(model, prompts, cfg.replace(t_min=0.0, t_max=1e-40), seed=1)
+    assert tiny.sequences == greedy.sequences and all(st.finish_reason == "eos" for st in tiny.stats)
+    for bad in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(dg.ConfigError, match="temperature"):
+            cfg.with_temperature(bad)
 
 
 def test_demo_answers_held_out_prompts(demo):

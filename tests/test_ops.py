@@ -1,4 +1,7 @@
-"""The CUDA (sync-free) MoE implementations against the reference loop, run here on CPU."""
+"""`dgemma::moe_experts`: every implementation against the loop (transformers' order), eager and compiled through
+the units' backend (with `moe_decompositions`), the implementation rule, and refused inputs."""
+
+import functools
 
 import pytest
 import torch
@@ -6,18 +9,207 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgemma_compile import ops
+from dgemma_compile.compile.options import CompileOptions
+from dgemma_compile.compile.units import UnitFactory
+
+moe = torch.ops.dgemma.moe_experts
+D, I = 16, 8  # multiples of 8: torch._grouped_mm needs 16-byte strides in bfloat16
+# bfloat16: each implementation rounds its intermediates to bfloat16 (gate/up projections, the activation product,
+# the down projection, the weighted term, the K-term accumulation): ~6 roundings of relative size <= eps/2 each, so
+# two implementations differ by <= ~6 eps relative to the terms' magnitude, which the output scale max|loop| bounds
+# up to a small factor (random weights with 1/sqrt(fan_in) scale: no strong cancellation). Observed: <= 1.05 eps
+# eager (480 cases per implementation), <= 1.12 eps compiled grouped (20 cases).
+BF16_BOUND = 6 * torch.finfo(torch.bfloat16).eps
+
+
+def experts(N, E, K, *, routing="random", seed=0, dtype=torch.float32):
+    """(x [N, D], w [N, K] float32, idx [N, K], gate_up [E, 2I, D], down [E, D, I]); weights at 1/sqrt(fan_in) so the
+    output is O(1). routing: "random"; "one" (every token to the same K experts); "unused" (only experts 1, 4, 6 get
+    tokens); "repeat" (a canvas of one repeated id: identical rows, identical routing)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g)
+    w = torch.rand(N, K, generator=g) + 0.1
+    if routing == "random":
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    elif routing == "one":
+        idx = torch.randperm(E, generator=g)[:K].expand(N, K).clone()
+    elif routing == "unused":
+        used = torch.tensor([1, 4, 6])
+        idx = torch.stack([used[torch.randperm(3, generator=g)[:K]] for _ in range(N)])
+    elif routing == "repeat":
+        x, w = x[:1].expand(N, D).clone(), w[:1].expand(N, K).clone()
+        idx = torch.randperm(E, generator=g)[:K].expand(N, K).clone()
+    gate_up = torch.randn(E, 2 * I, D, generator=g) / D ** 0.5
+    down = torch.randn(E, D, I, generator=g) / I ** 0.5
+    return x.to(dtype), w, idx, gate_up.to(dtype), down.to(dtype)
+
+
+def call(impl, x, w, idx, gate_up, down):
+    return moe(x, w, idx, gate_up, None, down, None, impl)
+
+
+def assert_matches_loop(out, ref):
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        err, scale = (out.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
+        assert err <= BF16_BOUND * scale, f"max |out - loop| = {err:.3g} > {BF16_BOUND:.3g} * {scale:.3g}"
+
+
+ROUTINGS = ["random", "one", "unused", "repeat"]
+
+
+@pytest.mark.parametrize("impl", ["grouped", "dense"])
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("N,K", [(16, 2), (1, 2), (5, 1), (7, 3)])
+def test_eager_float32_matches_loop(impl, routing, N, K):
+    args = experts(N, 8, K, routing=routing)
+    assert_matches_loop(call(impl, *args), call("loop", *args))
 
 
 @settings(max_examples=20)
 @given(N=st.integers(1, 40), E=st.integers(1, 8), K=st.integers(1, 4), seed=st.integers(0, 1000))
-@pytest.mark.parametrize("impl", [ops.moe_experts_grouped, ops.moe_experts_dense])
-def test_sync_free_moe_matches_loop(impl, N, E, K, seed):
-    K = min(K, E)
-    g = torch.Generator().manual_seed(seed)
-    D, I = 16, 8
-    x = torch.randn(N, D, generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
-    w = torch.rand(N, K, generator=g)
-    gate_up, down = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
-    ref = torch.ops.dgemma.moe_experts(x, w, idx, gate_up, down)
-    torch.testing.assert_close(impl(x, w, idx, gate_up, down), ref, atol=1e-4, rtol=1e-5)
+@pytest.mark.parametrize("impl", ["grouped", "dense"])
+def test_eager_float32_matches_loop_random_shapes(impl, N, E, K, seed):
+    args = experts(N, E, min(K, E), seed=seed)
+    assert_matches_loop(call(impl, *args), call("loop", *args))
+
+
+@pytest.mark.parametrize("impl", ["grouped", "dense"])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_eager_bfloat16_within_bound(impl, routing):
+    args = experts(16, 8, 2, routing=routing, dtype=torch.bfloat16)
+    out = call(impl, *args)
+    assert out.dtype == torch.bfloat16
+    assert_matches_loop(out, call("loop", *args))
+
+
+# ----- compiled through the units' backend (few compiles: one per (impl, dtype), reused across routings) ----------
+@functools.cache
+def compiled(impl):
+    fn = lambda x, w, idx, gate_up, down: moe(x, w, idx, gate_up, None, down, None, impl) * 2  # noqa: E731
+    return torch.compile(fn, backend=UnitFactory(CompileOptions(), "cpu").backend("t"), fullgraph=True)
+
+
+def runs_op(fn, *args) -> tuple[torch.Tensor, bool]:
+    """fn(*args) and whether the custom op ran in the compiled code (a profiler event: independent of Inductor's
+    caches). A first call compiles outside the profiler (tracing dispatches the op on fake tensors)."""
+    fn(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn(*args)
+    return out, any(e.name == "dgemma::moe_experts" for e in prof.events())
+
+
+@pytest.mark.parametrize("impl,dtype", [("dense", torch.float32), ("grouped", torch.bfloat16),
+                                        ("loop", torch.float32)])
+def test_compiled_matches_loop_and_decomposes(impl, dtype):
+    """Through the units' backend: "dense" and "grouped" are traced into the graph (the op no longer runs), "loop"
+    stays an opaque call; all match the eager loop on every routing (same shapes: one compile)."""
+    for routing in ROUTINGS:
+        args = experts(16, 8, 2, routing=routing, dtype=dtype)
+        out, ran = runs_op(compiled(impl), *args)
+        assert ran == (impl == "loop"), f"{impl}: dgemma::moe_experts {'did not run' if ran is False else 'ran'}"
+        assert_matches_loop(out / 2, call("loop", *args))
+
+
+def test_decompositions_per_graph():
+    def graph(*impls):
+        def f(x, w, idx, gate_up, down):
+            return sum(moe(x, w, idx, gate_up, None, down, None, impl) for impl in impls)
+        return torch.fx.symbolic_trace(f)
+
+    key = torch.ops.dgemma.moe_experts.default
+    assert key in ops.moe_decompositions(graph("dense")) and key in ops.moe_decompositions(graph("grouped"))
+    assert key not in ops.moe_decompositions(graph("loop"))
+    assert ops.moe.graph_moe_impls(graph("dense", "grouped")) == {"dense", "grouped"}
+    with pytest.raises(ValueError, match="moe_impl"):
+        ops.moe_decompositions(graph("loop", "dense"))
+    from torch._inductor.decomposition import select_decomp_table
+    assert key not in select_decomp_table()  # nothing registered globally
+
+
+def test_cache_key_tag():
+    """AOTAutograd's cache key ignores the decomposition table: our compiles carry a tag hashing ops/moe.py."""
+    with torch.compiler.config.patch(cache_key_tag=""), ops.moe_cache_key():
+        assert torch.compiler.config.cache_key_tag.startswith("dgemma-moe-")
+    with torch.compiler.config.patch(cache_key_tag="user"):
+        with ops.moe_cache_key():
+            assert torch.compiler.config.cache_key_tag.startswith("user|dgemma-moe-")
+        assert torch.compiler.config.cache_key_tag == "user"
+
+
+# ----- the rule and refused inputs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("requested,dtype,E,K,compiled_,expected", [
+    ("auto", torch.float32, 128, 8, False, "loop"),
+    ("auto", torch.bfloat16, 128, 8, False, "loop"),
+    ("auto", torch.bfloat16, 128, 8, True, "grouped"),
+    ("auto", torch.bfloat16, 8, 2, True, "dense"),       # E/K = 4
+    ("auto", torch.bfloat16, 9, 2, True, "grouped"),     # E/K = 4.5
+    ("auto", torch.float16, 128, 8, True, "dense"),      # _grouped_mm traces only in bfloat16
+    ("auto", torch.float32, 128, 8, True, "dense"),
+    ("auto", torch.float32, 8, 2, True, "dense"),        # the demo model
+    ("loop", torch.float32, 128, 8, True, "loop"),
+    ("dense", torch.bfloat16, 128, 8, True, "dense"),
+    ("grouped", torch.bfloat16, 8, 2, True, "grouped"),
+    ("grouped", torch.float32, 128, 8, False, "grouped"),  # eager float32 grouped works
+])
+def test_resolve_moe_impl(requested, dtype, E, K, compiled_, expected):
+    assert ops.resolve_moe_impl(requested, dtype=dtype, num_experts=E, top_k=K, compiled=compiled_) == expected
+
+
+@pytest.mark.parametrize("requested,dtype", [("grouped", torch.float32), ("grouped", torch.float16),
+                                             ("fast", torch.bfloat16)])
+def test_resolve_moe_impl_refuses(requested, dtype):
+    with pytest.raises(ValueError, match="moe_impl"):
+        ops.resolve_moe_impl(requested, dtype=dtype, num_experts=8, top_k=2, compiled=True)
+
+
+@pytest.mark.parametrize("impl", ops.MOE_IMPLS)
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_scale_is_not_supported_yet(impl, which):
+    x, w, idx, gate_up, down = experts(4, 8, 2)
+    scale = torch.ones(8)
+    with pytest.raises(NotImplementedError, match=f"moe_impl='{impl}'.*quantized experts"):
+        moe(x, w, idx, gate_up, scale if which == "gate_up" else None, down, scale if which == "down" else None, impl)
+
+
+def test_bad_impl():
+    with pytest.raises(ValueError, match="moe_impl must be one of"):
+        call("fast", *experts(4, 8, 2))
+
+
+def test_compile_options_moe_impl():
+    from dgemma_compile.config import ConfigError
+
+    assert CompileOptions().moe_impl == "auto"
+    for impl in ("loop", "grouped", "dense"):
+        assert CompileOptions(moe_impl=impl).moe_impl == impl
+    with pytest.raises(ConfigError, match="moe_impl"):
+        CompileOptions(moe_impl="fast")
+
+
+# ----- the model's plumbing --------------------------------------------------------------------------------------
+def test_model_moe_impl(tiny_dir):
+    """`moe_impl` reaches every layer (an explicit one per call, else the model's attribute); an unknown one is
+    refused before anything is written."""
+    import dgemma_compile as dg
+    from dgemma_compile.model import DiffusionGemma
+
+    model = dg.load(tiny_dir)
+    assert model.moe_impl == "loop"
+    with pytest.raises(ValueError, match="moe_impl"):
+        DiffusionGemma(model.config, moe_impl="auto")
+    cache = model.new_cache(1, 32)
+    prompt = torch.tensor([[3, 5, 7, 9, 11]])
+    model.encode(prompt, cache)
+    canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length))
+    ref = model.denoise(canvas, cache)
+    for impl in ("grouped", "dense"):
+        torch.testing.assert_close(model.denoise(canvas, cache, moe_impl=impl), ref, atol=1e-4, rtol=1e-5)
+    model.moe_impl = "dense"
+    torch.testing.assert_close(model.denoise(canvas, cache), model.denoise(canvas, cache, moe_impl="dense"),
+                               atol=0, rtol=0)
+    keys = [k.clone() for k in cache.keys]
+    with pytest.raises(ValueError, match="moe_impl"):
+        model.encode(prompt, cache, moe_impl="fast")
+    assert int(cache.lengths[0]) == 5 and all(torch.equal(a, b) for a, b in zip(keys, cache.keys))

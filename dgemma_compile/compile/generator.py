@@ -28,7 +28,10 @@ from ..config import ConfigError, GenerationConfig
 from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, plan, run_block_diffusion
 from ..model import DiffusionGemma
 from ..observe import UNIT, Observer, SpanTimer
+from ..ops.moe import resolve_moe_impl
 from ..steps import BufferSteps, DenoiseState, StepInputs, denoise_step, encode_chunk
+from ..stop_check import PinnedCopy, StopCheck
+from ..stop_check import resolve as resolve_stop_check
 from .options import CompileOptions
 from .units import CompiledUnit, CudaGraphs, UnitFactory
 
@@ -37,24 +40,27 @@ class Bucket:
     """One static batch size and structural config: its KV cache, `DenoiseState` and `StepInputs` buffers, and the
     two compile units `denoise` and `encode` (zero-argument callables over them)."""
 
-    def __init__(self, model: DiffusionGemma, factory: UnitFactory, rows: int, stability: int, stop_early: bool):
+    def __init__(self, model: DiffusionGemma, factory: UnitFactory, rows: int, stability: int, stop_early: bool,
+                 moe_impl: str):
         self.rows = rows
         self.cache = model.new_cache(rows, factory.options.max_seq_len)
         self.state = DenoiseState.allocate(model, rows, stability)
-        self.inputs = StepInputs.allocate(model, rows, self.cache.block_size)
+        self.inputs = StepInputs.allocate(model, rows, self.cache.block_size, factory.options.max_denoising_steps)
         self.tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
         cache, state, inputs = self.cache, self.state, self.inputs
         self.denoise: CompiledUnit = factory.unit(
-            f"denoise_step[{self.tag}]", lambda: denoise_step(model, cache, state, inputs, stop_early=stop_early))
-        self.encode: CompiledUnit = factory.unit(f"encoder_chunk[{self.tag}]", lambda: encode_chunk(model, cache, inputs))
+            f"denoise_step[{self.tag}]",
+            lambda: denoise_step(model, cache, state, inputs, stop_early=stop_early, moe_impl=moe_impl))
+        self.encode: CompiledUnit = factory.unit(f"encoder_chunk[{self.tag}]",
+                                                 lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl))
 
     @property
     def units(self) -> tuple[CompiledUnit, CompiledUnit]:
         return self.denoise, self.encode
 
-    def steps(self, cfg: GenerationConfig, requests: int, timer: SpanTimer) -> BufferSteps:
-        """A `StepRunner` for `requests` <= rows requests over this bucket's buffers and units (resets the cache);
-        each unit call is a `UNIT` span of `timer`."""
+    def steps(self, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], timer: SpanTimer) -> BufferSteps:
+        """A `StepRunner` for len(cfgs) <= rows requests (one resolved config and seed each) over this bucket's
+        buffers and units (resets the cache); each unit call is a `UNIT` span of `timer`."""
 
         def timed(unit: CompiledUnit) -> Callable[[], None]:
             def call() -> None:
@@ -62,7 +68,7 @@ class Bucket:
                     unit()
             return call
 
-        return BufferSteps(cfg=cfg, requests=requests, cache=self.cache, state=self.state, inputs=self.inputs,
+        return BufferSteps(cfgs=cfgs, seeds=seeds, cache=self.cache, state=self.state, inputs=self.inputs,
                            denoise=timed(self.denoise), encode=timed(self.encode))
 
 
@@ -78,6 +84,13 @@ class CompiledGenerator:
 
     def __post_init__(self) -> None:
         self.units = UnitFactory(self.options, self.model.device, self.graphs)
+        cfg = self.model.config
+        # the routed experts' implementation in every compiled unit (`ops.moe.resolve_moe_impl`); the eager generator
+        # reproduces these numerics with `generate(..., moe_impl=gen.moe_impl)`
+        self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=self.model.dtype, num_experts=cfg.num_experts,
+                                         top_k=cfg.top_k_experts, compiled=True)
+        cuda = self.model.device.type == "cuda"
+        self._copy = PinnedCopy() if cuda else None  # the deferred stop check's copy (CPU: a plain read)
 
     @property
     def compiles(self) -> Counter:
@@ -107,7 +120,7 @@ class CompiledGenerator:
         depth = cfg.stability_threshold if cfg.stop_early else 0
         key = (rows, depth, cfg.stop_early)
         if key not in self._buckets:
-            self._buckets[key] = Bucket(self.model, self.units, rows, depth, cfg.stop_early)
+            self._buckets[key] = Bucket(self.model, self.units, rows, depth, cfg.stop_early, self.moe_impl)
         return self._buckets[key]
 
     def reset(self) -> None:
@@ -115,7 +128,8 @@ class CompiledGenerator:
         self._buckets.clear()
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None, *,
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
                  seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
                  observer: Observer | None = None) -> GenerationOutput:
         """Same contract as `dgemma_compile.generate(model, ...)`; more requests than the largest bucket run in
@@ -123,26 +137,37 @@ class CompiledGenerator:
         the whole call, and block indices counted per request). `observer` also receives per-unit timings.
 
         Raises:
-            ConfigError: as the eager generator, and `max_seq_len` when a request needs more committed slots than
-                `CompileOptions.max_seq_len`.
+            ConfigError: as the eager generator; `max_seq_len` when a request needs more committed slots than
+                `CompileOptions.max_seq_len`; `max_denoising_steps` above `CompileOptions.max_denoising_steps`.
         """
-        cfg, prompts, seeds, needed = plan(self.model, prompts, config, seed)
+        cfgs, prompts, seeds, needed = plan(self.model, prompts, config, seed)
         if needed > self.options.max_seq_len:
             raise ConfigError(f"max_seq_len: these requests need {needed} committed slots per row, more than "
                               f"CompileOptions.max_seq_len={self.options.max_seq_len}")
+        steps = max(c.max_denoising_steps for c in cfgs)
+        if steps > self.options.max_denoising_steps:
+            raise ConfigError(f"max_denoising_steps: {steps} is more than this generator's temperature table holds "
+                              f"(CompileOptions.max_denoising_steps={self.options.max_denoising_steps})")
         timer = SpanTimer(self.model.device, observer)
         group = self.options.batch_buckets[-1]
         sequences: list[list[int]] = []
         stats: list[RequestStats] = []
+        forwards: list[int] = []
+        wasted: list[int] = []
         for start in range(0, len(prompts), group):
-            ps, ss = prompts[start:start + group], seeds[start:start + group]
-            runner = self.bucket(len(ps), cfg).steps(cfg, len(ps), timer)
-            out = run_block_diffusion(self.model, runner, ps, cfg, ss, timer=timer,
+            ps, ss, cs = prompts[start:start + group], seeds[start:start + group], cfgs[start:start + group]
+            runner = self.bucket(len(ps), cs[0]).steps(cs, ss, timer)
+            check = StopCheck(resolve_stop_check(self.options.stop_check, self.model.device), k=self.options.stop_check_k,
+                              copy=self._copy)
+            out = run_block_diffusion(self.model, runner, ps, cs, timer=timer, stop_check=check,
                                       on_block=_global_rows(on_block, start, len(ps), len(prompts)),
                                       stop=_global_stop(stop, start, len(ps), len(prompts)))
             sequences += out.sequences
             stats += out.stats
-        return GenerationOutput(sequences=sequences, stats=stats)
+            forwards += out.forwards_per_block
+            wasted += out.wasted_forwards
+        return GenerationOutput(sequences=sequences, stats=stats, forwards_per_block=forwards, wasted_forwards=wasted,
+                                moe_impl=self.moe_impl)
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None) -> float:
@@ -154,6 +179,7 @@ class CompiledGenerator:
         bucket.encode()
         bucket.state.finished.zero_()
         bucket.denoise()
+        bucket.state.finished.fill_(True)
         return time.perf_counter() - start
 
     def explain(self, batch_size: int = 1, config: GenerationConfig | None = None,

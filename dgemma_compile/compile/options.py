@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError
+from ..ops.moe import MOE_IMPLS
+from ..stop_check import STOP_CHECKS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +26,14 @@ class CompileOptions:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     # Static committed slots per row (prompt + committed blocks); the KV cache is preallocated at this size.
     max_seq_len: int = 1024
+    # Static width of the per-row temperature table (its shape is part of the graph): the most denoise steps per
+    # block a request may ask for. The reference default is 48; vLLM-style fixed runs use 16.
+    max_denoising_steps: int = 256
+    # When the host reads a block's all-finished flag (stop_check.py): "auto" = "sync" on CPU (the host is the
+    # device; a late read only wastes a forward), "deferred" on CUDA (read one step late from pinned memory, so the
+    # host never waits on a step in flight); "every_k" reads every `stop_check_k` steps.
+    stop_check: str = "auto"
+    stop_check_k: int = 4
     # A graph break must be an error: a split step would run pieces eagerly and sync with the host.
     fullgraph: bool = True
     # Shapes are static per bucket; per-step scalars are tensors, so dynamic shapes would only add guards.
@@ -38,13 +48,24 @@ class CompileOptions:
     # We capture CUDA graphs ourselves over static buffers; Inductor's cudagraph trees would add a second layer
     # with their own output-lifetime rules.
     inductor_cudagraphs: bool = False
+    # The MoE experts' implementation in compiled units. "auto" = ops.moe.resolve_moe_impl's rule ("grouped" for
+    # bfloat16 with E/K > 4, else "dense"): traceable, so no opaque, host-syncing expert loop runs inside a step.
+    moe_impl: str = "auto"
 
     def __post_init__(self) -> None:
         b = self.batch_buckets
         if not b or any(not isinstance(x, int) or x <= 0 for x in b) or list(b) != sorted(set(b)):
             raise ConfigError(f"batch_buckets: must be increasing positive integers, got {b!r}")
-        if not isinstance(self.max_seq_len, int) or self.max_seq_len <= 0:
-            raise ConfigError(f"max_seq_len: must be a positive integer, got {self.max_seq_len!r}")
+        for name in ("max_seq_len", "max_denoising_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+        if self.stop_check not in STOP_CHECKS:
+            raise ConfigError(f"stop_check: must be one of {STOP_CHECKS}, got {self.stop_check!r}")
+        if not isinstance(self.stop_check_k, int) or isinstance(self.stop_check_k, bool) or self.stop_check_k < 1:
+            raise ConfigError(f"stop_check_k: must be a positive integer, got {self.stop_check_k!r}")
+        if self.moe_impl not in ("auto", *MOE_IMPLS):
+            raise ConfigError(f"moe_impl: must be one of {('auto', *MOE_IMPLS)}, got {self.moe_impl!r}")
         if self.recompile_limit < 2 * len(b):
             raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")
 

@@ -94,13 +94,17 @@ class UnitFactory:
         self.compile_seconds = 0.0
 
     def backend(self, name: str):
-        """Inductor, counting compiles of unit `name` and their seconds."""
+        """Inductor with our decompositions (`ops.moe.moe_decompositions`: a "grouped" or "dense"
+        `dgemma::moe_experts` is traced into the graph), counting compiles of unit `name` and their seconds."""
         from torch._inductor.compile_fx import compile_fx
+
+        from ..ops.moe import moe_cache_key, moe_decompositions
 
         def backend(gm: torch.fx.GraphModule, example_inputs):
             start = time.perf_counter()
             self.compiles[name] += 1
-            out = compile_fx(gm, example_inputs)
+            with moe_cache_key():
+                out = compile_fx(gm, example_inputs, decompositions=moe_decompositions(gm))
             self.compile_seconds += time.perf_counter() - start
             return out
 

@@ -1,12 +1,16 @@
 """Custom ops (`torch.ops.dgemma.*`): each a `torch.library.custom_op` with a schema, a fake (meta) implementation
 and a CPU implementation in plain torch (the oracle), so every compiled graph still compiles without a GPU.
 
-- `moe.py`: `dgemma::moe_experts`, the routed experts of one MoE layer.
+- `moe.py`: `dgemma::moe_experts`, the routed experts of one MoE layer, with a selectable implementation
+  (`MOE_IMPLS`, the rule `resolve_moe_impl`) and the Inductor decompositions of its sync-free ones
+  (`moe_decompositions`).
 
 Importing this package registers the ops.
 """
 
 from . import moe  # noqa: F401  (registers torch.ops.dgemma.moe_experts)
-from .moe import moe_experts, moe_experts_dense, moe_experts_grouped
+from .moe import (MOE_IMPLS, moe_cache_key, moe_decompositions, moe_experts, moe_experts_dense, moe_experts_grouped,
+                  moe_experts_loop, resolve_moe_impl)
 
-__all__ = ["moe_experts", "moe_experts_dense", "moe_experts_grouped"]
+__all__ = ["MOE_IMPLS", "moe_cache_key", "moe_decompositions", "moe_experts", "moe_experts_dense",
+           "moe_experts_grouped", "moe_experts_loop", "resolve_moe_impl"]

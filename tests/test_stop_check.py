@@ -1,0 +1,64 @@
+"""The block loop's stop-check policies: the oracle's tokens and stats, and a bounded number of wasted forwards."""
+
+import pytest
+import torch
+
+import dgemma_compile as dg
+from dgemma_compile.demo import DEMO_MODEL, tasks
+from dgemma_compile.generate import plan, run_block_diffusion
+from dgemma_compile.steps import EagerSteps
+from dgemma_compile.stop_check import StopCheck, resolve
+
+
+def flags(*values):
+    return [torch.tensor(v) for v in values]
+
+
+@pytest.mark.parametrize("mode,k,stops_after", [("sync", 1, 3), ("deferred", 1, 4), ("every_k", 2, 4),
+                                                ("every_k", 4, 4), ("every_k", 5, 5)])
+def test_policies_stop_when_the_host_learns(mode, k, stops_after):
+    """All rows finish at step 3: sync sees it at once, deferred one step late, every_k at the next multiple of k."""
+    copies = []
+
+    def copy(flag):
+        copies.append(bool(flag))
+        return lambda value=bool(flag): value
+
+    check = StopCheck(mode, k=k, copy=copy)
+    seen = [check.done(f) for f in flags(False, False, True, True, True, True)]
+    assert seen.index(True) + 1 == stops_after
+    assert (copies != []) == (mode == "deferred"), "only the deferred policy goes through the copy"
+    check.begin_block()
+    assert check.steps == 0 and check.pending is None
+
+
+def test_auto_resolves_by_device_and_bad_modes_are_refused():
+    assert resolve("auto", "cpu") == "sync" and resolve("auto", "cuda") == "deferred"
+    assert resolve("every_k", "cpu") == "every_k"
+    with pytest.raises(ValueError, match="stop_check"):
+        resolve("later", "cpu")
+    with pytest.raises(ValueError, match="stop_check_k"):
+        StopCheck("every_k", k=0)
+    with pytest.raises(dg.ConfigError, match="stop_check"):
+        dg.CompileOptions(stop_check="never")
+
+
+@pytest.mark.parametrize("mode,k", [("deferred", 1), ("every_k", 3)])
+def test_late_checks_give_the_oracles_tokens_with_bounded_waste(mode, k):
+    """On the demo model (its blocks stop after ~2 of 8 steps), prompts long enough for several blocks."""
+    model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
+    cfg = model.generation_config.replace(max_denoising_steps=8, max_new_tokens=40)
+    texts = [p for _, p, _ in tasks.make_split("heldout", 4, seed=0)]
+
+    def run(check):
+        cfgs, prompts, seeds, slots = plan(model, [tok(t)["input_ids"] for t in texts], cfg, [3, 4, 5, 6])
+        return run_block_diffusion(model, EagerSteps(model, cfgs, seeds, slots), prompts, cfgs, stop_check=check)
+
+    oracle, late = run(StopCheck("sync")), run(StopCheck(mode, k=k))
+    assert late.sequences == oracle.sequences and late.stats == oracle.stats
+    assert oracle.wasted_forwards == [0] * len(oracle.forwards_per_block)
+    early = [b for b, n in enumerate(oracle.forwards_per_block) if n < cfg.max_denoising_steps]
+    assert early, "some block stopped early, so a late check has something to waste"
+    bound = 1 if mode == "deferred" else k - 1
+    assert all(0 <= w <= bound for w in late.wasted_forwards)
+    assert [f - w for f, w in zip(late.forwards_per_block, late.wasted_forwards)] == oracle.forwards_per_block
