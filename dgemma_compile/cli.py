@@ -1,37 +1,73 @@
 """`dgemma generate | explain`: block-diffusion generation and compile reports from the command line.
 
-Prints each block's text on stdout as soon as the block is committed, then one stats line on stderr. Every
-expected failure (missing directory, bad checkpoint, bad parameter) is one line on stderr and exit status 2.
+`dgemma generate PROMPT` prints each block's text on stdout as soon as the block is committed (through
+`text.Detokenizer`: never a broken character, never a repeat), then one stats line on stderr.
+`dgemma generate --prompts-file FILE|-` runs many prompts in batches and writes one JSON line per prompt on stdout,
+in input order. Every expected failure (missing directory or file, bad checkpoint, bad parameter, bad prompt) is one
+`dgemma: error:` line on stderr and exit status 2.
+
+Timing: tok/s and ttfb_s (request start to the first committed block) cover the generation only. One-time costs
+come first and are reported apart: `compile_s` (compiled path: the denoise step and encoder chunk), or `warmup_s`
+(`--eager`: an untimed run of the same request with one denoise step per block, so that the shape-specialised
+traces eager FlexAttention makes on first use of each shape are done before the clock starts).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-DEMO_MODEL = Path(__file__).parent / "demo" / "model"
+from .demo import DEMO_MODEL
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_BATCH_SIZE = 8
+MOE_RULE = ("loop = transformers' summation order (eager default, parity tests); grouped = torch._grouped_mm (compiled "
+            "bf16); dense = every expert on every token (compiled float32/fp16, and wherever E/K <= 4)")
+# --prompts-file JSONL keys: the ones a line may set, and the ones that will come with later flags.
+LINE_KEYS = ("prompt", "seed", "max_new_tokens", "entropy_bound", "temperature", "stop")
+SLOT_ROUNDING = 256  # static cache sizes are rounded up so that nearby requests share compiled graphs
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dgemma", description="DiffusionGemma block-diffusion generation.")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a continuation of a prompt")
-    g.add_argument("prompt", help="prompt text")
+    g = sub.add_parser("generate", help="generate a continuation of a prompt (or of each prompt of a file)")
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text (or give --prompts-file)")
     g.add_argument("--model", type=Path, default=None,
                    help="checkpoint directory (config.json, safetensors, tokenizer); default: the built-in demo model")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    g.add_argument("--system", default=None, metavar="TEXT",
+                   help="system message before the prompt in the chat template (implies --chat)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="exact token budget (default: generation config)")
     g.add_argument("--max-denoising-steps", type=int, default=None, help="denoise steps per block at most")
-    g.add_argument("--seed", type=int, default=0, help="seed of the request's random stream")
+    g.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="scales the checkpoint's temperature schedule (GenerationConfig.with_temperature); 0 = greedy")
+    g.add_argument("--entropy-bound", type=float, default=None, metavar="X",
+                   help="entropy bound of the acceptance rule (default: generation config)")
+    g.add_argument("--stop", action="append", default=None, metavar="S",
+                   help="stop string (repeatable): the output ends before its first occurrence, across blocks too")
+    g.add_argument("--seed", type=int, default=0, help="seed of the request's random stream (of each line without one)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: the checkpoint's)")
     g.add_argument("--eager", action="store_true", help="run the eager reference generator instead of the compiled one")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="intra-op CPU threads (default: OMP_NUM_THREADS if set, else dgemma_compile.threads."
+                        "recommended_threads: 1 for small models, else the CPUs free now)")
+    g.add_argument("--prompts-file", default=None, metavar="FILE",
+                   help="one prompt per line, or JSON objects (prompt, seed, max_new_tokens, entropy_bound, temperature, "
+                        "stop); '-' reads "
+                        "stdin; writes one JSON line per prompt on stdout, in input order")
+    g.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help=f"prompts per batch with --prompts-file (default {DEFAULT_BATCH_SIZE}: one compiled bucket)")
     e = sub.add_parser("explain", help="Dynamo explain report of the compiled denoise step and encoder chunk")
     e.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
     e.add_argument("--batch-size", type=int, default=1, help="report the bucket serving this many requests")
@@ -39,28 +75,135 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """Token ids of the prompt. Raises ConfigError for an empty prompt or characters the tokenizer cannot encode."""
+# ----- prompts ------------------------------------------------------------------------------------------------------
+def _encode(tokenizer, model, prompt: str, args: argparse.Namespace) -> list[int]:
+    """Token ids of one prompt: raw, or through the chat template with --chat/--system. Raises ConfigError."""
+    from .text import encode_chat, encode_prompt, user_messages
+
+    bos = model.config.bos_token_id
+    if args.chat or args.system is not None:
+        return encode_chat(tokenizer, user_messages(prompt, args.system), bos_token_id=bos)
+    return encode_prompt(tokenizer, prompt, bos_token_id=bos)
+
+
+@dataclass
+class PromptLine:
+    """One line of a prompts file: its 1-based number and either the request's parts or the error."""
+
+    line: int
+    prompt: str | None = None
+    changes: dict | None = None  # GenerationConfig changes the line asks for
+    seed: int | None = None
+    error: str | None = None
+    ids: list[int] | None = None
+    config: object = None
+    stop: object = None  # the line's "stop" (a string or a list), None: --stop
+    stops: tuple[str, ...] = ()
+
+
+def read_prompts_file(name: str) -> list[PromptLine]:
+    """The prompt lines of FILE (or stdin for '-'); blank lines are skipped (line numbers still count them).
+
+    A line whose first non-blank character is `{` is a JSON object; any other line is the prompt itself (without
+    its line ending). Raises ConfigError when the file cannot be read or holds no prompt.
+    """
     from .config import ConfigError
 
-    if not prompt:
-        raise ConfigError("prompt: empty prompt")
-    unknown = sorted({ch for ch in prompt if tokenizer.unk_token_id is not None
-                      and tokenizer.unk_token_id in tokenizer(ch, add_special_tokens=False)["input_ids"]})
-    if unknown:
-        raise ConfigError(f"prompt: characters the model's tokenizer cannot encode: {''.join(unknown)!r}")
-    if chat:
-        out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = out["input_ids"] if hasattr(out, "keys") else out
+    if name == "-":
+        data = sys.stdin.buffer.read()
     else:
-        ids = tokenizer(prompt)["input_ids"]
-    return [int(t) for t in ids]
+        path = Path(name)
+        if not path.exists():
+            raise ConfigError(f"--prompts-file: {name}: no such file")
+        if path.is_dir():
+            raise ConfigError(f"--prompts-file: {name}: is a directory")
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"--prompts-file: {name}: {e.strerror or e}") from None
+    lines = [parse_prompt_line(i, raw) for i, raw in enumerate(data.splitlines(), 1) if raw.strip()]
+    if not lines:
+        raise ConfigError(f"--prompts-file: {name}: no prompts")
+    return lines
+
+
+def parse_prompt_line(number: int, raw: bytes) -> PromptLine:
+    """One prompts-file line -> `PromptLine` (with `error` set when the line is bad)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return PromptLine(number, error=f"not UTF-8 text (byte {e.start + 1})")
+    if not text.lstrip().startswith("{"):
+        return PromptLine(number, prompt=text, changes={})
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return PromptLine(number, error=f"not a valid JSON object: {e.msg} (column {e.colno})")
+    if not isinstance(obj, dict):
+        return PromptLine(number, error="not a valid JSON object")
+    for key in obj:
+        if key not in LINE_KEYS:
+            return PromptLine(number, error=f"{key}: unknown key (a line may set {', '.join(LINE_KEYS)})")
+    if "prompt" not in obj:
+        return PromptLine(number, error="prompt: missing")
+    if not isinstance(obj["prompt"], str):
+        return PromptLine(number, error=f"prompt: must be a string, got {json.dumps(obj['prompt'])}")
+    changes = {k: obj[k] for k in ("max_new_tokens", "entropy_bound", "temperature") if k in obj}
+    return PromptLine(number, prompt=obj["prompt"], changes=changes, seed=obj.get("seed"), stop=obj.get("stop"))
+
+
+# ----- running ------------------------------------------------------------------------------------------------------
+def _apply_threads(args: argparse.Namespace, model) -> int:
+    """--threads N, else OMP_NUM_THREADS when set, else `recommended_threads(model)`; applied before any compile
+    (Inductor's CPU kernels are generated for the thread count in force)."""
+    from .threads import recommended_threads
+
+    if args.threads is not None:
+        n = args.threads
+    elif os.environ.get("OMP_NUM_THREADS", "").strip():
+        n = torch.get_num_threads()
+    else:
+        n = recommended_threads(model)
+    torch.set_num_threads(n)
+    return n
+
+
+Run = Callable[..., object]  # (prompts, config, seed=..., on_block=...) -> GenerationOutput
+
+
+def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, first: tuple[list, int]) -> tuple[Run, str]:
+    """The generate function for this invocation and its one-time cost as a stats field: the compiled generator
+    (one bucket of `rows`, a static cache of `slots` committed slots, compiled now: `compile_s`), or the eager one
+    after an untimed run of `first` = (prompts, seeds) with one denoise step per block (`warmup_s`)."""
+    from . import generate
+
+    if args.eager:
+        start = time.perf_counter()
+        generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1])
+        return (lambda *a, **kw: generate(model, *a, **kw)), f" warmup_s={time.perf_counter() - start:.2f}"
+    from . import CompileOptions, build
+
+    gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING))
+    print("dgemma: compiling the denoise step and encoder chunk (a minute or so on a CPU, cached afterwards)...",
+          file=sys.stderr, flush=True)
+    return gen.generate, f" compile_s={gen.warmup(rows, config):.1f}"
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from . import generate, load, load_tokenizer
-    from .generate import plan
+    from . import load, load_tokenizer
+    from .config import ConfigError
+
+    if args.prompt is not None and args.prompts_file is not None:
+        raise ConfigError("prompt: give a prompt or --prompts-file, not both")
+    if args.prompt is None and args.prompts_file is None:
+        raise ConfigError("prompt: give a prompt, or --prompts-file FILE")
+    if args.batch_size is not None and args.prompts_file is None:
+        raise ConfigError("batch_size: --batch-size applies to --prompts-file only")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"batch_size: must be a positive integer, got {args.batch_size}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"threads: must be a positive integer, got {args.threads}")
+    lines = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None  # before any loading
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir, dtype=DTYPES[args.dtype] if args.dtype else None)
@@ -70,52 +213,143 @@ def generate_command(args: argparse.Namespace) -> int:
         changes["max_new_tokens"] = args.max_new_tokens
     if args.max_denoising_steps is not None:
         changes["max_denoising_steps"] = args.max_denoising_steps
+    if args.entropy_bound is not None:
+        changes["entropy_bound"] = args.entropy_bound
     config = model.generation_config.replace(**changes)
-    ids = _prompt_ids(tokenizer, args.prompt, args.chat)
+    if args.temperature is not None:
+        config = config.with_temperature(args.temperature)
+    if lines is not None:
+        return _generate_batch(args, model, tokenizer, config, lines)
+    return _generate_one(args, model, tokenizer, config)
 
-    shown = ""
-    generated: list[int] = []
+
+def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
+    from .generate import plan
+    from .text import StopStrings
+
+    matcher = StopStrings(tokenizer, args.stop or ())  # validates --stop before any compile
+    ids = _encode(tokenizer, model, args.prompt, args)
+    slots = plan(model, [ids], config, args.seed)[3]  # validate prompt, config and seed before any compile
+    threads = _apply_threads(args, model)
+    run, one_time = _runner(model, args, 1, slots, config, ([ids], args.seed))
+
+    first_block: list[float] = []
 
     def on_block(_: int, new_tokens: list[list[int]]) -> None:
-        nonlocal shown
-        generated.extend(new_tokens[0])
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        sys.stdout.write(text[len(shown):] if text.startswith(shown) else "\n" + text)
+        if not first_block:
+            first_block.append(time.perf_counter())
+        sys.stdout.write(matcher.push(new_tokens[0]))
         sys.stdout.flush()
-        shown = text
 
-    plan(model, [ids], config, args.seed)  # validate prompt, config and seed before any compile
-    compile_note = ""
-    if args.eager:
-        run = lambda: generate(model, [ids], config, seed=args.seed, on_block=on_block)  # noqa: E731
-    else:
-        from .compile import CompileOptions, build
-
-        # one request: one bucket, and a static cache that fits this prompt and budget (rounded up to share graphs)
-        slots = -(-(len(ids) + config.max_new_tokens) // 256) * 256
-        gen = build(model, CompileOptions(batch_buckets=(1,), max_seq_len=slots))
-        print("dgemma: compiling the denoise step and encoder chunk (a minute or so on a CPU, cached afterwards)...",
-              file=sys.stderr, flush=True)
-        compile_note = f" compile_s={gen.warmup(1, config):.1f}"
-        run = lambda: gen.generate([ids], config, seed=args.seed, on_block=on_block)  # noqa: E731
     start = time.perf_counter()
-    out = run()
+    out = run([ids], config, seed=args.seed, on_block=on_block, stop=lambda *_: [0] if matcher.stopped else [])
     elapsed = time.perf_counter() - start
-    sys.stdout.write("\n")
+    sys.stdout.write(matcher.finish() + "\n")
     st = out.stats[0]
-    mean_steps = st.decoder_passes / max(st.blocks, 1)
-    print(f"tokens={st.num_tokens} blocks={st.blocks} mean_steps_per_block={mean_steps:.2f} "
+    ttfb = (first_block[0] - start) if first_block else elapsed
+    print(f"tokens={st.num_tokens} blocks={st.blocks} mean_steps_per_block={st.decoder_passes / max(st.blocks, 1):.2f} "
           f"tokens_per_forward={st.tokens_per_forward:.2f} tok/s={st.num_tokens / elapsed:.1f} "
-          f"finish={st.finish_reason}{compile_note}", file=sys.stderr)
+          f"finish={st.finish_reason}{one_time} ttfb_s={ttfb:.3f} threads={threads} scheme={out.scheme} "
+          f"moe={out.moe_impl}", file=sys.stderr)
     return 0
+
+
+def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: list[PromptLine]) -> int:
+    """--prompts-file: validate every line first (a bad one is reported in its place), group the good ones by
+    config, run each group in batches of --batch-size, write one JSON line per prompt in input order."""
+    from tqdm import tqdm
+
+    from .config import ConfigError
+    from .generate import STRUCTURAL, plan
+    from .text import StopStrings, check_stop_strings
+
+    batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH_SIZE
+    slots = 0
+    for ln in lines:
+        if ln.error is not None:
+            continue
+        try:
+            ln.ids = _encode(tokenizer, model, ln.prompt, args)
+            changes = dict(ln.changes)
+            temperature = changes.pop("temperature", None)
+            ln.config = config.replace(**changes)
+            if temperature is not None:
+                ln.config = ln.config.with_temperature(temperature)
+            ln.stops = check_stop_strings(args.stop if ln.stop is None else ln.stop)
+            ln.seed = args.seed if ln.seed is None else ln.seed
+            slots = max(slots, plan(model, [ln.ids], ln.config, ln.seed)[3])  # validates; committed slots needed
+        except ConfigError as e:
+            ln.error = str(e)
+    good = [ln for ln in lines if ln.error is None]
+    groups: dict[object, list[PromptLine]] = {}  # requests of one batch may differ in all but STRUCTURAL fields
+    for ln in good:
+        groups.setdefault(tuple(getattr(ln.config, f) for f in STRUCTURAL), []).append(ln)
+    chunks = [g[i:i + batch] for g in groups.values() for i in range(0, len(g), batch)]
+
+    results: dict[int, dict] = {ln.line: {"line": ln.line, "error": ln.error} for ln in lines if ln.error is not None}
+    for ln in lines:
+        if ln.error is not None:
+            print(f"dgemma: error: --prompts-file line {ln.line}: {ln.error}", file=sys.stderr)
+    order = [ln.line for ln in lines]
+    written = 0
+
+    def flush() -> None:
+        nonlocal written
+        while written < len(order) and order[written] in results:
+            sys.stdout.write(json.dumps(results.pop(order[written]), ensure_ascii=False) + "\n")
+            written += 1
+        sys.stdout.flush()
+
+    flush()
+    summary = ""
+    if chunks:
+        threads = _apply_threads(args, model)
+        rows = min(batch, max(len(c) for c in chunks))
+        first = chunks[0]
+        run, one_time = _runner(model, args, rows, slots, first[0].config,
+                                ([ln.ids for ln in first], [ln.seed for ln in first]))
+        first_block: list[float] = []
+        matchers: list[StopStrings] = []
+
+        def on_block(_: int, new_tokens: list[list[int]]) -> None:
+            if not first_block:
+                first_block.append(time.perf_counter())
+            for m, toks in zip(matchers, new_tokens):
+                m.push(toks)
+
+        def stop(*_) -> list[int]:
+            return [i for i, m in enumerate(matchers) if m.stopped]
+
+        tokens = blocks = passes = 0
+        start = time.perf_counter()
+        with tqdm(total=len(good), unit="prompt", file=sys.stderr, desc="dgemma", disable=None) as bar:
+            for chunk in chunks:
+                matchers[:] = [StopStrings(tokenizer, ln.stops) for ln in chunk]
+                out = run([ln.ids for ln in chunk], [ln.config for ln in chunk], seed=[ln.seed for ln in chunk],
+                          on_block=on_block, stop=stop)
+                for ln, m, st in zip(chunk, matchers, out.stats):
+                    m.finish()
+                    results[ln.line] = {"line": ln.line, "text": m.text,
+                                        "num_tokens": st.num_tokens, "finish_reason": st.finish_reason,
+                                        "steps_per_block": list(st.steps_per_block)}
+                    tokens, blocks, passes = tokens + st.num_tokens, blocks + st.blocks, passes + st.decoder_passes
+                flush()
+                bar.update(len(chunk))
+        elapsed = time.perf_counter() - start
+        ttfb = (first_block[0] - start) if first_block else elapsed
+        summary = (f" tokens={tokens} blocks={blocks} mean_steps_per_block={passes / max(blocks, 1):.2f} "
+                   f"tokens_per_forward={tokens / max(passes, 1):.2f} tok/s={tokens / elapsed:.1f} batch_size={batch}"
+                   f"{one_time} ttfb_s={ttfb:.3f} threads={threads}")
+    flush()
+    errors = len(lines) - len(good)
+    print(f"prompts={len(lines)} errors={errors}{summary}", file=sys.stderr)
+    return 2 if errors else 0
 
 
 def explain_command(args: argparse.Namespace) -> int:
     import dataclasses
-    import json
 
-    from . import load
-    from .compile import build
+    from . import build, load
 
     model = load(args.model if args.model is not None else DEMO_MODEL)
     reports = build(model).explain(args.batch_size)
@@ -123,6 +357,7 @@ def explain_command(args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
     else:
         print("\n".join(r.text() for r in reports))
+        print(f"moe_impl rule (ops.moe.resolve_moe_impl): {MOE_RULE}")
     return 0
 
 

@@ -1,19 +1,49 @@
-"""`dgemma generate` end to end on a checkpoint directory written by transformers' save_pretrained."""
+"""`dgemma generate` end to end on checkpoint directories written by transformers' save_pretrained.
 
+References are computed in-process with the library (`dg.generate`, the tokenizer's own encode/decode and chat
+template); the CLI runs in a subprocess.
+"""
+
+import json
 import re
+import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 import dgemma_compile as dg
+from dgemma_compile.text import REPLACEMENT
+from helpers import write_checkpoint
+from test_text import TEMPLATE_NO_BOS, write_byte_bpe
+
+STATS = (r"tokens=\d+ blocks=\d+ mean_steps_per_block=[\d.]+ tokens_per_forward=[\d.]+ tok/s=[\d.]+ "
+         r"finish=(eos|length|stop) {one_time}=[\d.]+ ttfb_s=[\d.]+ threads={threads} scheme=\S+ moe=\w+")
 
 
-def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "dgemma_compile.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+def run_cli(*args, timeout=300, stdin=None, env=None, text=True):
+    """The CLI in a subprocess; `text=False` keeps stdout's bytes (no newline translation)."""
+    base = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"} if env is None else env
+    return subprocess.run([sys.executable, "-m", "dgemma_compile.cli", *args], capture_output=True, text=text,
+                          timeout=timeout, env=base, input=stdin)
 
 
+def error_lines(res):
+    assert "Traceback" not in res.stderr, res.stderr
+    return [line for line in res.stderr.splitlines() if line.startswith("dgemma: error:")]
+
+
+def chat_ids(tok, messages):
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def decode(tok, ids):
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
 def test_generate_prints_text_and_stats(tiny_dir):
     res = run_cli("generate", "--model", str(tiny_dir), "--max-new-tokens", "12", "--max-denoising-steps", "3",
                   "--seed", "5", "--eager", "abc 12=")
@@ -21,10 +51,9 @@ def test_generate_prints_text_and_stats(tiny_dir):
     model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
     cfg = model.generation_config.replace(max_new_tokens=12, max_denoising_steps=3)
     expected = dg.generate(model, [tok("abc 12=")["input_ids"]], cfg, seed=5)
-    assert res.stdout == tok.decode(expected.sequences[0], skip_special_tokens=True) + "\n"
+    assert res.stdout == decode(tok, expected.sequences[0]) + "\n"
     stats = res.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"tokens=\d+ blocks=\d+ mean_steps_per_block=[\d.]+ tokens_per_forward=[\d.]+ "
-                        r"tok/s=[\d.]+ finish=(eos|length)", stats), stats
+    assert re.fullmatch(STATS.format(one_time="warmup_s", threads=1), stats), stats
     assert f"tokens={expected.stats[0].num_tokens} blocks={expected.stats[0].blocks}" in stats
 
 
@@ -34,6 +63,8 @@ def test_generate_prints_text_and_stats(tiny_dir):
     (["--max-denoising-steps", "-3"], "max_denoising_steps: must be a positive integer"),
     (["--seed", "-1"], "seed"),
     (["--seed", str(2**70)], "seed"),
+    (["--threads", "0"], "threads: must be a positive integer"),
+    (["--batch-size", "2"], "batch_size: --batch-size applies to --prompts-file only"),
 ])
 def test_errors_are_one_line_without_traceback(tiny_dir, args, message):
     full = ["generate", *args, "--eager", "abc"]
@@ -41,8 +72,7 @@ def test_errors_are_one_line_without_traceback(tiny_dir, args, message):
         full[1:1] = ["--model", str(tiny_dir)]
     res = run_cli(*full)
     assert res.returncode == 2
-    assert "Traceback" not in res.stderr
-    errors = [line for line in res.stderr.splitlines() if line.startswith("dgemma: error:")]
+    errors = error_lines(res)
     assert len(errors) == 1 and message in errors[0], res.stderr
 
 
@@ -53,21 +83,263 @@ def test_bad_checkpoint_is_one_line(tmp_path):
     assert "not a DiffusionGemma checkpoint" in res.stderr
 
 
-def test_chat_prompt_goes_through_the_chat_template(tiny_dir):
-    res = run_cli("generate", "--model", str(tiny_dir), "--chat", "--max-new-tokens", "8", "--max-denoising-steps", "2",
+@pytest.mark.slow
+@pytest.mark.parametrize("system", [None, "sys 1 "])
+def test_chat_prompt_goes_through_the_chat_template_with_one_bos(tiny_dir, system):
+    args = ["--system", system] if system is not None else ["--chat"]
+    res = run_cli("generate", "--model", str(tiny_dir), *args, "--max-new-tokens", "8", "--max-denoising-steps", "2",
                   "--eager", "hi 3")
     assert res.returncode == 0, res.stderr
     model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi 3"}], add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    assert ids != tok("hi 3")["input_ids"]  # the template really changed the prompt (no bos here)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi 3"}]
+    templated = chat_ids(tok, messages)
+    bos = model.config.bos_token_id
+    assert templated[0] != bos  # this template renders no bos: the CLI must add it
     cfg = model.generation_config.replace(max_new_tokens=8, max_denoising_steps=2)
-    expected = dg.generate(model, [ids], cfg, seed=0)
-    assert res.stdout == tok.decode(expected.sequences[0], skip_special_tokens=True) + "\n"
+    expected = dg.generate(model, [[bos] + templated], cfg, seed=0)
+    assert res.stdout == decode(tok, expected.sequences[0]) + "\n"
 
 
-@pytest.mark.parametrize("prompt,message", [("", "prompt: empty prompt"), ("abc ✓ é", "cannot encode: 'é✓'")])
-def test_prompts_the_tokenizer_cannot_take_are_rejected_before_compiling(tiny_dir, prompt, message):
-    res = run_cli("generate", "--model", str(tiny_dir), prompt)  # compiled path: must fail before any compile
-    assert res.returncode == 2 and "Traceback" not in res.stderr and "compiling" not in res.stderr
-    assert message in res.stderr, res.stderr
+def test_chat_without_a_template_is_one_error_line(tiny_dir, tmp_path):
+    d = tmp_path / "no-template"
+    shutil.copytree(tiny_dir, d)
+    (d / "chat_template.jinja").unlink()
+    assert "chat_template" not in json.loads((d / "tokenizer_config.json").read_text())
+    res = run_cli("generate", "--model", str(d), "--chat", "hi")  # compiled path: fails before compiling
+    assert res.returncode == 2 and "compiling" not in res.stderr
+    errors = error_lines(res)
+    assert len(errors) == 1 and errors[0].startswith(f"dgemma: error: chat template: {d} has none"), res.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["",], "prompt: empty prompt"),
+    (["abc ✓ é"], "prompt: characters the model's tokenizer cannot encode: 'é✓'"),
+    (["--system", "é", "abc"], "system: characters the model's tokenizer cannot encode: 'é'"),
+])
+def test_prompts_the_tokenizer_cannot_take_are_rejected_before_compiling(tiny_dir, args, message):
+    res = run_cli("generate", "--model", str(tiny_dir), *args)  # compiled path: must fail before any compile
+    assert res.returncode == 2 and "compiling" not in res.stderr
+    errors = error_lines(res)
+    assert len(errors) == 1 and message in errors[0], res.stderr
+
+
+@pytest.fixture(scope="module")
+def bpe_ckpt(tmp_path_factory):
+    """A tiny random model over a byte-level BPE (random output: bytes of characters split across blocks)."""
+    d = write_checkpoint(tmp_path_factory.mktemp("bpe-ckpt"), vocab_size=300, canvas_length=4,
+                         layer_types=("sliding_attention", "full_attention"))
+    return write_byte_bpe(d, bos_post_processor=False, template=TEMPLATE_NO_BOS)
+
+
+@pytest.mark.slow
+def test_streaming_holds_back_a_character_split_by_a_block(bpe_ckpt):
+    model, tok = dg.load(bpe_ckpt), dg.load_tokenizer(bpe_ckpt)
+    cfg = model.generation_config.replace(max_new_tokens=24, max_denoising_steps=2)
+    prompt = [model.config.bos_token_id] + tok("sort é", add_special_tokens=False)["input_ids"]
+    for seed in range(50):  # a seed whose output has a block boundary inside a character
+        so_far, split = [], False
+
+        def on_block(_, new, so_far=so_far):
+            nonlocal split
+            so_far += new[0]
+            split |= decode(tok, so_far).endswith(REPLACEMENT)
+
+        out = dg.generate(model, [prompt], cfg, seed=seed, on_block=on_block)
+        if split and out.stats[0].blocks > 1:
+            break
+    else:
+        pytest.fail("no seed splits a character across blocks")
+    res = run_cli("generate", "--model", str(bpe_ckpt), "--max-new-tokens", "24", "--max-denoising-steps", "2",
+                  "--seed", str(seed), "--eager", "sort é", text=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.decode() == decode(tok, out.sequences[0]) + "\n"  # each character once, nothing repeated
+
+
+@pytest.mark.slow
+def test_threads_flag_reaches_the_stats_line(tiny_dir):
+    res = run_cli("generate", "--model", str(tiny_dir), "--max-new-tokens", "4", "--max-denoising-steps", "1",
+                  "--eager", "--threads", "2", "abc")
+    assert res.returncode == 0 and res.stderr.rstrip().endswith("threads=2"), res.stderr
+
+
+def test_threads_precedence_flag_then_environment_then_recommendation(tiny_dir, monkeypatch):
+    import torch
+
+    from dgemma_compile import threads
+    from dgemma_compile.cli import _apply_threads
+
+    model = dg.load(tiny_dir)
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert _apply_threads(SimpleNamespace(threads=2), model) == 2 == torch.get_num_threads()
+        assert _apply_threads(SimpleNamespace(threads=None), model) == 2  # OMP_NUM_THREADS set: torch's count stays
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr(threads, "recommended_threads", lambda m: 3 if m is model else 0)
+        assert _apply_threads(SimpleNamespace(threads=None), model) == 3 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+# ----- --prompts-file ----------------------------------------------------------------------------------------------
+PROMPT_LINES = [
+    "abc 12=",                                                   # 1 plain
+    '{"prompt": "hi 3", "seed": 7, "max_new_tokens": 5}',        # 2
+    '{"prompt": "abc", ',                                        # 3 bad JSON
+    "",                                                          # 4 blank: skipped
+    '{"prompt": "x", "temperature": 0.5}',                       # 5 not yet supported
+    '{"prompt": ""}',                                            # 6 empty prompt
+    '{"prompt": "a b", "max_new_tokens": 0}',                    # 7 bad config value
+    "ab ✓",                                                      # 8 unencodable
+    '{"prompt": "cab", "entropy_bound": 0.3}',                   # 9
+    '{"prompt": "zz", "foo": 1}',                                # 10 unknown key
+    "hi 3",                                                      # 11
+    '{"prompt": "b", "seed": -4}',                               # 12 bad seed
+]
+LINE_ERRORS = {3: "not a valid JSON object", 5: "temperature: not yet supported", 6: "prompt: empty prompt",
+               7: "max_new_tokens: must be a positive integer", 8: "prompt: characters the model's tokenizer cannot",
+               10: "foo: unknown key", 12: "seed"}
+
+
+def expected_line(model, tok, line: str, *, seed=5, max_new_tokens=12, steps=3) -> dict:
+    """What one prompt of the file must give: the eager generator on that prompt alone."""
+    obj = json.loads(line) if line.startswith("{") else {"prompt": line}
+    cfg = model.generation_config.replace(max_new_tokens=obj.get("max_new_tokens", max_new_tokens),
+                                          max_denoising_steps=steps)
+    if "entropy_bound" in obj:
+        cfg = cfg.replace(entropy_bound=obj["entropy_bound"])
+    out = dg.generate(model, [tok(obj["prompt"])["input_ids"]], cfg, seed=obj.get("seed", seed))
+    st = out.stats[0]
+    return {"text": decode(tok, out.sequences[0]), "num_tokens": st.num_tokens, "finish_reason": st.finish_reason,
+            "steps_per_block": st.steps_per_block}
+
+
+def check_results(stdout: str, lines: list[str], model, tok, errors: dict[int, str] | None = None) -> None:
+    results = [json.loads(r) for r in stdout.splitlines()]
+    numbers = [i for i, line in enumerate(lines, 1) if line.strip()]
+    assert [r["line"] for r in results] == numbers  # one result per prompt line, in input order
+    for r in results:
+        if r["line"] in (errors or {}):
+            assert set(r) == {"line", "error"} and errors[r["line"]] in r["error"], r
+        else:
+            assert r == {"line": r["line"], **expected_line(model, tok, lines[r["line"] - 1])}
+
+
+@pytest.mark.slow
+def test_prompts_file_results_in_order_with_bad_lines_in_place(tiny_dir, tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(PROMPT_LINES) + "\n")
+    res = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--batch-size", "2", "--eager",
+                  "--max-new-tokens", "12", "--max-denoising-steps", "3", "--seed", "5")
+    assert res.returncode == 2, res.stderr
+    check_results(res.stdout, PROMPT_LINES, dg.load(tiny_dir), dg.load_tokenizer(tiny_dir), LINE_ERRORS)
+    errors = error_lines(res)
+    assert [int(re.match(r"dgemma: error: --prompts-file line (\d+): ", e).group(1)) for e in errors] == \
+        sorted(LINE_ERRORS)
+    summary = res.stderr.strip().splitlines()[-1]
+    assert summary.startswith(f"prompts={len(PROMPT_LINES) - 1} errors={len(LINE_ERRORS)} tokens="), summary
+    assert re.search(r" batch_size=2 warmup_s=[\d.]+ ttfb_s=[\d.]+ threads=1$", summary), summary
+
+
+@pytest.mark.slow
+def test_prompts_from_stdin(tiny_dir):
+    lines = ["abc 12=", '{"prompt": "hi 3", "seed": 7}']
+    res = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", "-", "--eager", "--max-new-tokens", "12",
+                  "--max-denoising-steps", "3", "--seed", "5", stdin="\r\n".join(lines))
+    assert res.returncode == 0, res.stderr
+    check_results(res.stdout, lines, dg.load(tiny_dir), dg.load_tokenizer(tiny_dir))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file: /nonexistent/prompts.txt: no such file"),
+    (["--prompts-file", "/"], "--prompts-file: /: is a directory"),
+    (["--prompts-file", "-", "abc"], "prompt: give a prompt or --prompts-file, not both"),
+    ([], "prompt: give a prompt, or --prompts-file FILE"),
+    (["--prompts-file", "-", "--batch-size", "0"], "batch_size: must be a positive integer, got 0"),
+])
+def test_prompts_file_errors_come_before_anything_runs(args, message):
+    # a missing model directory too: the prompts are checked before anything is loaded
+    res = run_cli("generate", "--model", "/nonexistent/model", *args, stdin="")
+    assert res.returncode == 2 and res.stdout == ""
+    errors = error_lines(res)
+    assert len(errors) == 1 and errors[0] == f"dgemma: error: {message}", res.stderr
+
+
+def test_prompts_file_without_prompts(tiny_dir, tmp_path):
+    f = tmp_path / "empty.txt"
+    f.write_text("\n  \n")
+    res = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--eager")
+    assert res.returncode == 2 and error_lines(res) == [f"dgemma: error: --prompts-file: {f}: no prompts"]
+
+
+# ----- compiled path (the default) ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_compiled_single_prompt_and_batch_match_eager(tiny_dir, tmp_path):
+    model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
+    res = run_cli("generate", "--model", str(tiny_dir), "--max-new-tokens", "12", "--max-denoising-steps", "3",
+                  "--seed", "5", "abc 12=", timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == expected_line(model, tok, "abc 12=")["text"] + "\n"
+    assert re.fullmatch(STATS.format(one_time="compile_s", threads=1), res.stderr.strip().splitlines()[-1]), res.stderr
+
+    lines = ["abc 12=", '{"prompt": "hi 3", "seed": 7, "max_new_tokens": 5}', "cab", '{"prompt": "ab", "seed": 1}']
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(lines))
+    res = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--batch-size", "2",
+                  "--max-new-tokens", "12", "--max-denoising-steps", "3", "--seed", "5", timeout=600)
+    assert res.returncode == 0, res.stderr
+    check_results(res.stdout, lines, model, tok)  # two groups (max_new_tokens 12 and 5), one padded batch
+    assert re.search(r" batch_size=2 compile_s=[\d.]+ ttfb_s=[\d.]+ threads=1$", res.stderr.strip()), res.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature: must be a finite number >= 0"),
+    (["--temperature", "nan"], "temperature: must be a finite number >= 0"),
+    (["--entropy-bound", "0"], "entropy_bound: must be a finite number > 0"),
+    (["--stop", ""], "stop: empty stop string"),
+])
+def test_sampling_flags_are_validated_in_one_line(tiny_dir, args, message):
+    res = run_cli("generate", "--model", str(tiny_dir), *args, "abc")  # compiled path: fails before compiling
+    assert res.returncode == 2 and "compiling" not in res.stderr
+    errors = error_lines(res)
+    assert len(errors) == 1 and message in errors[0], res.stderr
+
+
+@pytest.mark.slow
+def test_stop_string_temperature_and_entropy_bound_flags(tiny_dir):
+    """--temperature 0 (greedy, through with_temperature), --entropy-bound and --stop against the library run with
+    the same config and the same stop hook."""
+    from dgemma_compile.text import StopStrings
+
+    model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
+    cfg = model.generation_config.replace(max_new_tokens=24, max_denoising_steps=3, entropy_bound=0.7,
+                                          eos_token_ids=()).with_temperature(0.0)
+    free = dg.generate(model, [tok("ab 1=")["input_ids"]], cfg, seed=0)
+    text = decode(tok, free.sequences[0])
+    stop = text[9:11]  # in the second block (canvas 8)
+    res = run_cli("generate", "--model", str(tiny_dir), "--eager", "--max-new-tokens", "24", "--max-denoising-steps",
+                  "3", "--entropy-bound", "0.7", "--temperature", "0", "--stop", stop, "ab 1=")
+    assert res.returncode == 0, res.stderr
+    m = StopStrings(tok, [stop])
+    dg.generate(model, [tok("ab 1=")["input_ids"]], cfg, seed=0, on_block=lambda _, new: m.push(new[0]),
+                stop=lambda *_: [0] if m.stopped else [])
+    assert res.stdout == m.text + "\n" and stop not in res.stdout and res.stdout.strip()
+    assert "finish=stop" in res.stderr
+
+
+@pytest.mark.slow
+def test_quick_start_command_prints_the_answer():
+    """The README's main job, compiled, on the built-in demo model."""
+    res = run_cli("generate", "sort 3 1 2 9 5=", timeout=900)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "1 2 3 5 9\n" and "finish=eos" in res.stderr
+
+
+@pytest.mark.slow
+def test_explain_json_reports_no_graph_breaks():
+    res = run_cli("explain", "--json", timeout=900)
+    assert res.returncode == 0, res.stderr
+    reports = json.loads(res.stdout)
+    assert [r["unit"].split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
+    assert all(r["graph_count"] == 1 and r["graph_break_count"] == 0 and r["recompiles_in_workload"] == 0
+               for r in reports)

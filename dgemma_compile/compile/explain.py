@@ -30,11 +30,13 @@ class UnitReport:
     guard_count: int
     compiles_in_workload: int = 0
     recompiles_in_workload: int = 0
+    moe_impl: str = ""
 
     def text(self) -> str:
         lines = [f"{self.unit}: graphs={self.graph_count} graph_breaks={self.graph_break_count} "
                  f"ops_per_graph={self.ops_per_graph} guards={self.guard_count} "
-                 f"compiles_in_workload={self.compiles_in_workload} recompiles={self.recompiles_in_workload}"]
+                 f"compiles_in_workload={self.compiles_in_workload} recompiles={self.recompiles_in_workload} "
+                 f"moe_impl={self.moe_impl}"]
         for r in self.break_reasons:
             lines.append(f"  break: {r['reason']}\n    at: {r['user_stack']}")
         return "\n".join(lines)
@@ -54,7 +56,8 @@ def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationCon
                 unit=unit.name, graph_count=ex.graph_count, graph_break_count=ex.graph_break_count,
                 break_reasons=[{"reason": str(b.reason), "user_stack": [str(f) for f in b.user_stack]}
                                for b in ex.break_reasons],
-                ops_per_graph=[len(ops) for ops in ex.ops_per_graph], guard_count=len(ex.out_guards)))
+                ops_per_graph=[len(ops) for ops in ex.ops_per_graph], guard_count=len(ex.out_guards),
+                moe_impl=gen.moe_impl))
     gen.reset()  # explain reset Dynamo; start from fresh compiled units
     before = Counter(gen.compiles)
     (workload or default_workload)(gen)

@@ -33,7 +33,7 @@ from ..steps import BufferSteps, DenoiseState, StepInputs, denoise_step, encode_
 from ..stop_check import PinnedCopy, StopCheck
 from ..stop_check import resolve as resolve_stop_check
 from .options import CompileOptions
-from .units import CompiledUnit, CudaGraphs, UnitFactory
+from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 
 class Bucket:
@@ -84,6 +84,8 @@ class CompiledGenerator:
 
     def __post_init__(self) -> None:
         self.units = UnitFactory(self.options, self.model.device, self.graphs)
+        # what every unit of every bucket assumes of the model; checked once per generate/warmup call
+        self.fingerprint = ModelFingerprint.of(self.model)
         cfg = self.model.config
         # the routed experts' implementation in every compiled unit (`ops.moe.resolve_moe_impl`); the eager generator
         # reproduces these numerics with `generate(..., moe_impl=gen.moe_impl)`
@@ -139,7 +141,9 @@ class CompiledGenerator:
         Raises:
             ConfigError: as the eager generator; `max_seq_len` when a request needs more committed slots than
                 `CompileOptions.max_seq_len`; `max_denoising_steps` above `CompileOptions.max_denoising_steps`.
+            ModelChangedError: the model's parameters, buffers or attributes changed since `build()`.
         """
+        self.fingerprint.check(self.model)
         cfgs, prompts, seeds, needed = plan(self.model, prompts, config, seed)
         if needed > self.options.max_seq_len:
             raise ConfigError(f"max_seq_len: these requests need {needed} committed slots per row, more than "
@@ -171,7 +175,9 @@ class CompiledGenerator:
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None) -> float:
-        """Compile the bucket that serves `batch_size` requests (both units) and return the seconds it took."""
+        """Compile the bucket that serves `batch_size` requests (both units) and return the seconds it took.
+        Raises `ModelChangedError` as `generate` does."""
+        self.fingerprint.check(self.model)
         start = time.perf_counter()
         bucket = self.bucket(batch_size, config)
         bucket.inputs.n_new.zero_()

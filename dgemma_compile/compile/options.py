@@ -51,6 +51,12 @@ class CompileOptions:
     # The MoE experts' implementation in compiled units. "auto" = ops.moe.resolve_moe_impl's rule ("grouped" for
     # bfloat16 with E/K > 4, else "dense"): traceable, so no opaque, host-syncing expert loop runs inside a step.
     moe_impl: str = "auto"
+    # Skip Dynamo's guard evaluation (all but the static buffers' tensor guards) inside our units' calls once each
+    # unit has compiled: at bucket B=1 the guards cost a sizeable share of a demo denoise step
+    # (bench/results/overhead_cpu_*.md). Sound because a unit reads only its static buffers and the model, whose
+    # fingerprint the generator checks once per generate call (`units.ModelFingerprint`). Off: Dynamo sees, and
+    # `fail_on_recompile` catches, every would-be recompile.
+    skip_guards: bool = True
 
     def __post_init__(self) -> None:
         b = self.batch_buckets
@@ -66,6 +72,8 @@ class CompileOptions:
             raise ConfigError(f"stop_check_k: must be a positive integer, got {self.stop_check_k!r}")
         if self.moe_impl not in ("auto", *MOE_IMPLS):
             raise ConfigError(f"moe_impl: must be one of {('auto', *MOE_IMPLS)}, got {self.moe_impl!r}")
+        if not isinstance(self.skip_guards, bool):
+            raise ConfigError(f"skip_guards: must be a bool, got {self.skip_guards!r}")
         if self.recompile_limit < 2 * len(b):
             raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")
 

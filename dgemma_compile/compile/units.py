@@ -4,20 +4,112 @@ replayed as a CUDA graph; and `UnitFactory`, which makes them and counts their I
 A unit is the unit of compilation (STYLE.md principle 3): `denoise_step` and `encoder_chunk` per batch bucket in the
 generator, the prefill chunk and one-token step in the AR baseline. Its function reads and writes only static
 buffers captured by the closure, so every call runs the same graph and a CUDA graph can replay it.
+
+Guards: each unit has its own Dynamo cache (`isolate_recompiles`), holding one entry. With
+`CompileOptions.skip_guards`, calls after the first run under Dynamo's `skip_guard_eval_unsafe` (`guards_skipped`, only
+inside the unit's call). In torch 2.13 that keeps only the tensor guards (dtype, device, shape, stride) of inputs that
+are not `nn.Parameter`s -- the static buffers -- and drops the rest: the parameters' tensor guards and every guard on
+Python values (the model's attributes, closure constants, global state such as grad mode). What could change under a
+unit is the model (the buffers are updated in place and stay guarded): `ModelFingerprint` records it at build time and
+the generator checks it once per `generate`/`warmup` call. bench/overhead.py measures what the guards cost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch._dynamo.eval_frame
 
 from .options import CompileOptions, applied
 
 log = logging.getLogger("dgemma_compile")
+
+
+_SKIPPED_GUARDS_RECOMPILE = "Recompilation triggered with skip_guard_eval_unsafe"
+"""How torch 2.13 refuses to compile under `skip_guard_eval_unsafe` (no entry passed the guards it keeps)."""
+
+
+@contextlib.contextmanager
+def guards_skipped():
+    """Dynamo's `skip_guard_eval_unsafe` for the duration of the block, keeping the current stance (e.g. a caller's
+    "fail_on_recompile") and restoring it on exit. The stance is process-global and torch 2.13 has no public getter,
+    so the current one is read from the private `torch._dynamo.eval_frame._stance` (a `DynamoStance`)."""
+    prior = torch._dynamo.eval_frame._stance
+    with torch.compiler.set_stance(prior.stance, skip_guard_eval_unsafe=True, force_backend=prior.backend):
+        yield
+
+
+class ModelChangedError(RuntimeError):
+    """The model changed after `build()`: the compiled units (and CUDA graphs) were made for the old one."""
+
+
+_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What compiled units assume of the model they read: per parameter and buffer (by name) its dtype, device, shape,
+    stride and data pointer, and the plain constant attributes (head counts, eps, `attention`, ...) of the model's own
+    modules, which Dynamo specialises on (torch.nn's modules are left out: their attributes follow from their
+    weights' shapes; so is `training`: the model never reads it).
+
+    A data pointer matters to CUDA graphs (they replay fixed addresses) and shows a replaced tensor; dtype, device and
+    shape matter to every compiled graph, and a skipping call checks none of them for parameters. `entries` holds one tuple per tensor
+    (kind, name, dtype, device, shape, stride, data_ptr) or attribute ("attribute", name, value); one pass over the
+    modules, ~0.1-0.2 ms for the demo model."""
+
+    entries: tuple
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelFingerprint":
+        out = []
+        for prefix, mod in model.named_modules():
+            dot = prefix + "." if prefix else ""
+            for kind, tensors in (("parameter", mod._parameters), ("buffer", mod._buffers)):
+                for k, t in tensors.items():
+                    if t is not None:
+                        out.append((kind, dot + k, t.dtype, t.device, tuple(t.shape), t.stride(), t.data_ptr()))
+            if not type(mod).__module__.startswith("torch."):
+                out += [("attribute", dot + k, v) for k, v in vars(mod).items()
+                        if k[0] != "_" and k != "training" and isinstance(v, _CONSTANTS)]
+        return cls(entries=tuple(out))
+
+    def changes(self, model: torch.nn.Module) -> list[str]:
+        """What differs in `model` now, one line per tensor or attribute (empty: unchanged)."""
+        now = ModelFingerprint.of(model)
+        if now.entries == self.entries:
+            return []
+        old, new = ({e[:2]: e[2:] for e in f.entries} for f in (self, now))
+        fields = ("dtype", "device", "shape", "stride", "data_ptr")
+        out = []
+        rank = {"parameter": 0, "buffer": 1, "attribute": 2}
+        for key in sorted(old.keys() | new.keys(), key=lambda k: (rank[k[0]], k[1])):
+            label = " ".join(key)
+            a, b = old.get(key), new.get(key)
+            if a is None or b is None:
+                out.append(f"{label} {'added' if a is None else 'removed'}")
+            elif key[0] == "attribute" and (type(a[0]) is not type(b[0]) or a != b):
+                out.append(f"{label}: {a[0]!r} -> {b[0]!r}")
+            elif a != b:
+                out.append(f"{label}: " + ", ".join(f"{f} {hex(x) if f == 'data_ptr' else x} -> "
+                                                     f"{hex(y) if f == 'data_ptr' else y}"
+                                                     for f, x, y in zip(fields, a, b) if x != y))
+        return out
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Raises:
+            ModelChangedError: `model` differs from this fingerprint, naming the first changes."""
+        changes = self.changes(model)
+        if changes:
+            more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+            raise ModelChangedError("model changed since build(): " + "; ".join(changes[:3]) + more +
+                                    "; the compiled units were made for the old model: build a new generator")
 
 
 class CudaGraphs:
@@ -39,14 +131,22 @@ class CudaGraphs:
 class CompiledUnit:
     """A zero-argument step over static buffers, `torch.compile`d under `options`. With `graphs`, the third call
     onwards replays a CUDA graph captured after the second (warm) call; a failed capture is logged and the unit
-    keeps running compiled without a graph (`graph_error` says why). Never a silent fallback."""
+    keeps running compiled without a graph (`graph_error` says why). Never a silent fallback.
+
+    The unit has its own Dynamo cache (`isolate_recompiles`: the step functions of all buckets share one code object,
+    so without it every bucket's entry would be searched on every call). With `options.skip_guards`, every call after
+    the first successful one skips guard evaluation (all but the buffers' tensor guards), inside this call only
+    (`guards_skipped`); a call whose kept guards fail, or whose entry is gone (`torch._dynamo.reset()`), is refused by
+    torch before anything runs, then logged and rerun with every guard, which recompiles."""
 
     def __init__(self, name: str, fn: Callable[[], None], options: CompileOptions, *, backend="inductor",
                  graphs: CudaGraphs | None = None, graph_pool=None):
         self.name, self.fn, self.options = name, fn, options
-        self.compiled = torch.compile(fn, fullgraph=options.fullgraph, dynamic=options.dynamic, backend=backend)
+        self.compiled = torch.compile(fn, fullgraph=options.fullgraph, dynamic=options.dynamic, backend=backend,
+                                      isolate_recompiles=True)
         self.graphs, self.graph_pool = graphs, graph_pool
         self.calls = 0
+        self.warm = False  # a call completed: the unit's cache entry exists, so guards may be skipped
         self.graph = None
         self.graph_error: str | None = None
 
@@ -55,10 +155,29 @@ class CompiledUnit:
         if self.graph is not None:
             self.graph.replay()
             return
-        with applied(self.options):
-            self.compiled()
+        if self.warm and self.options.skip_guards:
+            self._call_skipping_guards()
+        else:
+            with applied(self.options):
+                self.compiled()
+        self.warm = True
         if self.graphs is not None and self.graph_error is None and self.calls == 2:
             self._capture()
+
+    def _call_skipping_guards(self) -> None:
+        """A warm call with guards skipped, which cannot compile: `applied()`, whose config patches (~0.05 ms) only
+        matter when compiling, is left out. A call torch refuses (a kept tensor guard failed, or the entry is gone) is
+        logged and rerun with every guard under `applied()` (which compiles)."""
+        try:
+            with guards_skipped():
+                self.compiled()
+        except RuntimeError as e:
+            if _SKIPPED_GUARDS_RECOMPILE not in str(e):
+                raise
+            log.warning("%s: no cache entry passed the guards kept when skipping (a buffer changed, or Dynamo's cache "
+                        "was reset); rerunning with every guard", self.name)
+            with applied(self.options):
+                self.compiled()
 
     def _capture(self) -> None:
         """Capture after the second warm call. Capture records the kernels without running them, so the step that

@@ -1,0 +1,223 @@
+"""Per-call overhead of the compiled denoise unit (issue 10 item 7), with guards evaluated and with guards skipped.
+
+    python -m bench.overhead [--calls 200] [--rounds 5] [--profiled-calls 100] [--out bench/results]
+
+The demo model, `build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, skip_guards=...))`, `warmup(1)`
+(compile time reported apart), then the bucket serving one request under the demo's own generation config is set up
+as a request would be (a 64-token prompt encoded by the bucket's encoder unit, block 0 begun) and its denoise unit is
+called again and again (each call resets the rows' finished flags and step counters, so every call runs a full step
+over the same state). Two generators on the same model, guards evaluated / skipped, take turns in interleaved rounds.
+
+- unit call: median wall time of `bucket.denoise()` without a profiler (the step, as the block loop sees it);
+- under torch.profiler (CPU activity), per call: the unit call (a `record_function` around it), the compiled graph
+  (event "## Call CompiledFxGraph ...", Inductor's compiled module), guard evaluation ("TorchDynamo Cache Lookup");
+  overhead = unit call - graph, per call, then the median. The profiler also inflates the graph's own time (one
+  event per op it runs) but adds few events outside it, so the overhead is measured under the same profiler as the
+  graph and reported as a share of the unprofiled unit call;
+- Δ unit call: the guarded variant's unprofiled median minus the skipping one's (a profiler-free cross-check);
+- micro costs: `applied(options)` (the config patches every call enters), `guards_skipped()`, and the fingerprint
+  check made once per generate call;
+- where the step's time goes: torch.profiler's key_averages, top 15 by self CPU time, per variant.
+
+Writes bench/results/overhead_cpu_<date>.md and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import dgemma_compile as dg
+from dgemma_compile.compile import CompileOptions, applied
+from dgemma_compile.compile.units import guards_skipped
+from dgemma_compile.demo import DEMO_MODEL
+from dgemma_compile.observe import SpanTimer
+from dgemma_compile.steps import prefill
+
+from . import environment
+
+GRAPH = "## Call CompiledFxGraph"  # prefix: Inductor's compiled module call ("## Call CompiledFxGraph <key> ##")
+GUARDS = "TorchDynamo Cache Lookup"  # Dynamo's cache lookup = guard evaluation of the unit's entries
+CALL = "overhead::unit_call"
+PROMPT_LEN = 64
+VARIANTS = (("guards evaluated", False), ("guards skipped", True))
+
+
+class Variant:
+    """One compiled generator on the demo model and its B=1 bucket, set up mid-request."""
+
+    def __init__(self, model, label: str, skip_guards: bool):
+        self.label = label
+        self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, skip_guards=skip_guards))
+        self.compile_s = self.gen.warmup(1)
+        self.bucket = self.gen.bucket(1)
+        cfg = model.generation_config.resolved(model.config)
+        runner = self.bucket.steps([cfg], [0], SpanTimer(model.device, None))
+        ids = torch.tensor([[model.config.bos_token_id] + [3 + i % 20 for i in range(PROMPT_LEN - 1)]])
+        with torch.no_grad():
+            prefill(runner, ids, torch.tensor([PROMPT_LEN]))
+            runner.begin_block(0, torch.zeros(1, dtype=torch.bool))
+        self.wall: list[float] = []
+
+    def call(self) -> None:
+        state = self.bucket.state
+        state.finished.zero_()
+        state.steps.zero_()
+        self.bucket.denoise()
+
+    def time_calls(self, n: int) -> None:
+        with torch.no_grad():
+            for _ in range(n):
+                state = self.bucket.state
+                state.finished.zero_()
+                state.steps.zero_()
+                t = time.perf_counter()
+                self.bucket.denoise()
+                self.wall.append(time.perf_counter() - t)
+
+    def profiled(self, n: int):
+        with torch.no_grad():
+            for _ in range(3):
+                self.call()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(n):
+                    state = self.bucket.state
+                    state.finished.zero_()
+                    state.steps.zero_()
+                    with record_function(CALL):
+                        self.bucket.denoise()
+        return prof
+
+
+def per_call(prof) -> dict[str, list[float]]:
+    """Per unit call (µs): its wall time under the profiler, the graph's, the guard lookup's, and the rest."""
+    events = list(prof.events())
+    calls = sorted((e for e in events if e.name == CALL), key=lambda e: e.time_range.start)
+    inner = [e for e in events if e.name.startswith(GRAPH) or e.name == GUARDS]
+    out: dict[str, list[float]] = {"call": [], "graph": [], "guards": [], "overhead": []}
+    for c in calls:
+        lo, hi = c.time_range.start, c.time_range.end
+        mine = [e for e in inner if lo <= e.time_range.start <= hi]
+        graph = sum(e.time_range.elapsed_us() for e in mine if e.name.startswith(GRAPH))
+        guards = sum(e.time_range.elapsed_us() for e in mine if e.name == GUARDS)
+        call = c.time_range.elapsed_us()
+        out["call"].append(call)
+        out["graph"].append(graph)
+        out["guards"].append(guards)
+        out["overhead"].append(call - graph)
+    if not calls or not any(out["graph"]):
+        raise RuntimeError(f"no {GRAPH!r} events inside the unit calls: this torch names its events differently")
+    return out
+
+
+def top_table(prof, n_calls: int, rows: int = 15) -> list[str]:
+    """Markdown: the top `rows` events by self CPU time, per step."""
+    avgs = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
+    total = sum(a.self_cpu_time_total for a in avgs)
+    lines = ["| event | self µs per step | % of self total | calls per step |", "|---|---:|---:|---:|"]
+    for a in avgs[:rows]:
+        name = "unit call (Python around the compiled call)" if a.key == CALL else a.key.replace("|", "\\|")
+        lines.append(f"| {name} | {a.self_cpu_time_total / n_calls:.1f} | {100 * a.self_cpu_time_total / total:.1f} "
+                     f"| {a.count / n_calls:g} |")
+    return lines
+
+
+def micro(fn, n: int = 2000) -> float:
+    """Median µs of `fn()` over n calls, in batches of 100."""
+    times = []
+    for _ in range(n // 100):
+        t = time.perf_counter()
+        for _ in range(100):
+            fn()
+        times.append((time.perf_counter() - t) / 100 * 1e6)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=200, help="timed unit calls per variant per round")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--profiled-calls", type=int, default=100, help="unit calls under the profiler per variant")
+    p.add_argument("--out", type=Path, default=environment.REPO / "bench" / "results")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    started, load0 = environment.now(), environment.load_average()
+
+    model = dg.load(DEMO_MODEL)
+    variants = [Variant(model, label, skip) for label, skip in VARIANTS]
+    for r in range(args.rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            v.time_calls(args.calls)
+    profs = {v.label: v.profiled(args.profiled_calls) for v in variants}
+
+    opts = variants[1].gen.options
+
+    def enter_applied():
+        with applied(opts):
+            pass
+
+    def enter_skipped():
+        with guards_skipped():
+            pass
+
+    costs = {"`applied(options)` enter+exit (every unit call)": micro(enter_applied),
+             "`guards_skipped()` enter+exit (every call, skipping variant)": micro(enter_skipped),
+             "`ModelFingerprint.check` (once per generate call)": micro(lambda: variants[1].gen.fingerprint.check(model),
+                                                                       200)}
+
+    ms = lambda us: f"{us / 1e3:.3f}"  # noqa: E731
+    lines = [f"# Per-call overhead of the compiled denoise unit, demo model, B=1, cpu ({environment.today()})", "",
+             f"- command: python -m bench.overhead {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
+             f"- checkpoint: {DEMO_MODEL} (float32, canvas {model.config.canvas_length}, vocabulary "
+             f"{model.config.vocab_size}); prompt {PROMPT_LEN} tokens encoded, block 0 begun, demo generation config",
+             f"- device: {environment.device_name('cpu')}; torch threads {torch.get_num_threads()}",
+             f"- versions: " + ", ".join(f"{k} {v}" for k, v in environment.versions().items()),
+             f"- load average 1/5/15 min: {load0} at start, {environment.load_average()} at end "
+             f"(shared machine: absolute times move by tens of percent between runs; compare within a run)",
+             f"- started {started}, finished {environment.now()}",
+             f"- timing: {args.rounds} interleaved rounds x {args.calls} unprofiled calls per variant; "
+             f"{args.profiled_calls} calls per variant under torch.profiler (CPU activity)",
+             f"- compile s (warmup, apart from every timing): " +
+             ", ".join(f"{v.label} {v.compile_s:.1f}" for v in variants), "",
+             "overhead = unit call - compiled graph (\"## Call CompiledFxGraph\"), per call under the profiler, median; "
+             "guards = \"TorchDynamo Cache Lookup\" inside the call; % = of the unprofiled unit call (the step).", "",
+             "| variant | unit call ms (median) | p10 / p90 | under profiler: call ms | graph ms | overhead ms | "
+             "guards ms | overhead % of step | guards % of step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    medians = {}
+    for v in variants:
+        pc = per_call(profs[v.label])
+        wall = [t * 1e6 for t in v.wall]
+        q = statistics.quantiles(wall, n=10)
+        step = statistics.median(wall)
+        medians[v.label] = step
+        med = {k: statistics.median(x) for k, x in pc.items()}
+        lines.append(f"| {v.label} | {ms(step)} | {ms(q[0])} / {ms(q[-1])} | {ms(med['call'])} | {ms(med['graph'])} "
+                     f"| {ms(med['overhead'])} | {ms(med['guards'])} | {100 * med['overhead'] / step:.1f} "
+                     f"| {100 * med['guards'] / step:.1f} |")
+    (ga, _), (sk, _) = VARIANTS
+    delta = medians[ga] - medians[sk]
+    lines += ["", f"Δ unit call (guards evaluated - guards skipped, unprofiled medians): {ms(delta)} ms "
+              f"({100 * delta / medians[ga]:.1f}% of the guarded step).", "",
+              "| micro cost | µs |", "|---|---:|"]
+    lines += [f"| {k} | {c:.1f} |" for k, c in costs.items()]
+    for v in variants:
+        lines += ["", f"## Where the step's time goes: {v.label} (top 15 by self CPU time, under the profiler)", ""]
+        lines += top_table(profs[v.label], args.profiled_calls)
+    text = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"overhead_cpu_{environment.today()}.md"
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
