@@ -11,9 +11,9 @@ over the same state). Two generators on the same model, guards evaluated / skipp
 - unit call: median wall time of `bucket.denoise()` without a profiler (the step, as the block loop sees it);
 - under torch.profiler (CPU activity), per call: the unit call (a `record_function` around it), the compiled graph
   (event "## Call CompiledFxGraph ...", Inductor's compiled module), guard evaluation ("TorchDynamo Cache Lookup");
-  overhead = unit call - graph, per call, then the median. The profiler also inflates the graph's own time (one
-  event per op it runs) but adds few events outside it, so the overhead is measured under the same profiler as the
-  graph and reported as a share of the unprofiled unit call;
+  overhead = unit call - graph, per call, then the median. Each round profiles some calls of each variant right after
+  its unprofiled ones, and shares are taken of the profiled unit call of the same calls: this machine's load moves
+  step times by tens of percent within minutes, more than the profiler adds (one event per op, ~130 per step);
 - Δ unit call: the guarded variant's unprofiled median minus the skipping one's (a profiler-free cross-check);
 - micro costs: `applied(options)` (the config patches every call enters), `guards_skipped()`, and the fingerprint
   check made once per generate call;
@@ -82,25 +82,30 @@ class Variant:
                 self.wall.append(time.perf_counter() - t)
 
     def profiled(self, n: int):
-        with torch.no_grad():
-            for _ in range(3):
-                self.call()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(n):
-                    state = self.bucket.state
-                    state.finished.zero_()
-                    state.steps.zero_()
-                    with record_function(CALL):
-                        self.bucket.denoise()
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(n):
+                state = self.bucket.state
+                state.finished.zero_()
+                state.steps.zero_()
+                with record_function(CALL):
+                    self.bucket.denoise()
         return prof
 
 
-def per_call(prof) -> dict[str, list[float]]:
+def per_call(profs) -> dict[str, list[float]]:
     """Per unit call (µs): its wall time under the profiler, the graph's, the guard lookup's, and the rest."""
-    events = list(prof.events())
-    calls = sorted((e for e in events if e.name == CALL), key=lambda e: e.time_range.start)
-    inner = [e for e in events if e.name.startswith(GRAPH) or e.name == GUARDS]
     out: dict[str, list[float]] = {"call": [], "graph": [], "guards": [], "overhead": []}
+    for prof in profs:
+        events = list(prof.events())
+        calls = sorted((e for e in events if e.name == CALL), key=lambda e: e.time_range.start)
+        inner = [e for e in events if e.name.startswith(GRAPH) or e.name == GUARDS]
+        _per_call(calls, inner, out)
+    if not out["call"] or not any(out["graph"]):
+        raise RuntimeError(f"no {GRAPH!r} events inside the unit calls: this torch names its events differently")
+    return out
+
+
+def _per_call(calls, inner, out: dict[str, list[float]]) -> None:
     for c in calls:
         lo, hi = c.time_range.start, c.time_range.end
         mine = [e for e in inner if lo <= e.time_range.start <= hi]
@@ -111,20 +116,22 @@ def per_call(prof) -> dict[str, list[float]]:
         out["graph"].append(graph)
         out["guards"].append(guards)
         out["overhead"].append(call - graph)
-    if not calls or not any(out["graph"]):
-        raise RuntimeError(f"no {GRAPH!r} events inside the unit calls: this torch names its events differently")
-    return out
 
 
-def top_table(prof, n_calls: int, rows: int = 15) -> list[str]:
-    """Markdown: the top `rows` events by self CPU time, per step."""
-    avgs = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
-    total = sum(a.self_cpu_time_total for a in avgs)
+def top_table(profs, n_calls: int, rows: int = 15) -> list[str]:
+    """Markdown: the top `rows` events by self CPU time, per step, over all of a variant's profiles."""
+    self_us: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for prof in profs:
+        for a in prof.key_averages():
+            self_us[a.key] = self_us.get(a.key, 0.0) + a.self_cpu_time_total
+            counts[a.key] = counts.get(a.key, 0) + a.count
+    total = sum(self_us.values())
     lines = ["| event | self µs per step | % of self total | calls per step |", "|---|---:|---:|---:|"]
-    for a in avgs[:rows]:
-        name = "unit call (Python around the compiled call)" if a.key == CALL else a.key.replace("|", "\\|")
-        lines.append(f"| {name} | {a.self_cpu_time_total / n_calls:.1f} | {100 * a.self_cpu_time_total / total:.1f} "
-                     f"| {a.count / n_calls:g} |")
+    for key in sorted(self_us, key=self_us.get, reverse=True)[:rows]:
+        name = "unit call (Python around the compiled call)" if key == CALL else key.replace("|", "\\|")
+        lines.append(f"| {name} | {self_us[key] / n_calls:.1f} | {100 * self_us[key] / total:.1f} "
+                     f"| {counts[key] / n_calls:g} |")
     return lines
 
 
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=200, help="timed unit calls per variant per round")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    p.add_argument("--profiled-calls", type=int, default=100, help="unit calls under the profiler per variant")
+    p.add_argument("--profiled-calls", type=int, default=50, help="unit calls under the profiler per variant per round")
     p.add_argument("--out", type=Path, default=environment.REPO / "bench" / "results")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -151,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model = dg.load(DEMO_MODEL)
     variants = [Variant(model, label, skip) for label, skip in VARIANTS]
+    profs: dict[str, list] = {v.label: [] for v in variants}
     for r in range(args.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
             v.time_calls(args.calls)
-    profs = {v.label: v.profiled(args.profiled_calls) for v in variants}
+            profs[v.label].append(v.profiled(args.profiled_calls))
 
     opts = variants[1].gen.options
 
@@ -181,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
              f"- load average 1/5/15 min: {load0} at start, {environment.load_average()} at end "
              f"(shared machine: absolute times move by tens of percent between runs; compare within a run)",
              f"- started {started}, finished {environment.now()}",
-             f"- timing: {args.rounds} interleaved rounds x {args.calls} unprofiled calls per variant; "
-             f"{args.profiled_calls} calls per variant under torch.profiler (CPU activity)",
+             f"- timing: {args.rounds} interleaved rounds, each of {args.calls} unprofiled then {args.profiled_calls} "
+             f"profiled (torch.profiler, CPU activity) calls per variant",
              f"- compile s (warmup, apart from every timing): " +
              ", ".join(f"{v.label} {v.compile_s:.1f}" for v in variants), "",
              "overhead = unit call - compiled graph (\"## Call CompiledFxGraph\"), per call under the profiler, median; "
-             "guards = \"TorchDynamo Cache Lookup\" inside the call; % = of the unprofiled unit call (the step).", "",
+             "guards = \"TorchDynamo Cache Lookup\" inside the call; % = of the profiled unit call (the same calls).",
+             "",
              "| variant | unit call ms (median) | p10 / p90 | under profiler: call ms | graph ms | overhead ms | "
              "guards ms | overhead % of step | guards % of step |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -199,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         medians[v.label] = step
         med = {k: statistics.median(x) for k, x in pc.items()}
         lines.append(f"| {v.label} | {ms(step)} | {ms(q[0])} / {ms(q[-1])} | {ms(med['call'])} | {ms(med['graph'])} "
-                     f"| {ms(med['overhead'])} | {ms(med['guards'])} | {100 * med['overhead'] / step:.1f} "
-                     f"| {100 * med['guards'] / step:.1f} |")
+                     f"| {ms(med['overhead'])} | {ms(med['guards'])} | {100 * med['overhead'] / med['call']:.1f} "
+                     f"| {100 * med['guards'] / med['call']:.1f} |")
     (ga, _), (sk, _) = VARIANTS
     delta = medians[ga] - medians[sk]
     lines += ["", f"Δ unit call (guards evaluated - guards skipped, unprofiled medians): {ms(delta)} ms "
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {k} | {c:.1f} |" for k, c in costs.items()]
     for v in variants:
         lines += ["", f"## Where the step's time goes: {v.label} (top 15 by self CPU time, under the profiler)", ""]
-        lines += top_table(profs[v.label], args.profiled_calls)
+        lines += top_table(profs[v.label], args.profiled_calls * args.rounds)
     text = "\n".join(lines) + "\n"
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"overhead_cpu_{environment.today()}.md"

@@ -38,6 +38,7 @@ class Context:
     work: workloads.Workload
     rec: Recorder
     max_seq_len: int | None = None
+    stop_check: str = "auto"
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
@@ -93,7 +94,14 @@ class _Ours(System):
 
     def request(self, req):
         out = self._generate(req.prompts, self.ctx.cfg, seed=req.seeds, observer=self.observer)
+        self.wasted = getattr(self, "wasted", []) + list(out.wasted_forwards)
         return out.sequences, self.ctx.count(out.sequences), sum(s.decoder_passes for s in out.stats)
+
+    def finish(self) -> None:
+        w = getattr(self, "wasted", [])
+        self.ctx.extra["wasted_forwards_per_block"] = sum(w) / max(len(w), 1)
+        self.ctx.notes.append(f"wasted (frozen-only) forwards per block: mean {sum(w) / max(len(w), 1):.2f}, "
+                              f"max {max(w, default=0)} over {len(w)} blocks")
 
 
 _SPAN = "CPU: wall time; CUDA: device time between two CUDA events"
@@ -119,7 +127,8 @@ class OursCompiled(_Ours):
         super().__init__(ctx)
         C, B = ctx.model.config.canvas_length, ctx.batch
         need = ctx.work.max_prompt_len + (-(-ctx.cfg.max_new_tokens // C) - 1) * C
-        self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=ctx.max_seq_len or max(need, C)))
+        self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=ctx.max_seq_len or max(need, C),
+                                                      stop_check=ctx.stop_check))
         self.compile_s = self.gen.warmup(B, ctx.cfg)
         self.bucket = self.gen.bucket(B, ctx.cfg)
 
@@ -127,7 +136,14 @@ class OursCompiled(_Ours):
         return self.gen.generate(*args, **kwargs)
 
     def finish(self) -> None:
+        super().finish()
         ctx = self.ctx
+        from dgemma_compile.sampler import SCHEME
+        from dgemma_compile.stop_check import resolve
+
+        ctx.notes.append(f"stop check {resolve(self.gen.options.stop_check, ctx.model.device)} "
+                         f"(CompileOptions.stop_check={self.gen.options.stop_check!r}), sampling {SCHEME}, "
+                         f"moe_impl {self.gen.moe_impl}")
         ctx.extra.update(unit_step_s=self.observer.units, compile_units=dict(self.gen.compiles),
                          inductor_s=self.gen.compile_seconds)
         ctx.notes.append(f"compile s = gen.warmup({ctx.batch}) wall time (Inductor {self.gen.compile_seconds:.1f} s of it)")

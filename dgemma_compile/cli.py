@@ -349,10 +349,16 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
 def explain_command(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from . import build, load
+    from . import CompileOptions, build, load
+    from .config import ConfigError
 
+    if args.batch_size < 1:
+        raise ConfigError(f"batch_size: must be a positive integer, got {args.batch_size}")
     model = load(args.model if args.model is not None else DEMO_MODEL)
-    reports = build(model).explain(args.batch_size)
+    # one bucket that also serves the default workload's two-row batch; 256 slots as `dgemma generate` uses for a
+    # short request, so both commands share Inductor's on-disk cache
+    reports = build(model, CompileOptions(batch_buckets=(max(2, args.batch_size),), max_seq_len=SLOT_ROUNDING)
+                    ).explain(args.batch_size)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
     else:

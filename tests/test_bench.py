@@ -46,8 +46,7 @@ def _payloads(tiny_dir, systems: list[str], **workload) -> list[dict]:
     w = workloads.WorkloadSpec(prompt_len=5, output_len=8, steps=2, **workload).to_dict()
     return [dict(system=s, model=dataclasses.asdict(spec), workload=w, device="cpu", dtype=None, threads=1,
                  max_seq_len=64) for s in systems]
-
-
+@pytest.mark.slow
 def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_dir, tmp_path):
     """One block of 8 tokens, 2 fixed steps, three systems, 2 repeats round-robin: markdown + CSV with every row,
     column, spread and ratio."""
@@ -89,8 +88,7 @@ def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_dir, tmp_path):
                    "Speedup of ours-compiled", "pass, paired", "Roofline", "torch ", "transformers ", "threads",
                    "How each system was timed", "Observer.on_step"] + [f"| {s} |" for s in SYSTEMS]:
         assert needle in md, needle
-
-
+@pytest.mark.slow
 def test_worker_processes_interleave_round_robin_and_a_failure_is_a_row(tiny_dir):
     """Real workers: two live systems and one that fails to prepare; the timed repeats alternate between the live
     ones (as the workers' own clocks show), the failing one becomes "n/a (reason)" and the others carry on."""
@@ -108,6 +106,7 @@ def test_worker_processes_interleave_round_robin_and_a_failure_is_a_row(tiny_dir
     assert "| no-such-system | n/a (ValueError" in md
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interleave", [True, False])
 def test_in_process_order_and_budget(tiny_dir, interleave):
     """In one process: round-robin, or one system after the other; a time budget of 0 s stops after one repeat."""
@@ -119,8 +118,7 @@ def test_in_process_order_and_budget(tiny_dir, interleave):
     m = runner.measure(_payloads(tiny_dir, systems[:1], repeats=2), 2, isolated=False, budget_s=0.0,
                        log=lambda *a: None)
     assert len(m.results[0]["repeat_s"]) == 1 and "time budget: 1 of 2 timed repeats" in m.results[0]["notes"]
-
-
+@pytest.mark.slow
 def test_a_timeout_and_a_crash_are_rows_not_errors(tiny_dir):
     """A worker past its time limit is killed (n/a, timed out); a worker that dies answers as n/a with its status."""
     (p,) = _payloads(tiny_dir, ["ours-eager"], repeats=1)
@@ -130,8 +128,7 @@ def test_a_timeout_and_a_crash_are_rows_not_errors(tiny_dir):
     os.kill(w.proc.pid, signal.SIGKILL)
     reply = w.call({"op": "prepare", "payload": p})
     assert not reply["ok"] and reply["result"]["status"] == f"n/a (worker exited with status {-signal.SIGKILL})"
-
-
+@pytest.mark.slow
 def test_the_observer_check_of_gpu_check_runs_on_a_cpu(tiny_dir):
     """bench/gpu_check.py imports without a GPU, says so, and its observer check holds on the eager generator."""
     import dgemma_compile as dg

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 import dgemma_compile as dg
+
+pytestmark = pytest.mark.slow  # every test starts the CLI in a subprocess (torch + transformers imports: ~2-9 s)
 from dgemma_compile.text import REPLACEMENT
 from helpers import write_checkpoint
 from test_text import TEMPLATE_NO_BOS, write_byte_bpe
@@ -201,20 +203,22 @@ LINE_ERRORS = {3: "not a valid JSON object", 5: "temperature: not yet supported"
                10: "foo: unknown key", 12: "seed"}
 
 
-def expected_line(model, tok, line: str, *, seed=5, max_new_tokens=12, steps=3) -> dict:
-    """What one prompt of the file must give: the eager generator on that prompt alone."""
+def expected_line(model, tok, line: str, *, seed=5, max_new_tokens=12, steps=3, moe_impl="auto") -> dict:
+    """What one prompt of the file must give: the eager generator on that prompt alone (with the compiled
+    generator's `moe_impl` when compared with a compiled run)."""
     obj = json.loads(line) if line.startswith("{") else {"prompt": line}
     cfg = model.generation_config.replace(max_new_tokens=obj.get("max_new_tokens", max_new_tokens),
                                           max_denoising_steps=steps)
     if "entropy_bound" in obj:
         cfg = cfg.replace(entropy_bound=obj["entropy_bound"])
-    out = dg.generate(model, [tok(obj["prompt"])["input_ids"]], cfg, seed=obj.get("seed", seed))
+    out = dg.generate(model, [tok(obj["prompt"])["input_ids"]], cfg, seed=obj.get("seed", seed), moe_impl=moe_impl)
     st = out.stats[0]
     return {"text": decode(tok, out.sequences[0]), "num_tokens": st.num_tokens, "finish_reason": st.finish_reason,
             "steps_per_block": st.steps_per_block}
 
 
-def check_results(stdout: str, lines: list[str], model, tok, errors: dict[int, str] | None = None) -> None:
+def check_results(stdout: str, lines: list[str], model, tok, errors: dict[int, str] | None = None,
+                  moe_impl: str = "auto") -> None:
     results = [json.loads(r) for r in stdout.splitlines()]
     numbers = [i for i, line in enumerate(lines, 1) if line.strip()]
     assert [r["line"] for r in results] == numbers  # one result per prompt line, in input order
@@ -222,7 +226,7 @@ def check_results(stdout: str, lines: list[str], model, tok, errors: dict[int, s
         if r["line"] in (errors or {}):
             assert set(r) == {"line", "error"} and errors[r["line"]] in r["error"], r
         else:
-            assert r == {"line": r["line"], **expected_line(model, tok, lines[r["line"] - 1])}
+            assert r == {"line": r["line"], **expected_line(model, tok, lines[r["line"] - 1], moe_impl=moe_impl)}
 
 
 @pytest.mark.slow
@@ -276,10 +280,11 @@ def test_prompts_file_without_prompts(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_compiled_single_prompt_and_batch_match_eager(tiny_dir, tmp_path):
     model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
+    moe = dg.build(model).moe_impl  # what the CLI's compiled generator runs
     res = run_cli("generate", "--model", str(tiny_dir), "--max-new-tokens", "12", "--max-denoising-steps", "3",
                   "--seed", "5", "abc 12=", timeout=600)
     assert res.returncode == 0, res.stderr
-    assert res.stdout == expected_line(model, tok, "abc 12=")["text"] + "\n"
+    assert res.stdout == expected_line(model, tok, "abc 12=", moe_impl=moe)["text"] + "\n"
     assert re.fullmatch(STATS.format(one_time="compile_s", threads=1), res.stderr.strip().splitlines()[-1]), res.stderr
 
     lines = ["abc 12=", '{"prompt": "hi 3", "seed": 7, "max_new_tokens": 5}', "cab", '{"prompt": "ab", "seed": 1}']
@@ -288,7 +293,7 @@ def test_compiled_single_prompt_and_batch_match_eager(tiny_dir, tmp_path):
     res = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--batch-size", "2",
                   "--max-new-tokens", "12", "--max-denoising-steps", "3", "--seed", "5", timeout=600)
     assert res.returncode == 0, res.stderr
-    check_results(res.stdout, lines, model, tok)  # two groups (max_new_tokens 12 and 5), one padded batch
+    check_results(res.stdout, lines, model, tok, moe_impl=moe)  # two batches of 2, mixed max_new_tokens
     assert re.search(r" batch_size=2 compile_s=[\d.]+ ttfb_s=[\d.]+ threads=1$", res.stderr.strip()), res.stderr
 
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import dgemma_compile as dg
+
+pytestmark = pytest.mark.slow  # compiles (shared through the session fixture `tiny_compiled`)
 from dgemma_compile.compile import CompileOptions, CudaGraphs, UnitFactory
 from dgemma_compile.config import ConfigError
 
@@ -88,7 +90,7 @@ def test_structural_fields_must_agree_within_a_call(tiny):
 def test_too_long_for_the_static_cache_is_a_clear_error(tiny):
     _, gen = tiny
     with pytest.raises(ConfigError, match="max_seq_len"):
-        gen.generate([[2] * 60], dg.GenerationConfig(max_new_tokens=16))
+        gen.generate([[2] * 250], dg.GenerationConfig(max_new_tokens=16))
 
 
 class Units(dg.Observer):

@@ -227,16 +227,14 @@ def _compiled_call(lengths, n_new, causal, q, k, v):
 
 def _dense_c(lengths, n_new, causal):
     return dense_block_mask(lengths, n_new, causal, block_len=CT, cache_slots=CS, sliding_window=CW)
-
-
+@pytest.mark.slow
 def test_flex_compiled_matches_dense_attention():
     q, k, v = _qkv(CB, CH, CHKV, CT, CS, CD, seed=0)
     for seed in range(3):
         lengths, n_new, causal = _random_state(CB, CT, CS, seed)
         out = _compiled_call(lengths, n_new, causal, q, k, v)
         _check_against_dense(out, q, k, v, _dense_c(lengths, n_new, causal), n_new)
-
-
+@pytest.mark.slow
 def test_flex_compiled_does_not_recompile_on_new_row_state():
     q, k, v = _qkv(CB, CH, CHKV, CT, CS, CD, seed=1)
     lengths, n_new, causal = _random_state(CB, CT, CS, seed=0)

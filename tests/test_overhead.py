@@ -1,6 +1,7 @@
 """Guard skipping inside compiled units (`CompileOptions.skip_guards`) and the model fingerprint that makes it sound
 (`units.ModelFingerprint`, checked once per generate/warmup call). bench/overhead.py measures what it saves."""
 
+import dataclasses
 import logging
 import types
 
@@ -97,12 +98,14 @@ def test_skip_guards_must_be_a_bool():
         CompileOptions(skip_guards=1)
 
 
+@pytest.mark.slow
 def test_skipped_guards_give_the_same_tokens_as_evaluated_guards(tiny_compiled):
     """The shared generator skips guards (the default); one with `skip_guards=False` on the same (unchanged) model
-    gives the same tokens and stats, call after call."""
+    and the same static shapes (the cache size can move float near-ties) gives the same tokens and stats, call after
+    call."""
     model, skipping = tiny_compiled
     assert skipping.options.skip_guards
-    guarded = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=64, skip_guards=False))
+    guarded = build(model, dataclasses.replace(skipping.options, batch_buckets=(2,), skip_guards=False))
     cfg = dg.GenerationConfig(max_new_tokens=12, max_denoising_steps=4, t_min=0.5, t_max=1.5, eos_token_ids=(1,))
     for seed in (3, 4):
         a = skipping.generate(PROMPTS, cfg, seed=[seed, seed + 10])
@@ -111,6 +114,7 @@ def test_skipped_guards_give_the_same_tokens_as_evaluated_guards(tiny_compiled):
     assert _stance() == torch._dynamo.eval_frame.DynamoStance()
 
 
+@pytest.mark.slow
 def test_a_changed_model_makes_generate_raise(tiny_dir):
     """After build and a generate: a replaced parameter's data, a changed model attribute, and `model.to(float64)`
     each make the next generate (and warmup) raise, naming what changed; restoring the model makes it run again with

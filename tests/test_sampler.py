@@ -133,6 +133,7 @@ ALPHA = 1e-3  # fixed in advance: a correct sampler fails one such test in a tho
 
 @pytest.mark.parametrize("kind,V", [("peaked", 64), ("flat", 64), ("masked", 300), ("random", 5000),
                                     ("released", 262_144)])
+@pytest.mark.slow
 def test_chunked_inverse_cdf_is_exact_in_distribution(kind, V):
     """10**5 draws per fixed logit row, uniforms from the real Philox stream, against the exact softmax
     probabilities (float64): chi-square goodness of fit at alpha = 1e-3."""

@@ -52,7 +52,8 @@ def test_late_checks_give_the_oracles_tokens_with_bounded_waste(mode, k):
 
     def run(check):
         cfgs, prompts, seeds, slots = plan(model, [tok(t)["input_ids"] for t in texts], cfg, [3, 4, 5, 6])
-        return run_block_diffusion(model, EagerSteps(model, cfgs, seeds, slots), prompts, cfgs, stop_check=check)
+        return run_block_diffusion(model, EagerSteps(model, cfgs, seeds, slots, "loop"), prompts, cfgs,
+                                   stop_check=check)
 
     oracle, late = run(StopCheck("sync")), run(StopCheck(mode, k=k))
     assert late.sequences == oracle.sequences and late.stats == oracle.stats

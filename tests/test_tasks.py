@@ -46,8 +46,7 @@ def test_heldout_split_is_disjoint_from_train_balanced_and_prefix_stable():
     assert longer[:400] == heldout
     assert tasks.make_split("heldout", 150, seed=0, train_n=4000, offset=450) == longer[450:600]
     assert any(len(a) > 16 for t, _, a in heldout if t == "rev"), "some answers span two 16-token canvases"
-
-
+@pytest.mark.slow
 def test_validation_prompts_follow_the_test_prompts():
     test = tasks.make_split("heldout", tasks.VALIDATION_OFFSET, seed=0)
     val = tasks.make_split("heldout", 40, seed=0, offset=tasks.VALIDATION_OFFSET)
