@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         with guards_skipped():
             pass
 
+    fingerprint = variants[1].gen.fingerprint
     costs = {"`applied(options)` enter+exit (every unit call)": micro(enter_applied),
              "`guards_skipped()` enter+exit (every call, skipping variant)": micro(enter_skipped),
-             "`ModelFingerprint.check` (once per generate call)": micro(lambda: variants[1].gen.fingerprint.check(model),
-                                                                       200)}
+             "`ModelFingerprint.check` (once per generate call)": micro(lambda: fingerprint.check(model), 200)}
 
     ms = lambda us: f"{us / 1e3:.3f}"  # noqa: E731
     lines = [f"# Per-call overhead of the compiled denoise unit, demo model, B=1, cpu ({environment.today()})", "",
@@ -193,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
              f"profiled (torch.profiler, CPU activity) calls per variant",
              f"- compile s (warmup, apart from every timing): " +
              ", ".join(f"{v.label} {v.compile_s:.1f}" for v in variants), "",
-             "overhead = unit call - compiled graph (\"## Call CompiledFxGraph\"), per call under the profiler, median; "
-             "guards = \"TorchDynamo Cache Lookup\" inside the call; % = of the profiled unit call (the same calls).",
+             "overhead = unit call - compiled graph (\"## Call CompiledFxGraph\"), per call under the profiler, "
+             "median; guards = \"TorchDynamo Cache Lookup\" inside the call; % = of the profiled unit call (the same "
+             "calls).",
              "",
              "| variant | unit call ms (median) | p10 / p90 | under profiler: call ms | graph ms | overhead ms | "
              "guards ms | overhead % of step | guards % of step |",

@@ -142,8 +142,9 @@ def test_a_changed_model_makes_generate_raise(tiny_dir):
     model.attention = attention
 
     model.to(torch.float64)
-    with pytest.raises(ModelChangedError, match=r"model changed since build\(\): parameter \S+: dtype torch\.float32 -> "
-                                                r"torch\.float64, .*\(and \d+ more\)"):
+    with pytest.raises(ModelChangedError,
+                       match=r"model changed since build\(\): parameter \S+: dtype torch\.float32 -> torch\.float64, "
+                             r".*\(and \d+ more\)"):
         gen.generate(PROMPTS[:1], cfg, seed=1)
 
 

@@ -9,7 +9,7 @@
 from .explain import UnitReport, explain
 from .generator import Bucket, CompiledGenerator, build
 from .options import CompileOptions, applied
-from .units import CompiledUnit, CudaGraphs, UnitFactory
+from .units import CompiledUnit, CudaGraphs, ModelChangedError, ModelFingerprint, UnitFactory
 
-__all__ = ["Bucket", "CompileOptions", "CompiledGenerator", "CompiledUnit", "CudaGraphs", "UnitFactory",
-           "UnitReport", "applied", "build", "explain"]
+__all__ = ["Bucket", "CompileOptions", "CompiledGenerator", "CompiledUnit", "CudaGraphs", "ModelChangedError",
+           "ModelFingerprint", "UnitFactory", "UnitReport", "applied", "build", "explain"]

@@ -60,9 +60,9 @@ class ModelFingerprint:
     weights' shapes; so is `training`: the model never reads it).
 
     A data pointer matters to CUDA graphs (they replay fixed addresses) and shows a replaced tensor; dtype, device and
-    shape matter to every compiled graph, and a skipping call checks none of them for parameters. `entries` holds one tuple per tensor
-    (kind, name, dtype, device, shape, stride, data_ptr) or attribute ("attribute", name, value); one pass over the
-    modules, ~0.1-0.2 ms for the demo model."""
+    shape matter to every compiled graph, and a skipping call checks none of them for parameters. `entries` holds one
+    tuple per tensor (kind, name, dtype, device, shape, stride, data_ptr) or attribute ("attribute", name, value); one
+    pass over the modules, ~0.3 ms for the demo model on this 2-core CPU (bench/overhead.py), once per generate call."""
 
     entries: tuple
 
