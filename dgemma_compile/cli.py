@@ -171,10 +171,12 @@ def _apply_threads(args: argparse.Namespace, model) -> int:
 Run = Callable[..., object]  # (prompts, config, seed=..., on_block=...) -> GenerationOutput
 
 
-def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, first: tuple[list, int]) -> tuple[Run, str]:
+def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, first: tuple[list, int],
+            steps: int) -> tuple[Run, str]:
     """The generate function for this invocation and its one-time cost as a stats field: the compiled generator
-    (one bucket of `rows`, a static cache of `slots` committed slots, compiled now: `compile_s`), or the eager one
-    after an untimed run of `first` = (prompts, seeds) with one denoise step per block (`warmup_s`)."""
+    (one bucket of `rows`, a static cache of `slots` committed slots, a temperature table of at least `steps`
+    denoise steps, compiled now: `compile_s`), or the eager one after an untimed run of `first` = (prompts, seeds)
+    with one denoise step per block (`warmup_s`)."""
     from . import generate
 
     if args.eager:
@@ -183,7 +185,8 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
         return (lambda *a, **kw: generate(model, *a, **kw)), f" warmup_s={time.perf_counter() - start:.2f}"
     from . import CompileOptions, build
 
-    gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING))
+    gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING,
+                                      max_denoising_steps=max(256, steps)))
     print("dgemma: compiling the denoise step and encoder chunk (a minute or so on a CPU, cached afterwards)...",
           file=sys.stderr, flush=True)
     return gen.generate, f" compile_s={gen.warmup(rows, config):.1f}"
@@ -192,6 +195,7 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
 def generate_command(args: argparse.Namespace) -> int:
     from . import load, load_tokenizer
     from .config import ConfigError
+    from .text import check_stop_strings
 
     if args.prompt is not None and args.prompts_file is not None:
         raise ConfigError("prompt: give a prompt or --prompts-file, not both")
@@ -203,6 +207,7 @@ def generate_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"batch_size: must be a positive integer, got {args.batch_size}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"threads: must be a positive integer, got {args.threads}")
+    check_stop_strings(args.stop, "--stop")
     lines = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None  # before any loading
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
@@ -217,9 +222,11 @@ def generate_command(args: argparse.Namespace) -> int:
         changes["entropy_bound"] = args.entropy_bound
     config = model.generation_config.replace(**changes)
     if args.temperature is not None:
-        config = config.with_temperature(args.temperature)
+        config.with_temperature(args.temperature)  # validated now; each request applies its own temperature once
     if lines is not None:
         return _generate_batch(args, model, tokenizer, config, lines)
+    if args.temperature is not None:
+        config = config.with_temperature(args.temperature)
     return _generate_one(args, model, tokenizer, config)
 
 
@@ -231,7 +238,7 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     ids = _encode(tokenizer, model, args.prompt, args)
     slots = plan(model, [ids], config, args.seed)[3]  # validate prompt, config and seed before any compile
     threads = _apply_threads(args, model)
-    run, one_time = _runner(model, args, 1, slots, config, ([ids], args.seed))
+    run, one_time = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps)
 
     first_block: list[float] = []
 
@@ -271,7 +278,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
         try:
             ln.ids = _encode(tokenizer, model, ln.prompt, args)
             changes = dict(ln.changes)
-            temperature = changes.pop("temperature", None)
+            temperature = changes.pop("temperature", args.temperature)  # the line's, else --temperature
             ln.config = config.replace(**changes)
             if temperature is not None:
                 ln.config = ln.config.with_temperature(temperature)
@@ -307,7 +314,8 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
         rows = min(batch, max(len(c) for c in chunks))
         first = chunks[0]
         run, one_time = _runner(model, args, rows, slots, first[0].config,
-                                ([ln.ids for ln in first], [ln.seed for ln in first]))
+                                ([ln.ids for ln in first], [ln.seed for ln in first]),
+                                max(ln.config.max_denoising_steps for ln in good))
         first_block: list[float] = []
         matchers: list[StopStrings] = []
 

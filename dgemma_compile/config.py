@@ -29,6 +29,9 @@ DEFAULT_ROPE = {
 }
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # temperatures live in float32 tables
+
+
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the parameter (and the file, when read from one)."""
 
@@ -227,10 +230,10 @@ class GenerationConfig:
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0, name,
                      f"must be a finite number > 0, got {v!r}")
-        for name in ("t_min", "t_max"):
+        for name in ("t_min", "t_max"):  # stored as float32 in the per-row tables: must fit
             v = getattr(self, name)
-            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0, name,
-                     f"must be a finite number >= 0, got {v!r}")
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                     and 0 <= v <= FLOAT32_MAX, name, f"must be a number in [0, {FLOAT32_MAX:.4g}], got {v!r}")
         # t_min == t_max (a constant temperature) is allowed: a deliberate difference from transformers.
         _require(self.t_max >= self.t_min, "t_max", f"must be >= t_min (got t_max={self.t_max}, t_min={self.t_min})")
         if self.eos_token_ids is not None:
@@ -248,10 +251,12 @@ class GenerationConfig:
         every position accepted; see `sampler.GREEDY_BELOW`).
 
         Raises:
-            ConfigError: T negative, not finite or not a number (names `temperature`).
+            ConfigError: T negative, not finite, not a number, or scaling t_max beyond float32 (names `temperature`).
         """
         ok = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and math.isfinite(temperature)
         _require(ok and temperature >= 0, "temperature", f"must be a finite number >= 0, got {temperature!r}")
+        _require(self.t_max * temperature <= FLOAT32_MAX, "temperature",
+                 f"{temperature!r} scales t_max={self.t_max} beyond float32's range")
         return self.replace(t_min=self.t_min * temperature, t_max=self.t_max * temperature)
 
     def replace(self, **changes: Any) -> "GenerationConfig":

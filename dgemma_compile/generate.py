@@ -60,7 +60,8 @@ class GenerationOutput:
     sequences: list[list[int]]
     stats: list[RequestStats]
     forwards_per_block: list[int] = field(default_factory=list)
-    """Denoise forwards the batch ran per block (one forward serves every row)."""
+    """Denoise forwards the batch ran per block index (one forward serves every row; summed over the groups a
+    compiled call is split into)."""
     wasted_forwards: list[int] = field(default_factory=list)
     """Per block: forwards run after every row had finished (frozen-only; see `stop_check.StopCheck`)."""
     moe_impl: str = ""
@@ -233,8 +234,8 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
             on_block(block, new_tokens)
         if stop is not None:
             for r in stop(block, new_tokens):
-                if not 0 <= r < R:
-                    raise ValueError(f"stop: returned request index {r}, outside [0, {R})")
+                if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < R:
+                    raise ValueError(f"stop: returned request index {r!r}, not an integer in [0, {R})")
                 if live[r]:
                     stats[r].finish_reason, done[r] = "stop", True
         if bool(done.all()) or block == num_blocks - 1:

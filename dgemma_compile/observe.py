@@ -26,7 +26,8 @@ UNIT = "unit"
 class Observer:
     """Receives timings in seconds; override what you need (the defaults ignore everything).
 
-    Calls arrive in order, per block: every `on_unit` and `on_step` of the block, then `on_block_end`.
+    On CPU each call arrives as its span ends; on CUDA spans are delivered at the next block end. `on_block_end(b)`
+    follows every step of block b; the commit that follows block b (an `encoder_chunk` unit) is reported after it.
     """
 
     def on_step(self, seconds: float) -> None:

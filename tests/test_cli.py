@@ -189,16 +189,16 @@ PROMPT_LINES = [
     '{"prompt": "hi 3", "seed": 7, "max_new_tokens": 5}',        # 2
     '{"prompt": "abc", ',                                        # 3 bad JSON
     "",                                                          # 4 blank: skipped
-    '{"prompt": "x", "temperature": 0.5}',                       # 5 not yet supported
+    '{"prompt": "x", "temperature": -0.5}',                      # 5 bad temperature
     '{"prompt": ""}',                                            # 6 empty prompt
     '{"prompt": "a b", "max_new_tokens": 0}',                    # 7 bad config value
     "ab ✓",                                                      # 8 unencodable
-    '{"prompt": "cab", "entropy_bound": 0.3}',                   # 9
+    '{"prompt": "cab", "entropy_bound": 0.3, "temperature": 0}',  # 9 greedy
     '{"prompt": "zz", "foo": 1}',                                # 10 unknown key
     "hi 3",                                                      # 11
     '{"prompt": "b", "seed": -4}',                               # 12 bad seed
 ]
-LINE_ERRORS = {3: "not a valid JSON object", 5: "temperature: not yet supported", 6: "prompt: empty prompt",
+LINE_ERRORS = {3: "not a valid JSON object", 5: "temperature: must be a finite number >= 0", 6: "prompt: empty prompt",
                7: "max_new_tokens: must be a positive integer", 8: "prompt: characters the model's tokenizer cannot",
                10: "foo: unknown key", 12: "seed"}
 
@@ -211,6 +211,8 @@ def expected_line(model, tok, line: str, *, seed=5, max_new_tokens=12, steps=3, 
                                           max_denoising_steps=steps)
     if "entropy_bound" in obj:
         cfg = cfg.replace(entropy_bound=obj["entropy_bound"])
+    if "temperature" in obj:
+        cfg = cfg.with_temperature(obj["temperature"])
     out = dg.generate(model, [tok(obj["prompt"])["input_ids"]], cfg, seed=obj.get("seed", seed), moe_impl=moe_impl)
     st = out.stats[0]
     return {"text": decode(tok, out.sequences[0]), "num_tokens": st.num_tokens, "finish_reason": st.finish_reason,

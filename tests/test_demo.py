@@ -92,7 +92,7 @@ def test_with_temperature_scales_the_schedule_and_zero_is_greedy(demo):
     # the old failure: t_min = 0, t_max = 1e-40 used to overflow and return all pad tokens
     tiny = dg.generate(model, prompts, cfg.replace(t_min=0.0, t_max=1e-40), seed=1)
     assert tiny.sequences == greedy.sequences and all(st.finish_reason == "eos" for st in tiny.stats)
-    for bad in (-1.0, float("nan"), float("inf"), True):
+    for bad in (-1.0, float("nan"), float("inf"), True, 1e300):
         with pytest.raises(dg.ConfigError, match="temperature"):
             cfg.with_temperature(bad)
 

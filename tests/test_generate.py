@@ -243,6 +243,9 @@ def test_stop_hook_wins_in_its_block_ignores_earlier_finished_requests_and_check
     out = dg.generate(model, prompts, with_eos, seed=1, stop=lambda block, toks: [0, 1] if block == 1 else [])
     assert out.stats[1] == base.stats[1] and out.sequences == base.sequences
     assert out.stats[0].finish_reason == "stop" and out.stats[0].steps_per_block == base.stats[0].steps_per_block
+    for bad in (True, 1.0, -1):
+        with pytest.raises(ValueError, match="stop: returned request index"):
+            dg.generate(model, [[2, 5]], cfg, seed=1, stop=lambda block, toks, bad=bad: [bad])
     with pytest.raises(ValueError, match="stop: returned request index 3"):
         dg.generate(model, [[2, 5]], cfg, seed=1, stop=lambda block, toks: [3])
 

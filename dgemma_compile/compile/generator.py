@@ -168,8 +168,12 @@ class CompiledGenerator:
                                       stop=_global_stop(stop, start, len(ps), len(prompts)))
             sequences += out.sequences
             stats += out.stats
-            forwards += out.forwards_per_block
-            wasted += out.wasted_forwards
+            for b, (f, w) in enumerate(zip(out.forwards_per_block, out.wasted_forwards)):  # per block index
+                if b == len(forwards):
+                    forwards.append(0)
+                    wasted.append(0)
+                forwards[b] += f
+                wasted[b] += w
         return GenerationOutput(sequences=sequences, stats=stats, forwards_per_block=forwards, wasted_forwards=wasted,
                                 moe_impl=self.moe_impl)
 
@@ -215,9 +219,9 @@ def _global_stop(stop: StopHook | None, start: int, n: int, total: int) -> StopH
 
     def forward(block: int, toks: list[list[int]]) -> list[int]:
         rows = list(stop(block, [[] for _ in range(start)] + toks + [[] for _ in range(total - start - n)]))
-        bad = [r for r in rows if not 0 <= r < total]
+        bad = [r for r in rows if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < total]
         if bad:
-            raise ValueError(f"stop: returned request indices {bad}, outside [0, {total})")
+            raise ValueError(f"stop: returned request index {bad[0]!r}, not an integer in [0, {total})")
         return [r - start for r in rows if start <= r < start + n]
 
     return forward
