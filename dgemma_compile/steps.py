@@ -57,8 +57,9 @@ class DenoiseState:
 
     canvas, argmax: int64 [B, C] (argmax is what gets committed); history: int64 [P, B, C], the argmax canvases of
     the previous P steps (-1 before the first); finished: bool [B] (frozen rows); steps: int64 [B], decoder passes
-    of this block; sc_logits: [B, C, V] in the model dtype, the previous step's temperature-scaled logits (the
-    self-conditioning input), meaningful where has_sc: bool [B].
+    of this block; sc_logits: [B, C, V] in the model dtype, finite, whose softmax is the self-conditioning input:
+    the previous step's (logits - max) / T (one-hot logits for greedy rows; `sampler.StepUpdate`), meaningful where
+    has_sc: bool [B].
     """
 
     canvas: torch.Tensor
