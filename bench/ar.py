@@ -44,8 +44,9 @@ class ARBaseline:
         cfg = model.config  # the experts as our compiled generator runs them
         self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=model.dtype, num_experts=cfg.num_experts,
                                          top_k=cfg.top_k_experts, compiled=True)
-        self.prefill_unit = self.units.unit("ar_prefill_chunk", self._prefill)
-        self.step = self.units.unit("ar_step", self._step)
+        owners = (model, self.cache, self)  # every tensor the units read (direct calls, as ours-compiled's units)
+        self.prefill_unit = self.units.unit("ar_prefill_chunk", self._prefill, owners)
+        self.step = self.units.unit("ar_step", self._step, owners)
 
     @property
     def compile_seconds(self) -> float:

@@ -32,7 +32,8 @@ from .demo import DEMO_MODEL
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BATCH_SIZE = 8
 MOE_RULE = ("loop = transformers' summation order (eager default, parity tests); grouped = torch._grouped_mm (compiled "
-            "bf16); dense = every expert on every token (compiled float32/fp16, and wherever E/K <= 4)")
+            "bf16 with E/K > 4); gathered = each assignment's expert rows gathered, one fused loop nest (compiled, "
+            "everything else); dense = every expert on every token (explicit only)")
 # --prompts-file JSONL keys: the ones a line may set, and the ones that will come with later flags.
 LINE_KEYS = ("prompt", "seed", "max_new_tokens", "entropy_bound", "temperature", "stop")
 SLOT_ROUNDING = 256  # static cache sizes are rounded up so that nearby requests share compiled graphs

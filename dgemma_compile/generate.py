@@ -174,7 +174,7 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
         stop: per-request host stop hook, called after each finalised block (see `StopHook`).
         observer: receives per-step timings (`observe.Observer`).
         moe_impl: the routed experts' implementation: "auto" (the eager rule of `ops.moe.resolve_moe_impl`: "loop",
-            transformers' summation order), or "loop" | "grouped" | "dense" (to reproduce a compiled generator's
+            transformers' summation order), or "loop" | "grouped" | "dense" | "gathered" (to reproduce a compiled generator's
             numerics: pass its `moe_impl`). The output's `moe_impl` says which ran.
     Returns:
         `GenerationOutput` with sequences and per-request statistics.

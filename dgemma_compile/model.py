@@ -149,7 +149,7 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """E gated experts stored as 3-D tensors: gate_up_proj [E, 2I, D], down_proj [E, D, I], run by one custom op
     (`ops.moe_experts`) whose `impl` names the implementation: "loop" (transformers' order, the reference),
-    "grouped" or "dense" (see `ops/moe.py`)."""
+    "grouped", "dense" or "gathered" (see `ops/moe.py`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -329,7 +329,7 @@ class DiffusionGemma(nn.Module):
         """One encoder pass over T <= cache.block_size tokens, n_new_B [B] of them real per row; commits them and
         advances `cache.lengths`. `moe_impl` None: `self.moe_impl`. No validation: callers check (see `encode`)."""
         hidden = self._forward_block(self._embed(ids_BT), cache, n_new_B, encoder=True, moe_impl=moe_impl)
-        cache.lengths += n_new_B
+        cache.lengths.add_(n_new_B)  # in place: the compiled units read this very tensor on every call
         return hidden
 
     def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,

@@ -59,7 +59,7 @@ def assert_matches_loop(out, ref):
 ROUTINGS = ["random", "one", "unused", "repeat"]
 
 
-@pytest.mark.parametrize("impl", ["grouped", "dense"])
+@pytest.mark.parametrize("impl", ["grouped", "dense", "gathered"])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("N,K", [(16, 2), (1, 2), (5, 1), (7, 3)])
 def test_eager_float32_matches_loop(impl, routing, N, K):
@@ -69,13 +69,13 @@ def test_eager_float32_matches_loop(impl, routing, N, K):
 
 @settings(max_examples=20)
 @given(N=st.integers(1, 40), E=st.integers(1, 8), K=st.integers(1, 4), seed=st.integers(0, 1000))
-@pytest.mark.parametrize("impl", ["grouped", "dense"])
+@pytest.mark.parametrize("impl", ["grouped", "dense", "gathered"])
 def test_eager_float32_matches_loop_random_shapes(impl, N, E, K, seed):
     args = experts(N, E, min(K, E), seed=seed)
     assert_matches_loop(call(impl, *args), call("loop", *args))
 
 
-@pytest.mark.parametrize("impl", ["grouped", "dense"])
+@pytest.mark.parametrize("impl", ["grouped", "dense", "gathered"])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_eager_bfloat16_within_bound(impl, routing):
     args = experts(16, 8, 2, routing=routing, dtype=torch.bfloat16)
@@ -100,10 +100,11 @@ def runs_op(fn, *args) -> tuple[torch.Tensor, bool]:
     return out, any(e.name == "dgemma::moe_experts" for e in prof.events())
 
 
-@pytest.mark.parametrize("impl,dtype", [("dense", torch.float32), ("grouped", torch.bfloat16),
+@pytest.mark.parametrize("impl,dtype", [("dense", torch.float32), ("gathered", torch.float32),
+                                        ("gathered", torch.bfloat16), ("grouped", torch.bfloat16),
                                         ("loop", torch.float32)])
 def test_compiled_matches_loop_and_decomposes(impl, dtype):
-    """Through the units' backend: "dense" and "grouped" are traced into the graph (the op no longer runs), "loop"
+    """Through the units' backend: "dense", "gathered" and "grouped" are traced into the graph (the op no longer runs), "loop"
     stays an opaque call; all match the eager loop on every routing (same shapes: one compile)."""
     for routing in ROUTINGS:
         args = experts(16, 8, 2, routing=routing, dtype=dtype)
@@ -119,7 +120,8 @@ def test_decompositions_per_graph():
         return torch.fx.symbolic_trace(f)
 
     key = torch.ops.dgemma.moe_experts.default
-    assert key in ops.moe_decompositions(graph("dense")) and key in ops.moe_decompositions(graph("grouped"))
+    for impl in ("dense", "grouped", "gathered"):
+        assert key in ops.moe_decompositions(graph(impl))
     assert key not in ops.moe_decompositions(graph("loop"))
     assert ops.moe.graph_moe_impls(graph("dense", "grouped")) == {"dense", "grouped"}
     with pytest.raises(ValueError, match="moe_impl"):
@@ -143,11 +145,11 @@ def test_cache_key_tag():
     ("auto", torch.float32, 128, 8, False, "loop"),
     ("auto", torch.bfloat16, 128, 8, False, "loop"),
     ("auto", torch.bfloat16, 128, 8, True, "grouped"),
-    ("auto", torch.bfloat16, 8, 2, True, "dense"),       # E/K = 4
+    ("auto", torch.bfloat16, 8, 2, True, "gathered"),    # E/K = 4
     ("auto", torch.bfloat16, 9, 2, True, "grouped"),     # E/K = 4.5
-    ("auto", torch.float16, 128, 8, True, "dense"),      # _grouped_mm traces only in bfloat16
-    ("auto", torch.float32, 128, 8, True, "dense"),
-    ("auto", torch.float32, 8, 2, True, "dense"),        # the demo model
+    ("auto", torch.float16, 128, 8, True, "gathered"),   # _grouped_mm traces only in bfloat16
+    ("auto", torch.float32, 128, 8, True, "gathered"),
+    ("auto", torch.float32, 8, 2, True, "gathered"),     # the demo model
     ("loop", torch.float32, 128, 8, True, "loop"),
     ("dense", torch.bfloat16, 128, 8, True, "dense"),
     ("grouped", torch.bfloat16, 8, 2, True, "grouped"),

@@ -1,5 +1,7 @@
-"""Guard skipping inside compiled units (`CompileOptions.skip_guards`) and the model fingerprint that makes it sound
-(`units.ModelFingerprint`, checked once per generate/warmup call). bench/overhead.py measures what it saves."""
+"""Per-call overhead of compiled units: direct calls of the compiled graph (`CompileOptions.direct_calls`), guard
+skipping inside Dynamo calls (`CompileOptions.skip_guards`), and the checks that make them sound (the model's
+`units.ModelFingerprint` and the units' owners, checked once per generate/warmup call). bench/overhead.py measures
+what they save."""
 
 import dataclasses
 import logging
@@ -11,7 +13,7 @@ import torch._dynamo.eval_frame
 
 import dgemma_compile as dg
 from dgemma_compile.compile import CompileOptions, CompiledUnit, build
-from dgemma_compile.compile.units import ModelChangedError, ModelFingerprint
+from dgemma_compile.compile.units import ModelChangedError, ModelFingerprint, UnitFactory
 from dgemma_compile.config import ConfigError
 
 PROMPTS = [[2, 5, 6, 7], [2, 9, 10]]
@@ -96,16 +98,98 @@ def test_a_refused_skipping_call_reruns_with_every_guard(caplog):
 def test_skip_guards_must_be_a_bool():
     with pytest.raises(ConfigError, match="skip_guards"):
         CompileOptions(skip_guards=1)
+    with pytest.raises(ConfigError, match="direct_calls"):
+        CompileOptions(direct_calls="yes")
+
+
+# ----- direct calls (Inductor, tiny graphs) -------------------------------------------------------------------------
+def _owned_unit(fn_of_buf, options=None):
+    """A unit made by `UnitFactory.unit` (Inductor, our backend) over `buf`, which owns a buffer and a module."""
+    buf = types.SimpleNamespace(x=torch.zeros(3), lin=torch.nn.Linear(3, 1, bias=False).requires_grad_(False))
+    buf.lin.weight.data.fill_(1.0)
+    factory = UnitFactory(options or CompileOptions(), "cpu")
+    return factory.unit("toy", lambda: fn_of_buf(buf), owners=(buf.lin, buf)), buf, factory
+
+
+def _add_weight_sum(b) -> None:
+    b.x.add_(b.lin.weight.sum())
+
+
+def test_a_unit_calls_its_graph_directly_after_the_first_call(monkeypatch):
+    """After one call through Dynamo the unit calls Inductor's compiled graph itself over the same tensors: the
+    in-place step keeps being applied exactly once per call, and Dynamo is no longer entered (its compiled function
+    is replaced by one that raises)."""
+    unit, buf, factory = _owned_unit(_add_weight_sum)
+    with torch.no_grad():
+        unit()
+        assert unit.direct is not None and unit.direct_refused is None
+        monkeypatch.setattr(unit, "compiled", lambda: pytest.fail("Dynamo was entered"))
+        unit()
+        unit()
+        buf.lin.weight.data.fill_(2.0)  # in-place changes are read: the graph reads the very tensors
+        unit()
+    assert buf.x.tolist() == [15.0, 15.0, 15.0] and factory.compiles["toy"] == 1
+
+
+@pytest.mark.parametrize("case", ["foreign input", "output"])
+def test_direct_calls_are_refused_when_the_graph_is_not_only_the_owners_step(case, caplog):
+    """A graph that reads a tensor its owners do not hold, or that returns an output (Dynamo would apply it), keeps
+    going through Dynamo, with the reason logged and kept; results stay right."""
+    foreign = torch.ones(3)
+
+    def foreign_step(b):
+        b.x.add_(foreign)
+
+    def output_step(b):
+        b.x.add_(1.0)
+        return b.x * 2
+
+    unit, buf, _ = _owned_unit(foreign_step if case == "foreign input" else output_step)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dgemma_compile"):
+        unit()
+        unit()
+    assert unit.direct is None
+    assert ("not a tensor of the unit's owners" if case == "foreign input" else "returns 1 output") in \
+        unit.direct_refused
+    assert "calls go through Dynamo" in caplog.text and buf.x.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_replaced_owner_tensor_sends_calls_back_through_dynamo(caplog):
+    """`check_owners` (once per generate call): after a buffer is rebound, calls go through Dynamo again, which reads
+    the new tensor (recompiling if its guards fail); without the check a direct call would update the old one."""
+    unit, buf, _ = _owned_unit(_add_weight_sum, CompileOptions(skip_guards=False))
+    with torch.no_grad():
+        unit()
+        unit.check_owners()  # nothing replaced: direct calls stay
+        assert unit.direct is not None
+        old = buf.x
+        buf.x = torch.zeros(3)
+        with caplog.at_level(logging.WARNING, logger="dgemma_compile"):
+            unit.check_owners()
+        unit()
+    assert unit.direct is None and "replaced" in caplog.text
+    assert buf.x.tolist() == [3.0, 3.0, 3.0] and old.tolist() == [3.0, 3.0, 3.0]
 
 
 @pytest.mark.slow
-def test_skipped_guards_give_the_same_tokens_as_evaluated_guards(tiny_compiled):
-    """The shared generator skips guards (the default); one with `skip_guards=False` on the same (unchanged) model
-    and the same static shapes (the cache size can move float near-ties) gives the same tokens and stats, call after
-    call."""
+def test_the_generator_units_call_directly(tiny_compiled):
+    """Both units of a bucket the shared generator has run call their graphs directly (the demo's step: see
+    bench/results/overhead_cpu_*.md)."""
+    model, gen = tiny_compiled
+    gen.generate(PROMPTS, dg.GenerationConfig(max_new_tokens=4, max_denoising_steps=2), seed=0)
+    for unit in gen.bucket(2).units:
+        assert unit.direct is not None, unit.direct_refused
+
+
+@pytest.mark.slow
+def test_direct_calls_give_the_same_tokens_as_dynamo_calls_with_every_guard(tiny_compiled):
+    """The shared generator calls its graphs directly (the default); one with `direct_calls=False, skip_guards=False`
+    (every call through Dynamo, every guard evaluated) on the same (unchanged) model and the same static shapes (the
+    cache size can move float near-ties) gives the same tokens and stats, call after call."""
     model, skipping = tiny_compiled
-    assert skipping.options.skip_guards
-    guarded = build(model, dataclasses.replace(skipping.options, batch_buckets=(2,), skip_guards=False))
+    assert skipping.options.direct_calls and skipping.options.skip_guards
+    guarded = build(model, dataclasses.replace(skipping.options, batch_buckets=(2,), skip_guards=False,
+                                               direct_calls=False))
     cfg = dg.GenerationConfig(max_new_tokens=12, max_denoising_steps=4, t_min=0.5, t_max=1.5, eos_token_ids=(1,))
     for seed in (3, 4):
         a = skipping.generate(PROMPTS, cfg, seed=[seed, seed + 10])

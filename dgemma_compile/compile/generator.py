@@ -48,11 +48,12 @@ class Bucket:
         self.inputs = StepInputs.allocate(model, rows, self.cache.block_size, factory.options.max_denoising_steps)
         self.tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
         cache, state, inputs = self.cache, self.state, self.inputs
+        owners = (model, cache, state, inputs)  # every tensor the two units read
         self.denoise: CompiledUnit = factory.unit(
             f"denoise_step[{self.tag}]",
-            lambda: denoise_step(model, cache, state, inputs, stop_early=stop_early, moe_impl=moe_impl))
+            lambda: denoise_step(model, cache, state, inputs, stop_early=stop_early, moe_impl=moe_impl), owners)
         self.encode: CompiledUnit = factory.unit(f"encoder_chunk[{self.tag}]",
-                                                 lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl))
+                                                 lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl), owners)
 
     @property
     def units(self) -> tuple[CompiledUnit, CompiledUnit]:
@@ -60,7 +61,10 @@ class Bucket:
 
     def steps(self, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], timer: SpanTimer) -> BufferSteps:
         """A `StepRunner` for len(cfgs) <= rows requests (one resolved config and seed each) over this bucket's
-        buffers and units (resets the cache); each unit call is a `UNIT` span of `timer`."""
+        buffers and units (resets the cache); each unit call is a `UNIT` span of `timer`. Checks that the units'
+        owners still hold the tensors their direct calls read (`CompiledUnit.check_owners`)."""
+        for unit in self.units:
+            unit.check_owners()
 
         def timed(unit: CompiledUnit) -> Callable[[], None]:
             def call() -> None:

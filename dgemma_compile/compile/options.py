@@ -49,8 +49,19 @@ class CompileOptions:
     # with their own output-lifetime rules.
     inductor_cudagraphs: bool = False
     # The MoE experts' implementation in compiled units. "auto" = ops.moe.resolve_moe_impl's rule ("grouped" for
-    # bfloat16 with E/K > 4, else "dense"): traceable, so no opaque, host-syncing expert loop runs inside a step.
+    # bfloat16 with E/K > 4, else "gathered"): traceable, so no opaque, host-syncing expert loop runs inside a step.
     moe_impl: str = "auto"
+    # Inductor's wrapper code (buffer allocation and the kernel calls of one compiled graph) in C++ instead of Python.
+    # On CPU the Python wrapper is a sizeable share of a small model's step: the demo's denoise step at B=1 went from
+    # 1.64 to 1.42 ms (bench/results/demo_cpu_*.md). None = on for CPU graphs, off for CUDA graphs, whose kernels
+    # replay from a CUDA graph without running the wrapper.
+    cpp_wrapper: bool | None = None
+    # After a unit's first call, call its compiled graph directly over the tensors it was compiled with, without
+    # Dynamo (no frame evaluation, guard check or input gathering): CPU's counterpart of a CUDA-graph replay. Sound
+    # because a unit reads only the model and its bucket's buffers, updated in place: `units.CompiledUnit._go_direct`
+    # checks that the graph's inputs are exactly those tensors, the generator checks the model's fingerprint and the
+    # owners' tensors once per generate call. The demo's denoise step at B=1: 1.44 -> 1.33 ms (bench.overhead).
+    direct_calls: bool = True
     # Skip Dynamo's guard evaluation (all but the static buffers' tensor guards) inside our units' calls once each
     # unit has compiled: at bucket B=1 the guards cost a sizeable share of a demo denoise step
     # (bench/results/overhead_cpu_*.md). Sound because a unit reads only its static buffers and the model, whose
@@ -74,8 +85,19 @@ class CompileOptions:
             raise ConfigError(f"moe_impl: must be one of {('auto', *MOE_IMPLS)}, got {self.moe_impl!r}")
         if not isinstance(self.skip_guards, bool):
             raise ConfigError(f"skip_guards: must be a bool, got {self.skip_guards!r}")
+        if not isinstance(self.direct_calls, bool):
+            raise ConfigError(f"direct_calls: must be a bool, got {self.direct_calls!r}")
+        if self.cpp_wrapper not in (None, True, False):
+            raise ConfigError(f"cpp_wrapper: must be None, True or False, got {self.cpp_wrapper!r}")
         if self.recompile_limit < 2 * len(b):
             raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")
+
+
+    def inductor_config(self, device_type: str) -> dict:
+        """The Inductor settings that depend on the device a graph runs on (`device_type` "cpu", "cuda", ...), patched
+        by the units' compile backend around each Inductor compile."""
+        cpp_wrapper = device_type == "cpu" if self.cpp_wrapper is None else self.cpp_wrapper
+        return {"cpp_wrapper": cpp_wrapper}
 
 
 @contextlib.contextmanager

@@ -17,11 +17,12 @@ the generator checks it once per `generate`/`warmup` call. bench/overhead.py mea
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo.eval_frame
@@ -112,6 +113,43 @@ class ModelFingerprint:
                                     "; the compiled units were made for the old model: build a new generator")
 
 
+def static_tensors(*owners) -> list[torch.Tensor]:
+    """Every tensor `owners` hold: an `nn.Module`'s parameters and buffers; for any other object, its tensor
+    attributes and the tensors in its list/tuple attributes (a bucket's `DenoiseState`, `StepInputs`, `KVCache`)."""
+    out: list[torch.Tensor] = []
+    for owner in owners:
+        if isinstance(owner, torch.nn.Module):
+            out += list(owner.parameters()) + list(owner.buffers())
+            continue
+        for value in vars(owner).values():
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+            elif isinstance(value, (list, tuple)):
+                out += [v for v in value if isinstance(v, torch.Tensor)]
+    return out
+
+
+@dataclass
+class CompiledGraph:
+    """One graph a unit's backend compiled: Inductor's callable (AOTAutograd's forward, positional tensors in the
+    Dynamo graph's input order, input mutations applied by its runtime wrapper), the real tensors Dynamo gathered as
+    that graph's inputs on the call that compiled it, and how many outputs the graph returns."""
+
+    fn: Callable
+    inputs: list
+    num_outputs: int
+
+
+@dataclass
+class DirectCall:
+    """A unit's steady-state call without Dynamo: the one compiled graph applied to the tensors it was compiled with
+    (CPU's counterpart of a CUDA-graph replay). `static_ids` are the identities of the tensors the unit's owners held
+    when it was set up; `check` compares them with the owners' tensors now."""
+
+    call: Callable[[], object]
+    static_ids: tuple[int, ...] = field(repr=False)
+
+
 class CudaGraphs:
     """The CUDA-graph calls a `CompiledUnit` makes, behind one seam (tests substitute a fake on CPU)."""
 
@@ -140,7 +178,8 @@ class CompiledUnit:
     torch before anything runs, then logged and rerun with every guard, which recompiles."""
 
     def __init__(self, name: str, fn: Callable[[], None], options: CompileOptions, *, backend="inductor",
-                 graphs: CudaGraphs | None = None, graph_pool=None):
+                 graphs: CudaGraphs | None = None, graph_pool=None, compiled_graphs: list[CompiledGraph] | None = None,
+                 owners: tuple = ()):
         self.name, self.fn, self.options = name, fn, options
         self.compiled = torch.compile(fn, fullgraph=options.fullgraph, dynamic=options.dynamic, backend=backend,
                                       isolate_recompiles=True)
@@ -149,11 +188,21 @@ class CompiledUnit:
         self.warm = False  # a call completed: the unit's cache entry exists, so guards may be skipped
         self.graph = None
         self.graph_error: str | None = None
+        # direct calls (`options.direct_calls`): what the backend compiled, and the objects holding every tensor the
+        # unit may read (the model, the bucket's buffers)
+        self.compiled_graphs = compiled_graphs
+        self.owners = owners
+        self.direct: DirectCall | None = None
+        self.direct_refused: str | None = None  # why the unit's calls go through Dynamo (None: direct, or not tried)
 
     def __call__(self) -> None:
         self.calls += 1
         if self.graph is not None:
             self.graph.replay()
+            return
+        if self.direct is not None:
+            with torch.no_grad():
+                self.direct.call()
             return
         if self.warm and self.options.skip_guards:
             self._call_skipping_guards()
@@ -161,8 +210,43 @@ class CompiledUnit:
             with applied(self.options):
                 self.compiled()
         self.warm = True
-        if self.graphs is not None and self.graph_error is None and self.calls == 2:
-            self._capture()
+        if self.graphs is not None:
+            if self.graph_error is None and self.calls == 2:
+                self._capture()
+        elif self.options.direct_calls and self.compiled_graphs is not None and self.direct_refused is None:
+            self._go_direct()
+
+    def _go_direct(self) -> None:
+        """After the first compiled call: from now on call the compiled graph directly, if that is exactly what Dynamo
+        would run -- one graph (fullgraph), no outputs (the step's effects are its in-place writes, which AOTAutograd's
+        wrapper applies), and inputs that are all tensors held by the unit's owners (so every later call reads the
+        same tensors; `check_owners` re-checks that once per generate call). Otherwise the reason is logged and kept
+        in `direct_refused`, and calls keep going through Dynamo."""
+        graphs = self.compiled_graphs
+        static = static_tensors(*self.owners)
+        ids = {id(t) for t in static}
+        if len(graphs) != 1:
+            reason = f"{len(graphs)} graphs compiled"
+        elif graphs[0].num_outputs:
+            reason = f"the graph returns {graphs[0].num_outputs} output(s)"
+        elif not all(isinstance(t, torch.Tensor) and id(t) in ids for t in graphs[0].inputs):
+            reason = "an input is not a tensor of the unit's owners (model, buffers)"
+        else:
+            g = graphs[0]
+            self.direct = DirectCall(call=functools.partial(g.fn, *g.inputs), static_ids=tuple(map(id, static)))
+            log.info("%s: direct calls of its compiled graph (%d inputs)", self.name, len(g.inputs))
+            return
+        self.direct_refused = reason
+        log.warning("%s: calls go through Dynamo (%s)", self.name, reason)
+
+    def check_owners(self) -> None:
+        """Once per generate call: if a tensor of the unit's owners was replaced since direct calls began (a bucket
+        buffer rebound, a parameter swapped), go back to calling through Dynamo, which reads the owners afresh (the
+        generator's `ModelFingerprint` check refuses a changed model before this)."""
+        if self.direct is not None and tuple(map(id, static_tensors(*self.owners))) != self.direct.static_ids:
+            self.direct = None
+            self.direct_refused = "a tensor of the unit's owners was replaced"
+            log.warning("%s: a tensor of the unit's owners was replaced; calls go through Dynamo again", self.name)
 
     def _call_skipping_guards(self) -> None:
         """A warm call with guards skipped, which cannot compile: `applied()`, whose config patches (~0.05 ms) only
@@ -206,15 +290,17 @@ class UnitFactory:
 
     def __init__(self, options: CompileOptions, device: torch.device | str, graphs: CudaGraphs | None = None):
         self.options = options
+        self.device = torch.device(device)
         use = graphs is not None or (options.cuda_graphs and torch.device(device).type == "cuda")
         self.graphs = (graphs or CudaGraphs()) if use else None
         self.graph_pool = self.graphs.pool() if self.graphs is not None else None
         self.compiles: Counter = Counter()
         self.compile_seconds = 0.0
 
-    def backend(self, name: str):
-        """Inductor with our decompositions (`ops.moe.moe_decompositions`: a "grouped" or "dense"
-        `dgemma::moe_experts` is traced into the graph), counting compiles of unit `name` and their seconds."""
+    def backend(self, name: str, sink: list[CompiledGraph] | None = None):
+        """Inductor with our decompositions (`ops.moe.moe_decompositions`: a "grouped", "dense" or "gathered"
+        `dgemma::moe_experts` is traced into the graph) and `CompileOptions.inductor_config` for the factory's device,
+        counting compiles of unit `name` and their seconds; each compiled graph is appended to `sink` if given."""
         from torch._inductor.compile_fx import compile_fx
 
         from ..ops.moe import moe_cache_key, moe_decompositions
@@ -222,14 +308,22 @@ class UnitFactory:
         def backend(gm: torch.fx.GraphModule, example_inputs):
             start = time.perf_counter()
             self.compiles[name] += 1
-            with moe_cache_key():
+            with moe_cache_key(), torch._inductor.config.patch(self.options.inductor_config(self.device.type)):
                 out = compile_fx(gm, example_inputs, decompositions=moe_decompositions(gm))
             self.compile_seconds += time.perf_counter() - start
+            if sink is not None:
+                (output,) = gm.graph.find_nodes(op="output")
+                result = output.args[0]
+                sink.append(CompiledGraph(fn=out, inputs=list(example_inputs),
+                                          num_outputs=len(result) if isinstance(result, (tuple, list)) else 1))
             return out
 
         return backend
 
-    def unit(self, name: str, fn: Callable[[], None]) -> CompiledUnit:
-        """A compiled unit named `name` running `fn` (zero arguments, over static buffers)."""
-        return CompiledUnit(name, fn, self.options, backend=self.backend(name), graphs=self.graphs,
-                            graph_pool=self.graph_pool)
+    def unit(self, name: str, fn: Callable[[], None], owners: Iterable = ()) -> CompiledUnit:
+        """A compiled unit named `name` running `fn` (zero arguments, over static buffers). `owners`: the objects
+        holding every tensor `fn` reads (the model, the bucket's buffers); with them, and `options.direct_calls`, the
+        unit calls its compiled graph directly after the first call (`CompiledUnit._go_direct`)."""
+        sink: list[CompiledGraph] = []
+        return CompiledUnit(name, fn, self.options, backend=self.backend(name, sink), graphs=self.graphs,
+                            graph_pool=self.graph_pool, compiled_graphs=sink if owners else None, owners=tuple(owners))
