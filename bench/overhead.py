@@ -1,12 +1,14 @@
-"""Per-call overhead of the compiled denoise unit (issue 10 item 7), with guards evaluated and with guards skipped.
+"""Per-call overhead of the compiled denoise unit (issue 10 item 7): through Dynamo with guards evaluated, through
+Dynamo with guards skipped, and direct calls of the compiled graph (the default).
 
     python -m bench.overhead [--calls 200] [--rounds 5] [--profiled-calls 100] [--out bench/results]
 
-The demo model, `build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, skip_guards=...))`, `warmup(1)`
+The demo model, `build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, direct_calls=..., skip_guards=...))`,
+`warmup(1)`
 (compile time reported apart), then the bucket serving one request under the demo's own generation config is set up
 as a request would be (a 64-token prompt encoded by the bucket's encoder unit, block 0 begun) and its denoise unit is
 called again and again (each call resets the rows' finished flags and step counters, so every call runs a full step
-over the same state). Two generators on the same model, guards evaluated / skipped, take turns in interleaved rounds.
+over the same state). Three generators on the same model take turns in interleaved rounds.
 
 - unit call: median wall time of `bucket.denoise()` without a profiler (the step, as the block loop sees it);
 - under torch.profiler (CPU activity), per call: the unit call (a `record_function` around it), the compiled graph
@@ -14,7 +16,7 @@ over the same state). Two generators on the same model, guards evaluated / skipp
   overhead = unit call - graph, per call, then the median. Each round profiles some calls of each variant right after
   its unprofiled ones, and shares are taken of the profiled unit call of the same calls: this machine's load moves
   step times by tens of percent within minutes, more than the profiler adds (one event per op, ~130 per step);
-- Δ unit call: the guarded variant's unprofiled median minus the skipping one's (a profiler-free cross-check);
+- Δ unit call: each variant's unprofiled median minus the direct one's (a profiler-free cross-check);
 - micro costs: `applied(options)` (the config patches every call enters), `guards_skipped()`, and the fingerprint
   check made once per generate call;
 - where the step's time goes: torch.profiler's key_averages, top 15 by self CPU time, per variant.
@@ -46,15 +48,18 @@ GRAPH = "## Call CompiledFxGraph"  # prefix: Inductor's compiled module call ("#
 GUARDS = "TorchDynamo Cache Lookup"  # Dynamo's cache lookup = guard evaluation of the unit's entries
 CALL = "overhead::unit_call"
 PROMPT_LEN = 64
-VARIANTS = (("guards evaluated", False), ("guards skipped", True))
+# (label, direct_calls, skip_guards); the last one is the default
+VARIANTS = (("Dynamo, guards evaluated", False, False), ("Dynamo, guards skipped", False, True),
+            ("direct calls (default)", True, True))
 
 
 class Variant:
     """One compiled generator on the demo model and its B=1 bucket, set up mid-request."""
 
-    def __init__(self, model, label: str, skip_guards: bool):
+    def __init__(self, model, label: str, direct_calls: bool, skip_guards: bool):
         self.label = label
-        self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, skip_guards=skip_guards))
+        self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, direct_calls=direct_calls,
+                                                  skip_guards=skip_guards))
         self.compile_s = self.gen.warmup(1)
         self.bucket = self.gen.bucket(1)
         cfg = model.generation_config.resolved(model.config)
@@ -157,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     started, load0 = environment.now(), environment.load_average()
 
     model = dg.load(DEMO_MODEL)
-    variants = [Variant(model, label, skip) for label, skip in VARIANTS]
+    variants = [Variant(model, label, direct, skip) for label, direct, skip in VARIANTS]
     profs: dict[str, list] = {v.label: [] for v in variants}
     for r in range(args.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
             v.time_calls(args.calls)
             profs[v.label].append(v.profiled(args.profiled_calls))
 
-    opts = variants[1].gen.options
+    opts = variants[-1].gen.options
 
     def enter_applied():
         with applied(opts):
@@ -174,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         with guards_skipped():
             pass
 
-    fingerprint = variants[1].gen.fingerprint
+    fingerprint = variants[-1].gen.fingerprint
+    owners_check = variants[-1].bucket.denoise.check_owners
     costs = {"`applied(options)` enter+exit (every unit call)": micro(enter_applied),
              "`guards_skipped()` enter+exit (every call, skipping variant)": micro(enter_skipped),
-             "`ModelFingerprint.check` (once per generate call)": micro(lambda: fingerprint.check(model), 200)}
+             "`ModelFingerprint.check` (once per generate call)": micro(lambda: fingerprint.check(model), 200),
+             "`CompiledUnit.check_owners` (once per generate call, per unit)": micro(owners_check, 200)}
 
     ms = lambda us: f"{us / 1e3:.3f}"  # noqa: E731
     lines = [f"# Per-call overhead of the compiled denoise unit, demo model, B=1, cpu ({environment.today()})", "",
@@ -211,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {v.label} | {ms(step)} | {ms(q[0])} / {ms(q[-1])} | {ms(med['call'])} | {ms(med['graph'])} "
                      f"| {ms(med['overhead'])} | {ms(med['guards'])} | {100 * med['overhead'] / med['call']:.1f} "
                      f"| {100 * med['guards'] / med['call']:.1f} |")
-    (ga, _), (sk, _) = VARIANTS
-    delta = medians[ga] - medians[sk]
-    lines += ["", f"Δ unit call (guards evaluated - guards skipped, unprofiled medians): {ms(delta)} ms "
-              f"({100 * delta / medians[ga]:.1f}% of the guarded step).", "",
-              "| micro cost | µs |", "|---|---:|"]
+    direct = VARIANTS[-1][0]
+    lines += [""] + [f"Δ unit call ({label} - {direct}, unprofiled medians): {ms(medians[label] - medians[direct])} ms "
+                     f"({100 * (medians[label] - medians[direct]) / medians[label]:.1f}% of that variant's step)."
+                     for label, *_ in VARIANTS[:-1]]
+    lines += ["", "| micro cost | µs |", "|---|---:|"]
     lines += [f"| {k} | {c:.1f} |" for k, c in costs.items()]
     for v in variants:
         lines += ["", f"## Where the step's time goes: {v.label} (top 15 by self CPU time, under the profiler)", ""]

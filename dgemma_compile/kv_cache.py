@@ -7,6 +7,13 @@ concatenates or reallocates; an encoder pass additionally copies its real tokens
 (padded tokens of a short row land in their own block slot, never in a committed one).
 
 Rows advance independently: `lengths[b]` counts the committed tokens of row b.
+
+Invariant for slots a row does not own (committed slots at and beyond `lengths[b]`): they hold zeros from `reset()`
+(or allocation) or finite values this request wrote. Attention does not make masked values harmless: a masked slot's
+probability is an exact 0, but 0 x NaN is NaN in the value product (flex and dense alike), so a NaN or inf left in a
+reused cache would reach every output. Hence `reset()` zeroes the keys and values too, and every path that starts
+requests on a cache (the eager generator allocates one; the compiled generator's buckets reset theirs per batch of
+requests) goes through it; no path writes a committed slot at or beyond a row's new length.
 """
 
 from __future__ import annotations
@@ -42,8 +49,11 @@ class KVCache:
         return self.lengths.shape[0]
 
     def reset(self) -> None:
-        """Forget every committed token (buffers are reused, not freed)."""
+        """Forget every committed token and zero every key and value (buffers are reused, not freed): whatever a
+        previous request left, NaN included, cannot reach the next one (see the module's invariant)."""
         self.lengths.zero_()
+        for t in (*self.keys, *self.values):
+            t.zero_()
 
     def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, n_new_B: torch.Tensor | None,
                     commit: bool) -> None:

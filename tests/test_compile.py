@@ -38,6 +38,24 @@ def test_compiled_tokens_equal_eager(tiny, stop_early):
     assert sum(s.blocks for s in eager.stats) >= 2 * len(prompts)
 
 
+def test_nan_left_in_unused_cache_slots_cannot_reach_the_next_request(tiny):
+    """kv_cache.py's invariant, compiled: after a request, NaN written into every committed slot its rows do not own
+    (the bucket's cache is reused) does not reach the next request, whose tokens equal the eager oracle's on a fresh
+    cache. Attention alone would not protect it: a masked slot's probability is 0, and 0 x NaN is NaN."""
+    model, gen = tiny
+    cfg = dg.GenerationConfig(max_new_tokens=12, max_denoising_steps=4, t_min=0.8, t_max=1.2, eos_token_ids=(1,))
+    gen.generate(PROMPTS[:2], cfg, seed=[1, 2])
+    cache = gen.bucket(2, cfg).cache
+    S = cache.max_seq_len
+    for t in (*cache.keys, *cache.values):
+        for row, length in enumerate(cache.lengths.tolist()):
+            t[row, :, length:S] = float("nan")
+    after = gen.generate(PROMPTS[:2], cfg, seed=[3, 4])
+    eager = dg.generate(model, PROMPTS[:2], cfg, seed=[3, 4], moe_impl=gen.moe_impl)
+    assert after.sequences == eager.sequences and after.stats == eager.stats
+    assert any(tok != model.config.pad_token_id for seq in eager.sequences for tok in seq)  # not a pad-only answer
+
+
 def test_no_recompiles_across_a_mixed_workload(tiny):
     """After warm-up, prompts of other lengths, other block counts, other batch sizes within the bucket and other
     per-step values (temperatures, bounds, seeds) reuse the same graphs."""

@@ -136,9 +136,15 @@ def test_invalid_generation_config_names_the_parameter(change, name):
 
 
 def test_temperature_zero_minimum_and_token_ids_checked(tiny_dir):
+    """A schedule that is zero at every step (t_min == t_max == 0, legal) is greedy throughout, as one of a
+    denormal temperature is (greedy below float32's smallest normal): same tokens, whatever the sampling seed's
+    draws would have been; a non-zero schedule on the same seed differs from it here."""
     model = dg.load(tiny_dir)
-    ok = dg.GenerationConfig(t_min=0.0, t_max=0.1, max_new_tokens=4, max_denoising_steps=2)
-    assert len(dg.generate(model, [[2, 3]], ok, seed=0).sequences[0]) <= 4
+    ok = dg.GenerationConfig(t_min=0.0, t_max=0.0, max_new_tokens=8, max_denoising_steps=3, eos_token_ids=())
+    zero = dg.generate(model, [[2, 3]], ok, seed=0)
+    assert len(zero.sequences[0]) == 8
+    assert zero.sequences == dg.generate(model, [[2, 3]], ok.replace(t_min=1e-45, t_max=1e-45), seed=0).sequences
+    assert zero.sequences != dg.generate(model, [[2, 3]], ok.replace(t_min=2.0, t_max=2.0), seed=0).sequences
     with pytest.raises(ConfigError, match="eos_token_id"):
         dg.generate(model, [[2, 3]], ok.replace(eos_token_ids=(48,)))
     with pytest.raises(ConfigError, match="pad_token_id"):

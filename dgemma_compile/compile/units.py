@@ -143,11 +143,12 @@ class CompiledGraph:
 @dataclass
 class DirectCall:
     """A unit's steady-state call without Dynamo: the one compiled graph applied to the tensors it was compiled with
-    (CPU's counterpart of a CUDA-graph replay). `static_ids` are the identities of the tensors the unit's owners held
-    when it was set up; `check` compares them with the owners' tensors now."""
+    (CPU's counterpart of a CUDA-graph replay). `buffer_ids`: the identities of the tensors the unit's non-module
+    owners (the bucket's buffers) held when it was set up; modules are covered by the generator's `ModelFingerprint`
+    (a replaced parameter changes its data pointer, shape or dtype, which the fingerprint check refuses)."""
 
     call: Callable[[], object]
-    static_ids: tuple[int, ...] = field(repr=False)
+    buffer_ids: tuple[int, ...] = field(repr=False)
 
 
 class CudaGraphs:
@@ -233,17 +234,20 @@ class CompiledUnit:
             reason = "an input is not a tensor of the unit's owners (model, buffers)"
         else:
             g = graphs[0]
-            self.direct = DirectCall(call=functools.partial(g.fn, *g.inputs), static_ids=tuple(map(id, static)))
+            self.direct = DirectCall(call=functools.partial(g.fn, *g.inputs), buffer_ids=self._buffer_ids())
             log.info("%s: direct calls of its compiled graph (%d inputs)", self.name, len(g.inputs))
             return
         self.direct_refused = reason
         log.warning("%s: calls go through Dynamo (%s)", self.name, reason)
 
+    def _buffer_ids(self) -> tuple[int, ...]:
+        return tuple(map(id, static_tensors(*(o for o in self.owners if not isinstance(o, torch.nn.Module)))))
+
     def check_owners(self) -> None:
-        """Once per generate call: if a tensor of the unit's owners was replaced since direct calls began (a bucket
-        buffer rebound, a parameter swapped), go back to calling through Dynamo, which reads the owners afresh (the
-        generator's `ModelFingerprint` check refuses a changed model before this)."""
-        if self.direct is not None and tuple(map(id, static_tensors(*self.owners))) != self.direct.static_ids:
+        """Once per generate call: if a tensor of the unit's non-module owners was replaced since direct calls began
+        (a bucket buffer rebound), go back to calling through Dynamo, which reads the owners afresh. A changed model
+        is the generator's `ModelFingerprint` check's to refuse (before this)."""
+        if self.direct is not None and self._buffer_ids() != self.direct.buffer_ids:
             self.direct = None
             self.direct_refused = "a tensor of the unit's owners was replaced"
             log.warning("%s: a tensor of the unit's owners was replaced; calls go through Dynamo again", self.name)
