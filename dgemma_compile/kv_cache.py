@@ -55,16 +55,16 @@ class KVCache:
         for t in (*self.keys, *self.values):
             t.zero_()
 
-    def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, n_new_B: torch.Tensor | None,
-                    commit: bool) -> None:
-        """Store a block's keys/values in the block slots and, when `commit`, its real tokens in the committed
-        slots lengths[b] .. lengths[b] + n_new[b] - 1. Does not advance `lengths` (the model does, once per pass)."""
+    def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor | None) -> None:
+        """Store a block's keys/values in the block slots and, with `slots_BT` (int64 [B, T], a `ForwardPlan`'s
+        `slots`: `commit_slots` for the static cache), each token's also at its slot: committed tokens land in the
+        committed slots, the others rewrite their own block slot. Does not advance `lengths` (the model does, once
+        per pass)."""
         S, T = self.max_seq_len, k_BHTD.shape[2]
         kc, vc = self.keys[layer], self.values[layer]
         kc[:, :, S:S + T] = k_BHTD
         vc[:, :, S:S + T] = v_BHTD
-        if commit:
-            slots_BT = commit_slots(self.lengths, n_new_B, T, S)
+        if slots_BT is not None:
             idx = slots_BT[:, None, :, None].expand_as(k_BHTD)
             kc.scatter_(2, idx, k_BHTD)
             vc.scatter_(2, idx, v_BHTD)

@@ -22,8 +22,9 @@ from torch import nn
 from . import ops  # noqa: F401  (registers torch.ops.dgemma.*)
 from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
-from .masks import block_mask_mod, dense_block_mask, flex_block_attention, make_block_mask
+from .masks import flex_block_attention
 from .ops import MOE_IMPLS
+from .plan import DENOISE, ForwardPlan, build_plan
 
 ATTENTION_BACKENDS = ("flex", "dense")
 
@@ -98,14 +99,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
 
-    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask, n_new_B, commit: bool):
+    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask, slots_BT):
         B, T, _ = x_BTD.shape
         q = apply_rope(self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)), cos, sin)
         k_raw = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
         v_raw = self.v_proj(x_BTD).view(B, T, -1, self.head_dim) if self.v_proj is not None else k_raw
         k = apply_rope(self.k_norm(k_raw), cos, sin)
         v = self.v_norm(v_raw)
-        cache.write_block(layer, k.transpose(1, 2), v.transpose(1, 2), n_new_B, commit)
+        cache.write_block(layer, k.transpose(1, 2), v.transpose(1, 2), slots_BT)
         span = cache.max_seq_len + T
         keys, values = cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span]
         if isinstance(mask, torch.Tensor):  # dense reference mask [B, T, S+T]
@@ -182,15 +183,18 @@ class Layer(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
         self.register_buffer("decoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x_BTD, cos, sin, cache, mask_BTS, n_new_B, encoder: bool, moe_impl: str):
-        attn = self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, self.layer, mask_BTS, n_new_B, commit=encoder)
+    def forward(self, x_BTD, cos, sin, cache, mask_BTS, plan: ForwardPlan, moe_impl: str):
+        attn = self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, self.layer, mask_BTS, plan.slots)
         h = x_BTD + self.post_attention_layernorm(attn)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         h_ND = h.reshape(-1, h.shape[-1])
         w_NK, idx_NK = self.router(h_ND)
         moe = self.experts(self.pre_feedforward_layernorm_2(h_ND), w_NK, idx_NK, moe_impl).reshape(h.shape)
         h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
-        return h * (self.encoder_layer_scalar if encoder else self.decoder_layer_scalar)
+        enc = plan.encoder_rows
+        if isinstance(enc, bool):
+            return h * (self.encoder_layer_scalar if enc else self.decoder_layer_scalar)
+        return h * torch.where(enc[:, None, None], self.encoder_layer_scalar, self.decoder_layer_scalar)
 
 
 class SelfConditioning(GatedMLP):
@@ -328,9 +332,8 @@ class DiffusionGemma(nn.Module):
                      moe_impl: str | None = None) -> torch.Tensor:
         """One encoder pass over T <= cache.block_size tokens, n_new_B [B] of them real per row; commits them and
         advances `cache.lengths`. `moe_impl` None: `self.moe_impl`. No validation: callers check (see `encode`)."""
-        hidden = self._forward_block(self._embed(ids_BT), cache, n_new_B, encoder=True, moe_impl=moe_impl)
-        cache.lengths.add_(n_new_B)  # in place: the compiled units read this very tensor on every call
-        return hidden
+        plan = build_plan(self, cache, ids_BT.shape[1], mode="encoder", n_new=n_new_B)
+        return self._forward_block(self._embed(ids_BT), cache, plan, moe_impl)
 
     def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
                       self_conditioning_mask_B: torch.Tensor | None = None,
@@ -339,16 +342,28 @@ class DiffusionGemma(nn.Module):
         self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch.
         `moe_impl` None: `self.moe_impl`."""
         embeds = self._embed(canvas_BC)
-        if self_conditioning_logits is None:
-            soft = torch.zeros_like(embeds)
-        else:
-            weight = self.embed_tokens.weight
-            probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32).to(weight.dtype)
-            soft = (probs @ weight) * self.embed_scale.to(embeds.dtype)
-            if self_conditioning_mask_B is not None:
-                soft = torch.where(self_conditioning_mask_B[:, None, None], soft, torch.zeros_like(soft))
-        x = self.self_conditioning(embeds, soft)
-        return self.logits(self._forward_block(x, cache, None, encoder=False, moe_impl=moe_impl))
+        x = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits,
+                                                                self_conditioning_mask_B))
+        plan = build_plan(self, cache, canvas_BC.shape[1], mode="denoise")
+        return self.logits(self._forward_block(x, cache, plan, moe_impl))
+
+    def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,
+                     self_conditioning_logits: torch.Tensor | None = None, moe_impl: str | None = None) -> torch.Tensor:
+        """One forward of rows in different modes (`plan.py`): encoder rows (prefill chunk or commit) embed their
+        ids and commit their real tokens; denoise rows take the self-conditioned embedding of their canvas (the
+        signal of `self_conditioning_logits` [B, T, V] where `plan.self_conditioning`, zero elsewhere); idle rows
+        only pass through. Advances `cache.lengths` by `plan.commit`. Returns the final-norm hidden states
+        [B, T, D] (`logits()` for the denoise rows). Unchecked, like `encode_block` / `denoise_block`, which are this
+        forward with a uniform plan."""
+        embeds = self._embed(ids_BT)
+        sc = plan.self_conditioning
+        denoised = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits, sc))
+        x = torch.where((plan.mode == DENOISE)[:, None, None], denoised, embeds)
+        return self._forward_block(x, cache, plan, moe_impl)
+
+    def rope_tables(self, layer_type: str, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, T, rotary dim] in the model dtype for `layer_type`'s RoPE at `positions_BT`."""
+        return rope_cos_sin(getattr(self, f"inv_freq_{layer_type}"), positions_BT, self.dtype)
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
         """Tied lm_head, then float32 soft-capping cap * tanh(logits / cap)."""
@@ -357,6 +372,19 @@ class DiffusionGemma(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ----- internals --------------------------------------------------------------------------------------------
+    def _soft_embedding(self, embeds_BTD: torch.Tensor, logits_BTV: torch.Tensor | None,
+                        mask_B: torch.Tensor | None) -> torch.Tensor:
+        """The self-conditioning input: softmax(logits) @ embedding * embed_scale, zero for rows outside `mask_B`
+        (when given) and everywhere without logits (a block's first step: zero, not uniform)."""
+        if logits_BTV is None:
+            return torch.zeros_like(embeds_BTD)
+        weight = self.embed_tokens.weight
+        probs = torch.softmax(logits_BTV, dim=-1, dtype=torch.float32).to(weight.dtype)
+        soft = (probs @ weight) * self.embed_scale.to(embeds_BTD.dtype)
+        if mask_B is not None:
+            soft = torch.where(mask_B[:, None, None], soft, torch.zeros_like(soft))
+        return soft
+
     def _embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight
         return self.embed_tokens(ids_BT) * self.embed_scale.to(weight.dtype)
@@ -389,27 +417,15 @@ class DiffusionGemma(nn.Module):
             raise ValueError(f"cache: made for another model (layers (kv heads, head dim) {got}, {k0.dtype if k0 is not None else None} "
                              f"on {k0.device if k0 is not None else None}); use this model's new_cache()")
 
-    def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor | None,
-                       encoder: bool, moe_impl: str | None = None) -> torch.Tensor:
-        """The layers over one block; `n_new_B` None means every block token is real (a canvas); `moe_impl` None
-        means `self.moe_impl`."""
+    def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, plan: ForwardPlan,
+                       moe_impl: str | None = None) -> torch.Tensor:
+        """The layers over one block under `plan` (its RoPE tables, masks and cache slots), then the final norm;
+        advances `cache.lengths` by `plan.commit`. `moe_impl` None means `self.moe_impl`."""
         moe_impl = self.moe_impl if moe_impl is None else moe_impl
-        B, T, _ = x_BTD.shape
-        positions_BT = cache.lengths[:, None] + torch.arange(T, device=x_BTD.device)[None, :]
-        rope, masks = {}, {}
-        for lt in sorted(set(self.config.layer_types)):
-            rope[lt] = rope_cos_sin(getattr(self, f"inv_freq_{lt}"), positions_BT, x_BTD.dtype)
-            window = self.config.sliding_window if lt == SLIDING else None
-            S = cache.max_seq_len
-            if self.attention == "dense":
-                masks[lt] = dense_block_mask(cache.lengths, n_new_B, encoder, block_len=T, cache_slots=S,
-                                             sliding_window=window, window_kind=self.window_kind)
-            else:
-                mask_mod = block_mask_mod(cache.lengths, n_new_B, encoder, cache_slots=S, sliding_window=window,
-                                          window_kind=self.window_kind)
-                masks[lt] = make_block_mask(mask_mod, B, T, S, x_BTD.device)
         for layer in self.layers:
-            cos, sin = rope[layer.layer_type]
-            x_BTD = layer(x_BTD, cos, sin, cache, masks[layer.layer_type], n_new_B, encoder, moe_impl)
+            cos, sin = plan.rope[layer.layer_type]
+            x_BTD = layer(x_BTD, cos, sin, cache, plan.masks[layer.layer_type], plan, moe_impl)
+        if plan.commit is not None:
+            cache.lengths.add_(plan.commit)  # in place: the compiled units read this very tensor on every call
         return self.norm(x_BTD)
 

@@ -1,0 +1,136 @@
+"""`ForwardPlan`: what each row of one forward does, built outside the model by `build_plan`.
+
+A forward processes one block of T token slots per row (the cache layout of `kv_cache.py`). Each row has a mode:
+- ENCODER: a prefill chunk or a commit. Causal; its first `n_new[b]` block tokens are real; they are written to the
+  committed slots and advance `cache.lengths[b]` (by the model, after the layers).
+- DENOISE: a canvas. Bidirectional over the whole block plus the visible context; every block token is real;
+  nothing is committed (its keys/values only pass through the block slots). Its input is the self-conditioned
+  embedding, with the previous step's signal where `self_conditioning[b]` (zero otherwise).
+- IDLE: no real token, nothing committed; its outputs are meaningless.
+
+The plan holds, per row, the mode and what follows from it (the masks' real-token count, the committed count, the
+causal flag, the self-conditioning flag), per block token its logical position and the physical slot its key/value
+goes to (`slots`: position -> slot, the identity for the static cache: committed tokens at slot = position, the
+others in their own block slot; a paged cache supplies another mapping), and per layer type the RoPE tables and the
+attention mask. The model reads only the plan, so one forward serves rows in different phases.
+
+Two kinds of plan:
+- uniform (`mode` a string, every row the same mode): the mode is a Python constant of the mask (and the real count
+  is None for a canvas), exactly the masks the generator's compiled units have always used;
+- mixed (`mode` an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE`): per-row tensors. Inductor's CPU flex
+  template rejects mask tensors computed inside a compiled graph, so build a mixed plan outside the compiled region
+  and pass it in (its tensors are then graph inputs).
+
+Legend: B rows, T block length, S committed slots per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from .config import SLIDING
+from .kv_cache import KVCache, commit_slots
+from .masks import block_mask_mod, dense_block_mask, make_block_mask
+
+IDLE, ENCODER, DENOISE = 0, 1, 2
+UNIFORM_MODES = ("encoder", "denoise")
+
+
+@dataclass
+class ForwardPlan:
+    """One forward's per-row plan (see the module docstring).
+
+    Attributes:
+        mode: int64 [B], `IDLE` / `ENCODER` / `DENOISE` per row.
+        encoder_rows: bool [B] (mixed) or one bool (uniform): rows in encoder mode (causal; the layers' encoder
+            scalar).
+        real: int64 [B], real block tokens per row (the masks' count), or None when every block token is real.
+        commit: int64 [B], tokens committed per row (n_new for encoder rows, 0 otherwise), or None when no row
+            commits (a uniform denoise plan); `cache.lengths` grows by it after the forward.
+        slots: int64 [B, T], the cache slot each block token's key/value is written to, or None when nothing is
+            committed (keys/values stay in the block slots).
+        self_conditioning: bool [B], denoise rows whose input carries the previous step's signal, or None (uniform
+            plans: the caller's flag).
+        positions: int64 [B, T], the block tokens' logical positions (lengths[b] + i).
+        rope: per layer type, (cos, sin) [B, T, rotary dim] in the model dtype.
+        masks: per layer type, a FlexAttention `BlockMask` or a dense bool mask [B, T, S+T].
+    """
+
+    mode: torch.Tensor
+    encoder_rows: torch.Tensor | bool
+    real: torch.Tensor | None
+    commit: torch.Tensor | None
+    slots: torch.Tensor | None
+    self_conditioning: torch.Tensor | None
+    positions: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    masks: dict[str, BlockMask | torch.Tensor]
+
+    @property
+    def mixed(self) -> bool:
+        return isinstance(self.encoder_rows, torch.Tensor)
+
+
+def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
+               self_conditioning: torch.Tensor | None = None) -> ForwardPlan:
+    """The plan of one forward of T block tokens per row over `cache` (its current `lengths`).
+
+    Args:
+        model: the `DiffusionGemma` that will run the plan (its config, attention backend, window kind, RoPE).
+        cache: the cache the forward reads and writes; T <= cache.block_size.
+        mode: "encoder" or "denoise" for every row, or an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE`.
+        n_new: int64 [B], real tokens of encoder rows (0 <= n_new <= T; ignored for other rows); required when a row
+            is in encoder mode.
+        self_conditioning: bool [B], denoise rows that receive the previous step's logits (mixed plans; default
+            none).
+    Returns:
+        A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
+        a uniform plan.
+    Raises:
+        ValueError: an unknown mode, a missing `n_new`, or per-row tensors whose shape is not [B].
+    """
+    B, S, dev = cache.batch_size, cache.max_seq_len, cache.lengths.device
+    lengths = cache.lengths
+    if isinstance(mode, str):
+        if mode not in UNIFORM_MODES:
+            raise ValueError(f"mode must be one of {UNIFORM_MODES} or an int64 tensor [B], got {mode!r}")
+        encoder = mode == "encoder"
+        if encoder and n_new is None:
+            raise ValueError("n_new: required for encoder rows")
+        mode_B = torch.full((B,), ENCODER if encoder else DENOISE, dtype=torch.long, device=dev)
+        encoder_rows: torch.Tensor | bool = encoder
+        real = n_new if encoder else None
+        commit = n_new if encoder else None
+        slots = commit_slots(lengths, n_new, T, S) if encoder else None
+    else:
+        if not isinstance(mode, torch.Tensor) or mode.shape != (B,) or mode.dtype != torch.long:
+            raise ValueError(f"mode must be an int64 tensor [B={B}], got {getattr(mode, 'dtype', type(mode))} "
+                             f"{tuple(getattr(mode, 'shape', ()))}")
+        for name, t in (("n_new", n_new), ("self_conditioning", self_conditioning)):
+            if t is not None and t.shape != (B,):
+                raise ValueError(f"{name} must be [B={B}], got {tuple(t.shape)}")
+        mode_B = mode
+        encoder_rows = mode == ENCODER
+        n_B = n_new if n_new is not None else torch.zeros(B, dtype=torch.long, device=dev)
+        commit = torch.where(encoder_rows, n_B, 0)
+        real = torch.where(encoder_rows, n_B, torch.where(mode == DENOISE, T, 0))
+        slots = commit_slots(lengths, commit, T, S)
+        if self_conditioning is not None:
+            self_conditioning = self_conditioning & (mode == DENOISE)
+    positions = lengths[:, None] + torch.arange(T, device=dev)[None, :]
+    rope, masks = {}, {}
+    for lt in sorted(set(model.config.layer_types)):
+        rope[lt] = model.rope_tables(lt, positions)
+        window = model.config.sliding_window if lt == SLIDING else None
+        if model.attention == "dense":
+            masks[lt] = dense_block_mask(lengths, real, encoder_rows, block_len=T, cache_slots=S,
+                                         sliding_window=window, window_kind=model.window_kind)
+        else:
+            mask_mod = block_mask_mod(lengths, real, encoder_rows, cache_slots=S, sliding_window=window,
+                                      window_kind=model.window_kind)
+            masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
+    return ForwardPlan(mode=mode_B, encoder_rows=encoder_rows, real=real, commit=commit, slots=slots,
+                       self_conditioning=self_conditioning, positions=positions, rope=rope, masks=masks)

@@ -1,0 +1,115 @@
+"""Per-row modes in one forward (`plan.py`, `DiffusionGemma.forward_plan`): a batch mixing a prefill chunk, a denoise
+row with self-conditioning, one without, a commit and an idle row gives, row by row, the outputs (logits of denoise
+rows, final hidden states of the encoder rows' real tokens) and the cache contents (committed slots, lengths) of
+separate single-row calls, eager and compiled, FlexAttention and dense masks (float32, <= 1e-5)."""
+
+import pytest
+import torch
+
+import dgemma_compile as dg
+from dgemma_compile.plan import DENOISE, ENCODER, IDLE, build_plan
+
+S = 48  # committed slots per row
+# (mode, tokens committed before the forward, real tokens of an encoder row, self-conditioned)
+ROWS = [(ENCODER, 0, 5, False),   # a prefill chunk (shorter than the block)
+        (DENOISE, 21, 0, True),   # a denoise step with the previous step's logits
+        (DENOISE, 9, 0, False),   # a block's first denoise step
+        (ENCODER, 30, 8, False),  # a commit (a whole block)
+        (IDLE, 5, 0, False)]      # a row with nothing to do
+
+
+def _setup(model, seed=0):
+    """A cache of len(ROWS) rows holding each row's prior context (random ids encoded in one batched call), the
+    block's ids [B, T], self-conditioning logits [B, T, V] and the plan inputs."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = len(ROWS), model.config.canvas_length, model.config.vocab_size
+    before = torch.tensor([r[1] for r in ROWS])
+    cache = model.new_cache(B, S)
+    model.encode(torch.randint(3, V, (B, int(before.max())), generator=g), cache, input_lengths=before)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    sc_logits = torch.randn(B, T, V, generator=g) * 3
+    mode = torch.tensor([r[0] for r in ROWS])
+    n_new = torch.tensor([r[2] for r in ROWS])
+    sc = torch.tensor([r[3] for r in ROWS])
+    return cache, ids, sc_logits, mode, n_new, sc
+
+
+def _row_cache(cache, r):
+    """Row r of `cache` as a cache of its own (copies)."""
+    return type(cache)(keys=[k[r:r + 1].clone() for k in cache.keys], values=[v[r:r + 1].clone() for v in cache.values],
+                       lengths=cache.lengths[r:r + 1].clone(), max_seq_len=cache.max_seq_len,
+                       block_size=cache.block_size)
+
+
+def _separately(model, cache, ids, sc_logits, moe_impl):
+    """Per row: (output, cache after) from its own single-row call (None output for the idle row)."""
+    out = []
+    for r, (mode, _, n, with_sc) in enumerate(ROWS):
+        c = _row_cache(cache, r)
+        if mode == ENCODER:
+            y = model.encode_block(ids[r:r + 1], c, torch.tensor([n]), moe_impl=moe_impl)[0, :n]
+        elif mode == DENOISE:
+            y = model.denoise_block(ids[r:r + 1], c, sc_logits[r:r + 1] if with_sc else None,
+                                    moe_impl=moe_impl)[0]
+        else:
+            y = None
+        out.append((y, c))
+    return out
+
+
+def _check(model, mixed_hidden, mixed_cache, expected):
+    for r, ((mode, _, n, _), (y, c)) in enumerate(zip(ROWS, expected)):
+        if mode == ENCODER:
+            torch.testing.assert_close(mixed_hidden[r, :n], y, atol=1e-5, rtol=1e-5, msg=f"row {r} hidden")
+        elif mode == DENOISE:
+            torch.testing.assert_close(model.logits(mixed_hidden[r:r + 1])[0], y, atol=1e-5, rtol=1e-5,
+                                       msg=f"row {r} logits")
+        assert mixed_cache.lengths[r] == c.lengths[0], f"row {r} length"
+        for layer, (k, v) in enumerate(zip(mixed_cache.keys, mixed_cache.values)):
+            torch.testing.assert_close(k[r, :, :S], c.keys[layer][0, :, :S], atol=1e-5, rtol=1e-5,
+                                       msg=f"row {r} layer {layer} keys")
+            torch.testing.assert_close(v[r, :, :S], c.values[layer][0, :, :S], atol=1e-5, rtol=1e-5,
+                                       msg=f"row {r} layer {layer} values")
+
+
+@pytest.mark.parametrize("attention", ["flex", "dense"])
+def test_mixed_rows_equal_separate_calls_eagerly(tiny_dir, attention):
+    model = dg.load(tiny_dir, attention=attention)
+    cache, ids, sc_logits, mode, n_new, sc = _setup(model)
+    expected = _separately(model, cache, ids, sc_logits, "loop")
+    before = [(k.clone(), v.clone()) for k, v in zip(cache.keys, cache.values)]
+    with torch.no_grad():
+        plan = build_plan(model, cache, ids.shape[1], mode=mode, n_new=n_new, self_conditioning=sc)
+        hidden = model.forward_plan(ids, cache, plan, sc_logits, moe_impl="loop")
+    _check(model, hidden, cache, expected)
+    assert cache.lengths.tolist() == [r[1] + (r[2] if r[0] == ENCODER else 0) for r in ROWS]
+    idle = [r for r, row in enumerate(ROWS) if row[0] == IDLE][0]
+    for (k, v), (k0, v0) in zip(zip(cache.keys, cache.values), before):  # the idle row's committed slots: untouched
+        assert torch.equal(k[idle, :, :S], k0[idle, :, :S]) and torch.equal(v[idle, :, :S], v0[idle, :, :S])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["flex", "dense"])
+def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
+    """The mixed forward compiled (plan built outside: its tensors are graph inputs), experts `gathered` as the
+    compiled generator runs them on float32, against eager single-row calls with the loop."""
+    model = dg.load(tiny_dir, attention=attention)
+    cache, ids, sc_logits, mode, n_new, sc = _setup(model, seed=1)
+    expected = _separately(model, cache, ids, sc_logits, "loop")
+    with torch.no_grad():
+        plan = build_plan(model, cache, ids.shape[1], mode=mode, n_new=n_new, self_conditioning=sc)
+        step = torch.compile(lambda: model.forward_plan(ids, cache, plan, sc_logits, moe_impl="gathered"),
+                             fullgraph=True, dynamic=False)
+        hidden = step()
+    _check(model, hidden, cache, expected)
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(mode="commit"), "mode must be one of"),
+                                    (dict(mode="encoder"), "n_new: required"),
+                                    (dict(mode=torch.tensor([1, 2])), r"mode must be an int64 tensor \[B=5\]"),
+                                    (dict(mode=torch.ones(5, dtype=torch.long), n_new=torch.ones(3, dtype=torch.long)),
+                                     r"n_new must be \[B=5\]")])
+def test_bad_plans_are_refused(tiny_dir, kw, msg):
+    model = dg.load(tiny_dir)
+    with pytest.raises(ValueError, match=msg):
+        build_plan(model, model.new_cache(5, S), model.config.canvas_length, **kw)
