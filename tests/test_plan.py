@@ -113,3 +113,25 @@ def test_bad_plans_are_refused(tiny_dir, kw, msg):
     model = dg.load(tiny_dir)
     with pytest.raises(ValueError, match=msg):
         build_plan(model, model.new_cache(5, S), model.config.canvas_length, **kw)
+
+
+def test_reset_cache_leaves_nothing_of_a_previous_request(tiny_dir):
+    """kv_cache.py's invariant, eagerly: NaN written into the unused committed slots of a cache makes a denoise pass
+    NaN (masking alone does not protect: 0 x NaN); after `reset()` the same encode + denoise equal a fresh cache's."""
+    model = dg.load(tiny_dir)
+    V, C = model.config.vocab_size, model.config.canvas_length
+    g = torch.Generator().manual_seed(2)
+    prompt, canvas = torch.randint(3, V, (1, 13), generator=g), torch.randint(3, V, (1, C), generator=g)
+
+    def run(cache):
+        model.encode(prompt, cache)
+        return model.denoise(canvas, cache)
+
+    fresh = run(model.new_cache(1, S))
+    cache = model.new_cache(1, S)
+    model.encode(prompt, cache)
+    for t in (*cache.keys, *cache.values):
+        t[:, :, 13:S] = float("nan")
+    assert model.denoise(canvas, cache).isnan().all()
+    cache.reset()
+    assert torch.equal(run(cache), fresh)
