@@ -52,8 +52,8 @@ class ForwardPlan:
             commits (a uniform denoise plan); `cache.lengths` grows by it after the forward.
         slots: int64 [B, T], the cache slot each block token's key/value is written to, or None when nothing is
             committed (keys/values stay in the block slots).
-        self_conditioning: bool [B], denoise rows whose input carries the previous step's signal, or None (uniform
-            plans: the caller's flag).
+        self_conditioning: bool [B], denoise rows whose input carries the previous step's signal (mixed plans),
+            or None (uniform plans: `denoise_block`'s own flag decides).
         positions: int64 [B, T], the block tokens' logical positions (lengths[b] + i).
         rope: per layer type, (cos, sin) [B, T, rotary dim] in the model dtype.
         masks: per layer type, a FlexAttention `BlockMask` or a dense bool mask [B, T, S+T].
@@ -118,8 +118,9 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         commit = torch.where(encoder_rows, n_B, 0)
         real = torch.where(encoder_rows, n_B, torch.where(mode == DENOISE, T, 0))
         slots = commit_slots(lengths, commit, T, S)
-        if self_conditioning is not None:
-            self_conditioning = self_conditioning & (mode == DENOISE)
+        if self_conditioning is None:
+            self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
+        self_conditioning = self_conditioning & (mode == DENOISE)
     positions = lengths[:, None] + torch.arange(T, device=dev)[None, :]
     rope, masks = {}, {}
     for lt in sorted(set(model.config.layer_types)):

@@ -235,7 +235,7 @@ class CompiledUnit:
         else:
             g = graphs[0]
             self.direct = DirectCall(call=functools.partial(g.fn, *g.inputs), buffer_ids=self._buffer_ids())
-            log.info("%s: direct calls of its compiled graph (%d inputs)", self.name, len(g.inputs))
+            log.debug("%s: direct calls of its compiled graph (%d inputs)", self.name, len(g.inputs))
             return
         self.direct_refused = reason
         log.warning("%s: calls go through Dynamo (%s)", self.name, reason)
