@@ -112,6 +112,10 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         for name, t in (("n_new", n_new), ("self_conditioning", self_conditioning)):
             if t is not None and t.shape != (B,):
                 raise ValueError(f"{name} must be [B={B}], got {tuple(t.shape)}")
+        if self_conditioning is not None and self_conditioning.dtype != torch.bool:
+            raise ValueError(f"self_conditioning must be bool, got {self_conditioning.dtype}")
+        if n_new is None and bool((mode == ENCODER).any()):
+            raise ValueError("n_new: required for encoder rows")
         mode_B = mode
         encoder_rows = mode == ENCODER
         n_B = n_new if n_new is not None else torch.zeros(B, dtype=torch.long, device=dev)

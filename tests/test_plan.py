@@ -108,7 +108,10 @@ def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
                                     (dict(mode="encoder"), "n_new: required"),
                                     (dict(mode=torch.tensor([1, 2])), r"mode must be an int64 tensor \[B=5\]"),
                                     (dict(mode=torch.ones(5, dtype=torch.long), n_new=torch.ones(3, dtype=torch.long)),
-                                     r"n_new must be \[B=5\]")])
+                                     r"n_new must be \[B=5\]"),
+                                    (dict(mode=torch.ones(5, dtype=torch.long)), "n_new: required"),
+                                    (dict(mode=torch.full((5,), 2), self_conditioning=torch.ones(5, dtype=torch.long)),
+                                     "self_conditioning must be bool")])
 def test_bad_plans_are_refused(tiny_dir, kw, msg):
     model = dg.load(tiny_dir)
     with pytest.raises(ValueError, match=msg):

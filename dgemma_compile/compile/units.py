@@ -148,7 +148,7 @@ class DirectCall:
     (a replaced parameter changes its data pointer, shape or dtype, which the fingerprint check refuses)."""
 
     call: Callable[[], object]
-    buffer_ids: tuple[int, ...] = field(repr=False)
+    buffer_ids: tuple = field(repr=False)
 
 
 class CudaGraphs:
@@ -219,14 +219,19 @@ class CompiledUnit:
 
     def _go_direct(self) -> None:
         """After the first compiled call: from now on call the compiled graph directly, if that is exactly what Dynamo
-        would run -- one graph (fullgraph), no outputs (the step's effects are its in-place writes, which AOTAutograd's
-        wrapper applies), and inputs that are all tensors held by the unit's owners (so every later call reads the
-        same tensors; `check_owners` re-checks that once per generate call). Otherwise the reason is logged and kept
-        in `direct_refused`, and calls keep going through Dynamo."""
+        would run -- one graph under fullgraph=True (no graph break left Python to run around it), no outputs (the
+        step's effects are its in-place writes, which AOTAutograd's wrapper applies), and inputs that are all tensors
+        held by the unit's owners (so every later call reads the same tensors; `check_owners` re-checks that once per
+        generate call). Otherwise the reason is logged and kept in `direct_refused`, and calls keep going through
+        Dynamo. A unit function must have no effect but its tensor writes: a Python side effect (an attribute store of
+        a non-tensor, a list append) would run under Dynamo and be skipped by direct calls; the units' step functions
+        (`steps.denoise_step`, `steps.encode_chunk`) have none."""
         graphs = self.compiled_graphs
         static = static_tensors(*self.owners)
         ids = {id(t) for t in static}
-        if len(graphs) != 1:
+        if not self.options.fullgraph:
+            reason = "fullgraph=False (a graph break would leave code outside the graph)"
+        elif len(graphs) != 1:
             reason = f"{len(graphs)} graphs compiled"
         elif graphs[0].num_outputs:
             reason = f"the graph returns {graphs[0].num_outputs} output(s)"
@@ -236,16 +241,21 @@ class CompiledUnit:
             g = graphs[0]
             self.direct = DirectCall(call=functools.partial(g.fn, *g.inputs), buffer_ids=self._buffer_ids())
             log.debug("%s: direct calls of its compiled graph (%d inputs)", self.name, len(g.inputs))
+            graphs.clear()  # the direct call holds what it needs; later compiles (after a fallback) are not kept
             return
+        graphs.clear()
         self.direct_refused = reason
         log.warning("%s: calls go through Dynamo (%s)", self.name, reason)
 
-    def _buffer_ids(self) -> tuple[int, ...]:
-        return tuple(map(id, static_tensors(*(o for o in self.owners if not isinstance(o, torch.nn.Module)))))
+    def _buffer_ids(self) -> tuple:
+        """Per tensor of the non-module owners: identity, storage address, dtype, shape and stride (an in-place
+        `set_` or `resize_` keeps the identity but not what the compiled kernels were built for)."""
+        return tuple((id(t), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+                     for t in static_tensors(*(o for o in self.owners if not isinstance(o, torch.nn.Module))))
 
     def check_owners(self) -> None:
-        """Once per generate call: if a tensor of the unit's non-module owners was replaced since direct calls began
-        (a bucket buffer rebound), go back to calling through Dynamo, which reads the owners afresh. A changed model
+        """Once per generate call: if a tensor of the unit's non-module owners was replaced or re-laid-out since direct
+        calls began (a bucket buffer rebound, `set_`, `resize_`), go back to calling through Dynamo, which reads the owners afresh. A changed model
         is the generator's `ModelFingerprint` check's to refuse (before this)."""
         if self.direct is not None and self._buffer_ids() != self.direct.buffer_ids:
             self.direct = None

@@ -84,14 +84,14 @@ def moe_experts_gathered(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI):
     (its reuse heuristic) instead of recomputing x's producer (e.g. the pre-MoE RMSNorm) inside the weight loop for
     every one of the 2I output rows -- measured 2x slower for the demo's whole step when inlined."""
     N, K = idx_NK.shape
-    I = down_EDI.shape[2]
+    D, I = x_ND.shape[1], down_EDI.shape[2]
     idx_M = idx_NK.reshape(-1)
-    x_M1D = x_ND[:, None, :].expand(N, K, x_ND.shape[1]).reshape(N * K, 1, -1)
+    x_M1D = x_ND[:, None, :].expand(N, K, D).reshape(N * K, 1, D)
     gate = (gate_up_EID[:, :I][idx_M] * x_M1D).sum(-1)
     up = (gate_up_EID[:, I:][idx_M] * x_M1D).sum(-1)
     h_M1I = (F.gelu(gate, approximate="tanh") * up)[:, None, :]
     y_MD = (down_EDI[idx_M] * h_M1I).sum(-1)
-    return (y_MD.view(N, K, -1) * w_NK[..., None]).sum(1).to(x_ND.dtype)
+    return (y_MD.view(N, K, D) * w_NK[..., None]).sum(1).to(x_ND.dtype)
 
 
 _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
