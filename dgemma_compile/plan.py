@@ -69,10 +69,6 @@ class ForwardPlan:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
     masks: dict[str, BlockMask | torch.Tensor]
 
-    @property
-    def mixed(self) -> bool:
-        return isinstance(self.encoder_rows, torch.Tensor)
-
 
 def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
                self_conditioning: torch.Tensor | None = None) -> ForwardPlan:
