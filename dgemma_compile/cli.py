@@ -180,13 +180,15 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
     with one denoise step per block (`warmup_s`)."""
     from . import generate
 
+    max_seq_len = -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING  # the same cache, so eager and compiled agree
     if args.eager:
         start = time.perf_counter()
-        generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1])
-        return (lambda *a, **kw: generate(model, *a, **kw)), f" warmup_s={time.perf_counter() - start:.2f}"
+        generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1], max_seq_len=max_seq_len)
+        return ((lambda *a, **kw: generate(model, *a, max_seq_len=max_seq_len, **kw)),
+                f" warmup_s={time.perf_counter() - start:.2f}")
     from . import CompileOptions, build
 
-    gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=-(-slots // SLOT_ROUNDING) * SLOT_ROUNDING,
+    gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=max_seq_len,
                                       max_denoising_steps=max(256, steps)))
     print("dgemma: compiling the denoise step and encoder chunk (a minute or so on a CPU, cached afterwards)...",
           file=sys.stderr, flush=True)

@@ -21,6 +21,9 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 ROPE_TYPES = ("default", "proportional")
+DEFAULT_MAX_SEQ_LEN = 1024
+"""Committed KV slots per row the generators preallocate unless told otherwise (`generate(max_seq_len=...)`,
+`CompileOptions.max_seq_len`): fixed, never sized to a batch, so a row's numerics do not depend on its batch mates."""
 
 # transformers' defaults for the per-layer-type RoPE (DiffusionGemmaTextConfig.__post_init__).
 DEFAULT_ROPE = {

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ConfigError, GenerationConfig
+from .config import DEFAULT_MAX_SEQ_LEN, ConfigError, GenerationConfig
 from .model import DiffusionGemma
 from .observe import STEP, Observer, SpanTimer
 from .ops.moe import resolve_moe_impl
@@ -156,11 +156,21 @@ def plan(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
     return cfgs, prompts, seeds, max_seq_len
 
 
+def check_slots(needed: int, max_seq_len: int, name: str) -> None:
+    """Raise `ConfigError` (naming `name`) unless `max_seq_len` is a positive integer >= `needed` committed slots."""
+    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
+        raise ConfigError(f"max_seq_len: must be a positive integer, got {max_seq_len!r}")
+    if needed > max_seq_len:
+        raise ConfigError(f"max_seq_len: these requests need {needed} committed slots per row, more than "
+                          f"{name}={max_seq_len}")
+
+
 @torch.no_grad()
 def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
              config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
              seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
-             observer: Observer | None = None, moe_impl: str = "auto") -> GenerationOutput:
+             observer: Observer | None = None, moe_impl: str = "auto",
+             max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> GenerationOutput:
     """Generate continuations of `prompts` (lists of token ids) by block diffusion, eagerly.
 
     Args:
@@ -176,12 +186,17 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
         moe_impl: the routed experts' implementation: "auto" (the eager rule of `ops.moe.resolve_moe_impl`: "loop",
             transformers' summation order), or "loop" | "grouped" | "dense" | "gathered" (to reproduce a compiled generator's
             numerics: pass its `moe_impl`). The output's `moe_impl` says which ran.
+        max_seq_len: committed slots per row of the KV cache (as `CompileOptions.max_seq_len`). Fixed by the caller,
+            never sized to the batch: attention reduces over every slot, so a cache sized to the longest prompt of
+            the call would make a row's logits (and, at a near tie, its tokens) depend on its batch mates.
     Returns:
         `GenerationOutput` with sequences and per-request statistics.
     Raises:
-        ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context).
+        ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context);
+            `max_seq_len` not a positive integer or smaller than the committed slots a request needs.
     """
-    cfgs, prompts, seeds, max_seq_len = plan(model, prompts, config, seed)
+    cfgs, prompts, seeds, needed = plan(model, prompts, config, seed)
+    check_slots(needed, max_seq_len, "max_seq_len")
     impl = resolve_moe_impl(moe_impl, dtype=model.dtype, num_experts=model.config.num_experts,
                             top_k=model.config.top_k_experts, compiled=False)
     runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl)

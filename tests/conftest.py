@@ -32,3 +32,21 @@ def tiny_compiled(tiny_dir):
     # max_seq_len 256 = what `dgemma generate` rounds a short request to, so its bucket-2 graphs are Inductor cache
     # hits for the CLI tests (and the other way round)
     return model, build(model, CompileOptions(batch_buckets=(2, 4), max_seq_len=256))
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """(model, tokenizer) of the built-in demo model."""
+    import dgemma_compile as dg
+    from dgemma_compile.demo import DEMO_MODEL
+
+    return dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
+
+
+@pytest.fixture(scope="session")
+def demo_gen(demo):
+    """The demo model's compiled generator, one bucket of 2 rows (each bucket costs a compile): 256 slots as
+    `dgemma generate` uses for a short request."""
+    from dgemma_compile.compile import CompileOptions, build
+
+    return build(demo[0], CompileOptions(batch_buckets=(2,), max_seq_len=256))

@@ -7,13 +7,7 @@ from transformers.cache_utils import DynamicCache
 import dgemma_compile as dg
 from helpers import softcap
 from dgemma_compile.demo import DEMO_MODEL
-from dgemma_compile.compile import CompileOptions, build
 from dgemma_compile.demo import tasks
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
 
 
 def heldout(n):
@@ -47,12 +41,6 @@ def test_demo_generation_is_reproducible(demo):
     b = dg.generate(model, prompts, seed=7)
     assert a.sequences == b.sequences and a.stats == b.stats
     assert all(s.finish_reason == "eos" for s in a.stats), "the demo model ends its answers"
-
-
-@pytest.fixture(scope="module")
-def demo_gen(demo):
-    # 256 slots as `dgemma generate` uses for a short request; the tests here run batches of 2
-    return build(demo[0], CompileOptions(batch_buckets=(2,), max_seq_len=256))
 
 
 @pytest.mark.slow

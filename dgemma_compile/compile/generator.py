@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ConfigError, GenerationConfig
-from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, plan, run_block_diffusion
+from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan, run_block_diffusion
 from ..model import DiffusionGemma
 from ..observe import UNIT, Observer, SpanTimer
 from ..ops.moe import resolve_moe_impl
@@ -149,9 +149,7 @@ class CompiledGenerator:
         """
         self.fingerprint.check(self.model)
         cfgs, prompts, seeds, needed = plan(self.model, prompts, config, seed)
-        if needed > self.options.max_seq_len:
-            raise ConfigError(f"max_seq_len: these requests need {needed} committed slots per row, more than "
-                              f"CompileOptions.max_seq_len={self.options.max_seq_len}")
+        check_slots(needed, self.options.max_seq_len, "CompileOptions.max_seq_len")
         steps = max(c.max_denoising_steps for c in cfgs)
         if steps > self.options.max_denoising_steps:
             raise ConfigError(f"max_denoising_steps: {steps} is more than this generator's temperature table holds "

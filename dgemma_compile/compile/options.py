@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError
+from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError
 from ..ops.moe import MOE_IMPLS
 from ..stop_check import STOP_CHECKS
 
@@ -25,7 +25,7 @@ class CompileOptions:
     # Static batch shapes: a call with B requests runs in the smallest bucket >= B (padded rows are frozen).
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     # Static committed slots per row (prompt + committed blocks); the KV cache is preallocated at this size.
-    max_seq_len: int = 1024
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     # Static width of the per-row temperature table (its shape is part of the graph): the most denoise steps per
     # block a request may ask for. The reference default is 48; vLLM-style fixed runs use 16.
     max_denoising_steps: int = 256

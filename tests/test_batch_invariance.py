@@ -1,0 +1,101 @@
+"""Batch-invariant rows: on the demo model a row's logits at every denoise step are bitwise those of its solo run,
+whatever its batch mates (issue: a row's tokens changed with its batch mates when the eager cache was sized to the
+longest prompt of the call).
+
+What makes it hold: the cache size is fixed by the caller (`generate(max_seq_len=...)`, `CompileOptions.max_seq_len`),
+prefill runs in fixed chunks, and the routed experts run with an implementation whose per-token result does not
+depend on how many tokens an expert receives ("dense" eagerly, "gathered" compiled; the "loop" is not: it runs one
+GEMM per expert over the tokens routed to it). Invariance across buckets (other GEMM row counts) is not claimed.
+
+The recorded signal per row and live step is the step's self-conditioning logits `(logits - max) / T`
+(`steps.DenoiseState.sc_logits`), a per-row function of that step's logits, plus the final sequences.
+"""
+
+import random
+
+import pytest
+import torch
+
+import dgemma_compile as dg
+from dgemma_compile.generate import plan, run_block_diffusion
+from dgemma_compile.observe import SpanTimer
+from dgemma_compile.steps import EagerSteps
+
+# the issue's settings: no row stops on confidence, at most 8 denoise steps per block
+SETTINGS = dict(confidence_threshold=1e9, max_denoising_steps=8, max_new_tokens=48)
+
+
+def _recorded(runner):
+    """Wrap `runner.step` to keep, per request, a copy of its self-conditioning logits after each step it ran live."""
+    trace = [[] for _ in range(runner.R)]
+    step = runner.step
+
+    def record():
+        live = (~runner.state.finished[:runner.R]).tolist()
+        finished = step()
+        for r in (r for r, on in enumerate(live) if on):
+            trace[r].append(runner.state.sc_logits[r].clone())
+        return finished
+
+    runner.step = record
+    return trace
+
+
+def _random_batches(vocab: int, n: int, seed: int, max_rows: int):
+    rng = random.Random(seed)
+    for _ in range(n):
+        rows = rng.randint(2, max_rows)
+        prompts = [[2] + [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 40))] for _ in range(rows)]
+        yield prompts, [rng.randrange(1, 2**32) for _ in range(rows)]
+
+
+def _assert_invariant(run, prompts, seeds):
+    batch, batch_trace = run(prompts, seeds)
+    for r, (p, s) in enumerate(zip(prompts, seeds)):
+        solo, solo_trace = run([p], [s])
+        assert solo.sequences[0] == batch.sequences[r], f"row {r}: tokens differ from its solo run"
+        assert len(solo_trace[0]) == len(batch_trace[r]), f"row {r}: ran other steps than its solo run"
+        for k, (a, b) in enumerate(zip(solo_trace[0], batch_trace[r])):
+            assert torch.equal(a, b), f"row {r}, live step {k}: logits differ by {(a - b).abs().max().item():.3g}"
+
+
+@pytest.mark.slow
+def test_eager_rows_are_bitwise_batch_invariant(demo):
+    model, _ = demo
+    cfg = model.generation_config.replace(**SETTINGS)
+
+    def run(prompts, seeds):
+        cfgs, prompts, seeds, _ = plan(model, prompts, cfg, seeds)
+        runner = EagerSteps(model, cfgs, seeds, dg.config.DEFAULT_MAX_SEQ_LEN, "dense")
+        trace = _recorded(runner)
+        return run_block_diffusion(model, runner, prompts, cfgs), trace
+
+    for prompts, seeds in _random_batches(model.config.vocab_size, 4, seed=0, max_rows=4):
+        _assert_invariant(run, prompts, seeds)
+
+
+@pytest.mark.slow
+def test_compiled_rows_are_bitwise_batch_invariant(demo, demo_gen):
+    """Within one bucket (2 rows; a solo run pads the other row with a frozen one)."""
+    model, _ = demo
+    cfg = model.generation_config.replace(**SETTINGS)
+    timer = SpanTimer(model.device, None)
+
+    def run(prompts, seeds):
+        cfgs, prompts, seeds, _ = plan(model, prompts, cfg, seeds)
+        runner = demo_gen.bucket(len(prompts), cfg).steps(cfgs, seeds, timer)
+        trace = _recorded(runner)
+        return run_block_diffusion(model, runner, prompts, cfgs), trace
+
+    for prompts, seeds in _random_batches(model.config.vocab_size, 16, seed=1, max_rows=2):
+        _assert_invariant(run, prompts, seeds)
+
+
+def test_eager_generate_refuses_requests_beyond_max_seq_len(demo):
+    """The eager cache size is the caller's `max_seq_len`, never the batch's: a request needing more is refused."""
+    model, _ = demo
+    cfg = model.generation_config.replace(max_new_tokens=32)
+    with pytest.raises(dg.ConfigError, match="max_seq_len"):
+        dg.generate(model, [[2] + [5] * 40], cfg, max_seq_len=40)
+    with pytest.raises(dg.ConfigError, match="max_seq_len: must be a positive integer"):
+        dg.generate(model, [[2, 5]], cfg, max_seq_len=0)
