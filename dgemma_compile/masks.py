@@ -101,6 +101,32 @@ def _and(a, b):
     return torch.where(a, b, False)
 
 
+def _visible(L, n, causal, q_idx, kv_idx, S: int, W: int | None, window_kind: str):
+    """The mask at (q_idx, kv_idx) of one row with L committed tokens and n real block tokens (None: all), in the
+    layout above; `causal` a Python bool (a constant of the mask) or a bool scalar tensor. Index math only, so
+    `L` and `n` may be computed from captured tensors (the captured tensors themselves must be graph inputs)."""
+    in_cache = kv_idx < S
+    j = kv_idx - S  # block index of a block key
+    q_pos = L + q_idx
+    k_pos = torch.where(in_cache, kv_idx, L + j)
+    n_ok = (j < n) if n is not None else True
+    real_key = torch.where(in_cache, kv_idx < L, n_ok)
+    order_ok = torch.where(in_cache, True, j <= q_idx)  # causal order among block keys
+    if W is not None:  # a Python constant: resolved when the factory runs, not per call
+        enc_ok = _and(order_ok, (q_pos - k_pos) < W)
+        if window_kind == "anchored":
+            den_ok = torch.where(in_cache, kv_idx >= L - (W - 1), True)
+        else:
+            den_ok = (q_pos - k_pos).abs() <= W
+    else:
+        enc_ok, den_ok = order_ok, True
+    mode_ok = (enc_ok if causal else den_ok) if isinstance(causal, bool) else torch.where(causal, enc_ok, den_ok)
+    visible = _and(real_key, mode_ok)
+    if n is None:
+        return visible
+    return torch.where(q_idx < n, visible, _and(~in_cache, j == q_idx))
+
+
 def block_mask_mod(
     lengths_B: torch.Tensor,
     n_new_B: torch.Tensor | None,
@@ -151,31 +177,68 @@ def block_mask_mod(
     static_mode = isinstance(causal_B, bool)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        L = lengths_B[b]
-        in_cache = kv_idx < S
-        j = kv_idx - S  # block index of a block key
-        q_pos = L + q_idx
-        k_pos = torch.where(in_cache, kv_idx, L + j)
-        n_ok = (j < n_new_B[b]) if n_new_B is not None else True
-        real_key = torch.where(in_cache, kv_idx < L, n_ok)
-        order_ok = torch.where(in_cache, True, j <= q_idx)  # causal order among block keys
-        causal = causal_B if static_mode else causal_B[b]
-        if W is not None:  # a Python constant: resolved when the factory runs, not per call
-            enc_ok = _and(order_ok, (q_pos - k_pos) < W)
-            if window_kind == "anchored":
-                den_ok = torch.where(in_cache, kv_idx >= L - (W - 1), True)
-            else:
-                den_ok = (q_pos - k_pos).abs() <= W
-        else:
-            enc_ok, den_ok = order_ok, True
-        mode_ok = (enc_ok if causal else den_ok) if static_mode else torch.where(causal, enc_ok, den_ok)
-        visible = _and(real_key, mode_ok)
-        if n_new_B is None:
-            return visible
-        return torch.where(q_idx < n_new_B[b], visible, _and(~in_cache, j == q_idx))
+        n = n_new_B[b] if n_new_B is not None else None
+        return _visible(lengths_B[b], n, causal_B if static_mode else causal_B[b], q_idx, kv_idx, S, W, window_kind)
 
     mode = ("causal" if causal_B else "bidir") if static_mode else "mixed"
     mask_mod.__name__ = f"block_mask_S{S}_" + ("full" if W is None else f"W{W}_{window_kind}") + f"_{mode}"
+    mask_mod.__qualname__ = mask_mod.__name__
+    return mask_mod
+
+
+
+# --- commit fusion: a block's commit and the next block's first denoise step in one forward ----------------------
+
+
+def dense_commit_denoise_mask(lengths_B: torch.Tensor, n_new_B: torch.Tensor, *, canvas: int, cache_slots: int,
+                              sliding_window: int | None = None, window_kind: str = "anchored") -> torch.Tensor:
+    """The dense mask [B, 2C, S+2C] of a fused commit + denoise forward over 2C block tokens: tokens [0, C) are a
+    commit (encoder mode, `n_new_B[b]` real, at positions lengths + i, their keys also written to the committed
+    slots lengths..lengths+n_new-1 before attention), tokens [C, 2C) the next block's canvas (denoise mode, at
+    positions lengths + n_new + i - C). Each half is `dense_block_mask` of its own unfused pass: the commit sees
+    what an encoder pass over `lengths_B` sees in its block slots [0, C); the canvas sees what a denoise pass over
+    `lengths_B + n_new_B` committed tokens sees, its block keys being slots [C, 2C). Neither sees the other half's
+    block slots. The reference `commit_denoise_mask_mod` is checked against."""
+    C, S = canvas, cache_slots
+    kw = dict(block_len=C, cache_slots=S, sliding_window=sliding_window, window_kind=window_kind)
+    enc = dense_block_mask(lengths_B, n_new_B, True, **kw)
+    den = dense_block_mask(lengths_B + n_new_B, None, False, **kw)
+    hidden = torch.zeros_like(enc[..., S:])
+    return torch.cat([torch.cat([enc, hidden], dim=-1),
+                      torch.cat([den[..., :S], hidden, den[..., S:]], dim=-1)], dim=1)
+
+
+def commit_denoise_mask_mod(lengths_B: torch.Tensor, n_new_B: torch.Tensor, *, canvas: int, cache_slots: int,
+                            sliding_window: int | None = None, window_kind: str = "anchored"):
+    """The FlexAttention mask_mod of `dense_commit_denoise_mask` (same arguments; Q_LEN = 2C, KV_LEN = S + 2C).
+    Captures only `lengths_B` and `n_new_B` (graph inputs in a compiled step); the canvas half's context length
+    lengths + n_new is index math inside the mask.
+
+    Raises:
+        ValueError: as `block_mask_mod`, or a non-positive `canvas`.
+    """
+    if window_kind not in WINDOW_KINDS:
+        raise ValueError(f"window_kind must be one of {WINDOW_KINDS}, got {window_kind!r}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    if canvas <= 0:
+        raise ValueError(f"canvas must be positive, got {canvas}")
+    if lengths_B.dim() != 1 or n_new_B.shape != lengths_B.shape:
+        raise ValueError(f"per-row tensors must be 1-D of one length, got {tuple(lengths_B.shape)} and "
+                         f"{tuple(n_new_B.shape)}")
+    C, S, W = canvas, cache_slots, sliding_window
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        L, n = lengths_B[b], n_new_B[b]
+        in_cache = kv_idx < S
+        first_half_key = kv_idx < S + C
+        commit = _and(first_half_key, _visible(L, n, True, q_idx, kv_idx, S, W, window_kind))
+        canvas_kv = torch.where(in_cache, kv_idx, kv_idx - C)
+        denoise = _and(~first_half_key | in_cache, _visible(L + n, None, False, q_idx - C, canvas_kv, S, W,
+                                                             window_kind))
+        return torch.where(q_idx < C, commit, denoise)
+
+    mask_mod.__name__ = f"commit_denoise_mask_S{S}_C{C}_" + ("full" if W is None else f"W{W}_{window_kind}")
     mask_mod.__qualname__ = mask_mod.__name__
     return mask_mod
 

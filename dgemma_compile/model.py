@@ -24,7 +24,7 @@ from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
 from .masks import flex_block_attention
 from .ops import MOE_IMPLS
-from .plan import DENOISE, ForwardPlan, build_plan
+from .plan import ForwardPlan, build_plan
 
 ATTENTION_BACKENDS = ("flex", "dense")
 
@@ -191,10 +191,10 @@ class Layer(nn.Module):
         w_NK, idx_NK = self.router(h_ND)
         moe = self.experts(self.pre_feedforward_layernorm_2(h_ND), w_NK, idx_NK, moe_impl).reshape(h.shape)
         h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
-        enc = plan.encoder_rows
+        enc = plan.encoder_tokens
         if isinstance(enc, bool):
             return h * (self.encoder_layer_scalar if enc else self.decoder_layer_scalar)
-        return h * torch.where(enc[:, None, None], self.encoder_layer_scalar, self.decoder_layer_scalar)
+        return h * torch.where(enc[..., None], self.encoder_layer_scalar, self.decoder_layer_scalar)
 
 
 class SelfConditioning(GatedMLP):
@@ -357,9 +357,27 @@ class DiffusionGemma(nn.Module):
         forward with a uniform plan."""
         embeds = self._embed(ids_BT)
         sc = plan.self_conditioning
+        den = plan.denoise_tokens
+        if den is False:
+            return self._forward_block(embeds, cache, plan, moe_impl)
         denoised = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits, sc))
-        x = torch.where((plan.mode == DENOISE)[:, None, None], denoised, embeds)
+        x = denoised if den is True else torch.where(den[..., None], denoised, embeds)
         return self._forward_block(x, cache, plan, moe_impl)
+
+    def commit_denoise_block(self, ids_BC: torch.Tensor, canvas_BC: torch.Tensor, cache: KVCache,
+                             n_new_B: torch.Tensor, moe_impl: str | None = None) -> torch.Tensor:
+        """Commit fusion: one forward of 2C tokens that commits `ids_BC` (the first `n_new_B[b]` of each row, as
+        `encode_block` does, advancing `cache.lengths`) and runs the first denoise step of the next block's
+        `canvas_BC` after them (no self-conditioning; `plan.py`, mode "commit+denoise"). Returns the canvas's float32
+        logits [B, C, V], equal within float32 reduction-order noise to `encode_block` then `denoise_block`.
+        Needs `cache.block_size >= 2C` (ValueError otherwise). Unchecked otherwise, like `encode_block`."""
+        C = canvas_BC.shape[1]
+        if ids_BC.shape != canvas_BC.shape or cache.block_size < 2 * C:
+            raise ValueError(f"commit fusion needs ids and canvas of one shape [B, C] and a cache with block_size >= "
+                             f"2C; got {tuple(ids_BC.shape)}, {tuple(canvas_BC.shape)}, block_size {cache.block_size}")
+        plan = build_plan(self, cache, 2 * C, mode="commit+denoise", n_new=n_new_B)
+        hidden = self.forward_plan(torch.cat([ids_BC, canvas_BC], dim=1), cache, plan, moe_impl=moe_impl)
+        return self.logits(hidden[:, C:])
 
     def rope_tables(self, layer_type: str, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, T, rotary dim] in the model dtype for `layer_type`'s RoPE at `positions_BT`."""

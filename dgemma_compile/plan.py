@@ -7,6 +7,10 @@ A forward processes one block of T token slots per row (the cache layout of `kv_
   nothing is committed (its keys/values only pass through the block slots). Its input is the self-conditioned
   embedding, with the previous step's signal where `self_conditioning[b]` (zero otherwise).
 - IDLE: no real token, nothing committed; its outputs are meaningless.
+- COMMIT_DENOISE (commit fusion; every row of a "commit+denoise" plan): 2C block tokens, the first C a commit
+  (encoder mode, `n_new[b]` real, committed) and the last C the next block's start canvas (denoise mode, no
+  self-conditioning), which sees the committed context including the tokens committed by this very forward
+  (`masks.commit_denoise_mask_mod`). One forward instead of a commit and a block's first denoise step.
 
 The plan holds, per row, the mode and what follows from it (the masks' real-token count, the committed count, the
 causal flag, the self-conditioning flag), per block token its logical position and the physical slot its key/value
@@ -33,10 +37,11 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from .config import SLIDING
 from .kv_cache import KVCache, commit_slots
-from .masks import block_mask_mod, dense_block_mask, make_block_mask
+from .masks import (block_mask_mod, commit_denoise_mask_mod, dense_block_mask, dense_commit_denoise_mask,
+                    make_block_mask)
 
-IDLE, ENCODER, DENOISE = 0, 1, 2
-UNIFORM_MODES = ("encoder", "denoise")
+IDLE, ENCODER, DENOISE, COMMIT_DENOISE = 0, 1, 2, 3
+UNIFORM_MODES = ("encoder", "denoise", "commit+denoise")
 
 
 @dataclass
@@ -44,23 +49,27 @@ class ForwardPlan:
     """One forward's per-row plan (see the module docstring).
 
     Attributes:
-        mode: int64 [B], `IDLE` / `ENCODER` / `DENOISE` per row.
-        encoder_rows: bool [B] (mixed) or one bool (uniform): rows in encoder mode (causal; the layers' encoder
-            scalar).
-        real: int64 [B], real block tokens per row (the masks' count), or None when every block token is real.
+        mode: int64 [B], `IDLE` / `ENCODER` / `DENOISE` / `COMMIT_DENOISE` per row.
+        encoder_tokens: one bool (uniform) or a bool tensor broadcastable to [B, T] ([B, 1] per row for mixed
+            plans, [1, T] per token for commit fusion): tokens in encoder mode (the layers' encoder scalar).
+        denoise_tokens: like `encoder_tokens`, tokens in denoise mode (they take the self-conditioned embedding).
+        real: int64 [B], real block tokens per row (the masks' count; for commit fusion the committed tokens of the
+            first half), or None when every block token is real.
         commit: int64 [B], tokens committed per row (n_new for encoder rows, 0 otherwise), or None when no row
             commits (a uniform denoise plan); `cache.lengths` grows by it after the forward.
         slots: int64 [B, T], the cache slot each block token's key/value is written to, or None when nothing is
             committed (keys/values stay in the block slots).
         self_conditioning: bool [B], denoise rows whose input carries the previous step's signal (mixed plans),
             or None (uniform plans: `denoise_block`'s own flag decides).
-        positions: int64 [B, T], the block tokens' logical positions (lengths[b] + i).
+        positions: int64 [B, T], the block tokens' logical positions (lengths[b] + i; the canvas half of commit
+            fusion: lengths[b] + n_new[b] + i - C).
         rope: per layer type, (cos, sin) [B, T, rotary dim] in the model dtype.
         masks: per layer type, a FlexAttention `BlockMask` or a dense bool mask [B, T, S+T].
     """
 
     mode: torch.Tensor
-    encoder_rows: torch.Tensor | bool
+    encoder_tokens: torch.Tensor | bool
+    denoise_tokens: torch.Tensor | bool
     real: torch.Tensor | None
     commit: torch.Tensor | None
     slots: torch.Tensor | None
@@ -77,30 +86,46 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
     Args:
         model: the `DiffusionGemma` that will run the plan (its config, attention backend, window kind, RoPE).
         cache: the cache the forward reads and writes; T <= cache.block_size.
-        mode: "encoder" or "denoise" for every row, or an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE`.
-        n_new: int64 [B], real tokens of encoder rows (0 <= n_new <= T; ignored for other rows); required when a row
-            is in encoder mode.
+        mode: "encoder", "denoise" or "commit+denoise" (T = 2C: commit fusion, see the module docstring) for every
+            row, or an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE`.
+        n_new: int64 [B], real tokens of encoder rows (0 <= n_new <= T; ignored for other rows), or tokens committed
+            by a "commit+denoise" row (0 <= n_new <= C); required when a row is in encoder mode.
         self_conditioning: bool [B], denoise rows that receive the previous step's logits (mixed plans; default
             none).
     Returns:
         A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
         a uniform plan.
     Raises:
-        ValueError: an unknown mode, a missing `n_new`, or per-row tensors whose shape is not [B].
+        ValueError: an unknown mode, a missing `n_new`, per-row tensors whose shape is not [B], or an odd T for
+            "commit+denoise".
     """
     B, S, dev = cache.batch_size, cache.max_seq_len, cache.lengths.device
     lengths = cache.lengths
+    i_T = torch.arange(T, device=dev)
+    positions = lengths[:, None] + i_T[None, :]
+    mask_args = None  # (real, causal) of `block_mask_mod`; None: the commit fusion mask
     if isinstance(mode, str):
         if mode not in UNIFORM_MODES:
             raise ValueError(f"mode must be one of {UNIFORM_MODES} or an int64 tensor [B], got {mode!r}")
-        encoder = mode == "encoder"
-        if encoder and n_new is None:
+        if mode != "denoise" and n_new is None:
             raise ValueError("n_new: required for encoder rows")
-        mode_B = torch.full((B,), ENCODER if encoder else DENOISE, dtype=torch.long, device=dev)
-        encoder_rows: torch.Tensor | bool = encoder
-        real = n_new if encoder else None
-        commit = n_new if encoder else None
-        slots = commit_slots(lengths, n_new, T, S) if encoder else None
+        if mode == "commit+denoise":
+            if T % 2:
+                raise ValueError(f"T must be 2C for mode 'commit+denoise', got {T}")
+            C = T // 2
+            mode_B = torch.full((B,), COMMIT_DENOISE, dtype=torch.long, device=dev)
+            encoder_tokens: torch.Tensor | bool = (i_T < C)[None, :]
+            denoise_tokens: torch.Tensor | bool = ~encoder_tokens
+            # the canvas follows what this forward commits: lengths + n_new + (i - C)
+            positions = torch.where(encoder_tokens, positions, positions + n_new[:, None] - C)
+        else:
+            encoder = mode == "encoder"
+            mode_B = torch.full((B,), ENCODER if encoder else DENOISE, dtype=torch.long, device=dev)
+            encoder_tokens, denoise_tokens = encoder, not encoder
+            mask_args = (n_new, True) if encoder else (None, False)
+        real = n_new if mode != "denoise" else None
+        commit = real
+        slots = commit_slots(lengths, n_new, T, S) if commit is not None else None
     else:
         if not isinstance(mode, torch.Tensor) or mode.shape != (B,) or mode.dtype != torch.long:
             raise ValueError(f"mode must be an int64 tensor [B={B}], got {getattr(mode, 'dtype', type(mode))} "
@@ -114,6 +139,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
             raise ValueError("n_new: required for encoder rows")
         mode_B = mode
         encoder_rows = mode == ENCODER
+        encoder_tokens, denoise_tokens = encoder_rows[:, None], (mode == DENOISE)[:, None]
         n_B = n_new if n_new is not None else torch.zeros(B, dtype=torch.long, device=dev)
         commit = torch.where(encoder_rows, n_B, 0)
         real = torch.where(encoder_rows, n_B, torch.where(mode == DENOISE, T, 0))
@@ -121,17 +147,22 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         if self_conditioning is None:
             self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
         self_conditioning = self_conditioning & (mode == DENOISE)
-    positions = lengths[:, None] + torch.arange(T, device=dev)[None, :]
+        mask_args = (real, encoder_rows)
     rope, masks = {}, {}
     for lt in sorted(set(model.config.layer_types)):
         rope[lt] = model.rope_tables(lt, positions)
-        window = model.config.sliding_window if lt == SLIDING else None
-        if model.attention == "dense":
-            masks[lt] = dense_block_mask(lengths, real, encoder_rows, block_len=T, cache_slots=S,
-                                         sliding_window=window, window_kind=model.window_kind)
+        window = dict(sliding_window=model.config.sliding_window if lt == SLIDING else None,
+                      window_kind=model.window_kind)
+        if mask_args is None:  # commit fusion
+            if model.attention == "dense":
+                masks[lt] = dense_commit_denoise_mask(lengths, n_new, canvas=T // 2, cache_slots=S, **window)
+            else:
+                mask_mod = commit_denoise_mask_mod(lengths, n_new, canvas=T // 2, cache_slots=S, **window)
+                masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
+        elif model.attention == "dense":
+            masks[lt] = dense_block_mask(lengths, *mask_args, block_len=T, cache_slots=S, **window)
         else:
-            mask_mod = block_mask_mod(lengths, real, encoder_rows, cache_slots=S, sliding_window=window,
-                                      window_kind=model.window_kind)
-            masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
-    return ForwardPlan(mode=mode_B, encoder_rows=encoder_rows, real=real, commit=commit, slots=slots,
-                       self_conditioning=self_conditioning, positions=positions, rope=rope, masks=masks)
+            masks[lt] = make_block_mask(block_mask_mod(lengths, *mask_args, cache_slots=S, **window), B, T, S, dev)
+    return ForwardPlan(mode=mode_B, encoder_tokens=encoder_tokens, denoise_tokens=denoise_tokens, real=real,
+                       commit=commit, slots=slots, self_conditioning=self_conditioning, positions=positions, rope=rope,
+                       masks=masks)

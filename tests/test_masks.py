@@ -17,7 +17,9 @@ from torch.nn.attention.flex_attention import create_mask
 from dgemma_compile.masks import (
     WINDOW_KINDS,
     block_mask_mod,
+    commit_denoise_mask_mod,
     dense_block_mask,
+    dense_commit_denoise_mask,
     flex_block_attention,
     make_block_mask,
 )
@@ -98,6 +100,44 @@ def test_mask_mod_rejects_bad_arguments(override, match):
     args = dict(lengths_B=torch.tensor([3]), n_new_B=torch.tensor([2]), causal_B=torch.tensor([True]), cache_slots=8)
     with pytest.raises(ValueError, match=match):
         block_mask_mod(**(args | override))
+
+
+@st.composite
+def commit_layouts(draw, max_B=4, max_C=10, max_S=40):
+    """A fused commit + denoise forward: per-row lengths and committed counts (room for them in S), C, S, window."""
+    B, C = draw(st.integers(1, max_B)), draw(st.integers(1, max_C))
+    S = draw(st.integers(C, max_S))
+    n_new = draw(st.lists(st.sampled_from([0, C]) | st.integers(0, C), min_size=B, max_size=B))
+    lengths = [draw(st.integers(0, S - n)) for n in n_new]
+    W = draw(st.none() | st.integers(1, S + C + 2))
+    return dict(lengths_B=torch.tensor(lengths), n_new_B=torch.tensor(n_new), C=C, S=S, W=W,
+                kind=draw(st.sampled_from(WINDOW_KINDS)))
+
+
+@SETTINGS
+@given(commit_layouts())
+def test_commit_denoise_mask_mod_matches_dense(c):
+    B, C, S = len(c["lengths_B"]), c["C"], c["S"]
+    kw = dict(canvas=C, cache_slots=S, sliding_window=c["W"], window_kind=c["kind"])
+    got = create_mask(commit_denoise_mask_mod(c["lengths_B"], c["n_new_B"], **kw), B, 1, 2 * C, S + 2 * C,
+                      device="cpu")
+    assert torch.equal(got[:, 0], dense_commit_denoise_mask(c["lengths_B"], c["n_new_B"], **kw))
+
+
+@SETTINGS
+@given(commit_layouts())
+def test_commit_denoise_mask_is_the_two_unfused_masks(c):
+    """Row by row: the commit half sees what the unfused commit sees; the canvas half, with its block keys moved
+    to slots [C, 2C), sees what a denoise pass after the commit sees (context lengths + n_new)."""
+    L, n, C, S = c["lengths_B"], c["n_new_B"], c["C"], c["S"]
+    kw = dict(cache_slots=S, sliding_window=c["W"], window_kind=c["kind"])
+    fused = dense_commit_denoise_mask(L, n, canvas=C, **kw)
+    commit = dense_block_mask(L, n, True, block_len=C, **kw)
+    denoise = dense_block_mask(L + n, None, False, block_len=C, **kw)
+    assert torch.equal(fused[:, :C, :S + C], commit) and not fused[:, :C, S + C:].any()
+    assert torch.equal(fused[:, C:, :S], denoise[..., :S]) and not fused[:, C:, S:S + C].any()
+    assert torch.equal(fused[:, C:, S + C:], denoise[..., S:])
+    assert fused.any(-1).all(), "every query row sees at least one key"
 
 
 # --- properties of the dense reference ---------------------------------------------------------------------------

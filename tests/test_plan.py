@@ -138,3 +138,66 @@ def test_reset_cache_leaves_nothing_of_a_previous_request(tiny_dir):
     assert model.denoise(canvas, cache).isnan().all()
     cache.reset()
     assert torch.equal(run(cache), fresh)
+
+
+# --- commit fusion: a block's commit and the next block's first denoise step in one forward ----------------------
+
+def _commit_setup(model, seed):
+    """Rows with different committed contexts (one past the sliding window), each committing a whole block but one
+    (a finished row: n_new 0), plus the next block's canvas."""
+    g = torch.Generator().manual_seed(seed)
+    V, C = model.config.vocab_size, model.config.canvas_length
+    before = torch.tensor([0, 7, 19, 30])
+    n_new = torch.tensor([C, C, 0, C])
+    cache = model.new_cache(len(before), S, block_size=2 * C)
+    model.encode(torch.randint(3, V, (len(before), int(before.max())), generator=g), cache, input_lengths=before)
+    return cache, torch.randint(3, V, (len(before), C), generator=g), torch.randint(3, V, (len(before), C), generator=g), n_new
+
+
+def _unfused(model, cache, ids, canvas, n_new, moe_impl):
+    """The commit, then the denoise step, as two forwards (on a copy of the cache): (logits, cache after)."""
+    c = type(cache)(keys=[k.clone() for k in cache.keys], values=[v.clone() for v in cache.values],
+                    lengths=cache.lengths.clone(), max_seq_len=cache.max_seq_len, block_size=cache.block_size)
+    model.encode_block(ids, c, n_new, moe_impl=moe_impl)
+    return model.denoise_block(canvas, c, None, moe_impl=moe_impl), c
+
+
+def _check_fused(logits, cache, expected_logits, expected_cache):
+    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=0)
+    assert torch.equal(cache.lengths, expected_cache.lengths)
+    for k, v, k1, v1 in zip(cache.keys, cache.values, expected_cache.keys, expected_cache.values):
+        torch.testing.assert_close(k[:, :, :S], k1[:, :, :S], atol=1e-5, rtol=0)
+        torch.testing.assert_close(v[:, :, :S], v1[:, :, :S], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["flex", "dense"])
+@pytest.mark.parametrize("window_kind", ["anchored", "symmetric"])
+def test_commit_fusion_equals_commit_then_denoise_eagerly(tiny_dir, attention, window_kind):
+    """Logits of the fused forward within 1e-5 (float32) of the unfused commit + denoise step; the same committed
+    keys/values and lengths."""
+    model = dg.load(tiny_dir, attention=attention, window_kind=window_kind)
+    cache, ids, canvas, n_new = _commit_setup(model, seed=3)
+    expected = _unfused(model, cache, ids, canvas, n_new, "loop")
+    with torch.no_grad():
+        logits = model.commit_denoise_block(ids, canvas, cache, n_new, moe_impl="loop")
+    _check_fused(logits, cache, *expected)
+
+
+@pytest.mark.slow
+def test_commit_fusion_equals_commit_then_denoise_compiled(tiny_dir):
+    model = dg.load(tiny_dir)
+    cache, ids, canvas, n_new = _commit_setup(model, seed=4)
+    expected = _unfused(model, cache, ids, canvas, n_new, "loop")
+    with torch.no_grad():
+        step = torch.compile(lambda: model.commit_denoise_block(ids, canvas, cache, n_new, moe_impl="gathered"),
+                             fullgraph=True, dynamic=False)
+        logits = step()
+    _check_fused(logits, cache, *expected)
+
+
+def test_commit_fusion_needs_two_blocks_of_cache_slots(tiny_dir):
+    model = dg.load(tiny_dir)
+    C = model.config.canvas_length
+    ids = torch.zeros(1, C, dtype=torch.long)
+    with pytest.raises(ValueError, match="block_size >= 2C"):
+        model.commit_denoise_block(ids, ids, model.new_cache(1, S), torch.tensor([C]))
