@@ -25,7 +25,7 @@ COLUMNS = [
     ("step_min_ms", "step ms min"), ("step_ms", "step ms median"), ("step_p90_ms", "step ms p90"),
     ("canvas_ms", "canvas ms"), ("ttfb_ms", "TTFB ms"),
     ("request_ms", "request ms"), ("tok_s", "tok/s"), ("tok_per_fwd", "tok/fwd"), ("forwards", "forwards"),
-    ("compile_s", "compile s"), ("peak_mem_mb", "peak MB"),
+    ("fwd_per_canvas", "fwd/canvas"), ("compile_s", "compile s"), ("peak_mem_mb", "peak MB"),
 ]
 SPREAD = [("repeats_timed", "repeats"), ("pass_min_ms", "pass ms min"), ("pass_ms", "pass ms median"),
           ("pass_p90_ms", "pass ms p90"), ("pass_p90_over_min", "p90 / min")]
@@ -53,6 +53,8 @@ def summarize(r: dict) -> dict:
              forwards=r["forwards"], tokens=r["tokens"],
              compile_s=r["compile_s"] if r["compile_s"] is not None else float("nan"),
              peak_mem_mb=r["peak_mem_mb"], steps_timed=len(r["step_s"]))
+    if "forwards_per_canvas" in r.get("extra", {}):
+        s["fwd_per_canvas"] = r["extra"]["forwards_per_canvas"]
     unit = r.get("extra", {}).get("unit_step_s")
     if unit:
         s["unit_step_ms"] = median(ms(unit))
@@ -147,7 +149,7 @@ def markdown(meta: dict, sections: list[Section]) -> str:
             if r["status"] != "ok":
                 out.append(f"| {r['system']} | {r['status']} |" + " |" * (len(head) - 2))
                 continue
-            cells = [_fmt(r[k]) for k, _ in COLUMNS] + ([_fmt(r.get("accuracy"))] if has_acc else [])
+            cells = [_fmt(r.get(k, float("nan"))) for k, _ in COLUMNS] + ([_fmt(r.get("accuracy"))] if has_acc else [])
             out.append(f"| {r['system']} | " + " | ".join(cells) + " |")
         out += ["", "Spread over the timed repeats:", "", "| system | " + " | ".join(h for _, h in SPREAD) + " |",
                 "|---" + "|---:" * len(SPREAD) + "|"]

@@ -26,7 +26,9 @@ import torch
 from . import models, workloads
 from .timing import Recorder, RecorderObserver, patched
 
-SYSTEMS = ("ours-compiled", "ours-eager", "hf-eager", "hf-compiled", "ar-compiled")
+SYSTEMS = ("ours-compiled", "ours-compiled-unfused", "ours-eager", "hf-eager", "hf-compiled", "ar-compiled")
+"""`ours-compiled-unfused`: ours-compiled with `CompileOptions(fuse_commit=False)` (a commit is its own encoder pass),
+the before side of commit fusion."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -95,10 +97,15 @@ class _Ours(System):
     def request(self, req):
         out = self._generate(req.prompts, self.ctx.cfg, seed=req.seeds, observer=self.observer)
         self.wasted = getattr(self, "wasted", []) + list(out.wasted_forwards)
+        # every forward the batch ran (denoise steps, fused or not, plus separate commits) and the canvases it
+        # denoised; prefill excluded
+        self.batch_forwards = getattr(self, "batch_forwards", 0) + sum(out.forwards_per_block) + out.commits
+        self.canvases = getattr(self, "canvases", 0) + len(out.forwards_per_block)
         return out.sequences, self.ctx.count(out.sequences), sum(s.decoder_passes for s in out.stats)
 
     def finish(self) -> None:
         w = getattr(self, "wasted", [])
+        self.ctx.extra["forwards_per_canvas"] = getattr(self, "batch_forwards", 0) / max(getattr(self, "canvases", 0), 1)
         self.ctx.extra["wasted_forwards_per_block"] = sum(w) / max(len(w), 1)
         self.ctx.notes.append(f"wasted (frozen-only) forwards per block: mean {sum(w) / max(len(w), 1):.2f}, "
                               f"max {max(w, default=0)} over {len(w)} blocks")
@@ -120,7 +127,7 @@ class OursCompiled(_Ours):
     timing = (f"per step: Observer.on_step, the block loop's step span (host-side input fills + the compiled "
               f"denoise unit; {_SPAN}); the unit alone: Observer.on_unit")
 
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, fuse_commit: bool = True):
         import dgemma_compile as dg
         from dgemma_compile.compile import CompileOptions
 
@@ -128,7 +135,7 @@ class OursCompiled(_Ours):
         C, B = ctx.model.config.canvas_length, ctx.batch
         need = ctx.work.max_prompt_len + (-(-ctx.cfg.max_new_tokens // C) - 1) * C
         self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=ctx.max_seq_len or max(need, C),
-                                                      stop_check=ctx.stop_check))
+                                                      stop_check=ctx.stop_check, fuse_commit=fuse_commit))
         self.compile_s = self.gen.warmup(B, ctx.cfg)
         self.bucket = self.gen.bucket(B, ctx.cfg)
 
@@ -250,8 +257,8 @@ def _graph_notes(ctx: Context, units) -> None:
 
 def make(system: str, ctx: Context) -> System:
     """The prepared (compiled, where it compiles) `System` named `system`."""
-    if system == "ours-compiled":
-        return OursCompiled(ctx)
+    if system in ("ours-compiled", "ours-compiled-unfused"):
+        return OursCompiled(ctx, fuse_commit=system == "ours-compiled")
     if system == "ours-eager":
         return OursEager(ctx)
     if system in ("hf-eager", "hf-compiled"):

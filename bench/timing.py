@@ -48,7 +48,8 @@ class RequestTimes:
 
     def block_durations(self) -> list[float]:
         """Per-canvas wall time: block 0 from its first step, block i > 0 from the end of block i-1 (so it holds the
-        commit of the previous block and its own steps: 17 forwards at 16 steps)."""
+        commit of the previous block and its own steps: 17 forwards at 16 steps, or 16 with commit fusion, where
+        the commit runs inside the block's first step)."""
         begin = self.first_step if self.first_step is not None else self.start
         out, prev = [], begin
         for t in self.block_ends:

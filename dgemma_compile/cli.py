@@ -260,7 +260,7 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     print(f"tokens={st.num_tokens} blocks={st.blocks} mean_steps_per_block={st.decoder_passes / max(st.blocks, 1):.2f} "
           f"tokens_per_forward={st.tokens_per_forward:.2f} tok/s={st.num_tokens / elapsed:.1f} "
           f"finish={st.finish_reason}{one_time} ttfb_s={ttfb:.3f} threads={threads} scheme={out.scheme} "
-          f"moe={out.moe_impl}", file=sys.stderr)
+          f"moe={out.moe_impl} commit={'fused' if out.fuse_commit else 'separate'}", file=sys.stderr)
     return 0
 
 

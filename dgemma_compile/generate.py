@@ -64,6 +64,13 @@ class GenerationOutput:
     compiled call is split into)."""
     wasted_forwards: list[int] = field(default_factory=list)
     """Per block: forwards run after every row had finished (frozen-only; see `stop_check.StopCheck`)."""
+    commits: int = 0
+    """Commits run as their own encoder pass (summed over groups)."""
+    fused_commits: int = 0
+    """Commits fused into the next block's first denoise step (commit fusion; not an extra forward)."""
+    fuse_commit: bool = False
+    """Whether the generator fuses commits (`generate(fuse_commit=...)`, `CompileOptions.fuse_commit`): part of the
+    numerics, with `moe_impl` and `scheme` (fused and separate commits differ by float reduction order)."""
     moe_impl: str = ""
     """The routed experts' implementation that ran (`ops.moe.resolve_moe_impl`)."""
     scheme: str = SCHEME
@@ -170,7 +177,7 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
              config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
              seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
              observer: Observer | None = None, moe_impl: str = "auto",
-             max_seq_len: int = DEFAULT_MAX_SEQ_LEN) -> GenerationOutput:
+             max_seq_len: int = DEFAULT_MAX_SEQ_LEN, fuse_commit: bool = False) -> GenerationOutput:
     """Generate continuations of `prompts` (lists of token ids) by block diffusion, eagerly.
 
     Args:
@@ -189,20 +196,26 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
         max_seq_len: committed slots per row of the KV cache (as `CompileOptions.max_seq_len`). Fixed by the caller,
             never sized to the batch: attention reduces over every slot, so a cache sized to the longest prompt of
             the call would make a row's logits (and, at a near tie, its tokens) depend on its batch mates.
+        fuse_commit: run each commit inside the next block's first denoise step, one forward of 2C tokens (as the
+            compiled generator does with `CompileOptions.fuse_commit`); off: a separate encoder pass, the
+            reference's order. The two differ only by float reduction order.
     Returns:
         `GenerationOutput` with sequences and per-request statistics.
     Raises:
         ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context);
-            `max_seq_len` not a positive integer or smaller than the committed slots a request needs.
+            `max_seq_len` not a positive integer or smaller than the committed slots a request needs; `fuse_commit`
+            not a bool.
     """
     cfgs, prompts, seeds, needed = plan(model, prompts, config, seed)
     check_slots(needed, max_seq_len, "max_seq_len")
+    if not isinstance(fuse_commit, bool):
+        raise ConfigError(f"fuse_commit: must be a bool, got {fuse_commit!r}")
     impl = resolve_moe_impl(moe_impl, dtype=model.dtype, num_experts=model.config.num_experts,
                             top_k=model.config.top_k_experts, compiled=False)
-    runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl)
+    runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl, fuse_commit)
     out = run_block_diffusion(model, runner, prompts, cfgs, on_block=on_block, stop=stop,
                               timer=SpanTimer(model.device, observer))
-    out.moe_impl = impl
+    out.moe_impl, out.fuse_commit = impl, fuse_commit
     return out
 
 
@@ -213,7 +226,7 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
     """The block loop over validated inputs (see `plan`), driving `runner` (eager or compiled steps, built for these
     requests and seeds): prefill in fixed chunks; per block: start canvases, denoise steps until every row finished
     (stopped early or ran its step budget), finalise (eos, budget, `on_block`, `stop`), commit the argmax canvas of
-    rows still running. The host reads one flag per step, when `stop_check` says (default: "sync", every step);
+    rows still running (`runner.commit`: now, or fused into the next block's first step). The host reads one flag per step, when `stop_check` says (default: "sync", every step);
     everything else stays on the device."""
     dev, C = model.device, model.config.canvas_length
     R = len(prompts)
@@ -255,7 +268,8 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
                     stats[r].finish_reason, done[r] = "stop", True
         if bool(done.all()) or block == num_blocks - 1:
             break
-        runner.encode_chunk(argmax, torch.where(done, 0, C))
+        runner.commit(argmax, torch.where(done, 0, C))
+    out.commits, out.fused_commits = runner.commits, runner.fused_commits
     return out
 
 

@@ -35,9 +35,18 @@ class StepRunner(Protocol):
 
     block_size: int
     """T: tokens per encoder chunk (prefill chunks and commits are padded to it)."""
+    commits: int
+    """Commits run so far as their own encoder pass."""
+    fused_commits: int
+    """Commits run so far inside the next block's first denoise step (commit fusion)."""
 
     def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
         """Causal pass over T' <= T tokens, n_new_R[r] of row r real: a prefill chunk or a commit; writes the KV."""
+
+    def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        """Commit a finished block (its argmax canvas, n_new_R[r] tokens of row r: C, or 0 for a done row) before
+        the next block begins. Either an encoder pass now, or (commit fusion) deferred into the next block's first
+        `step`, which then runs one forward for both."""
 
     def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
         """Start block `block` (0-based, per request) from each request's start canvas (`rng.start_canvas`); rows in
@@ -147,18 +156,25 @@ class StepInputs:
 
 
 def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs, *,
-                 stop_early: bool, moe_impl: str) -> None:
+                 stop_early: bool, moe_impl: str, commit: bool = False) -> None:
     """One denoise step over all rows, in place: each row's temperature from its table at its step counter k and
     its noise from `rng.step_noise` at step n = budget - k (drawn here, inside the step); count the pass for live
     rows; decoder forward with self-conditioning where `has_sc`; `sampler.denoise_update` (sampling, entropy-bound
     acceptance, renoise, stable-and-confident stop, frozen rows); a row that ran its budget finishes; keep the
     self-conditioning logits (cast to the model dtype, finite) for the next step. `moe_impl`: the routed experts'
-    implementation (`ops.moe.resolve_moe_impl`)."""
+    implementation (`ops.moe.resolve_moe_impl`).
+
+    `commit=True` (commit fusion, a block's first step only): the forward also commits the previous block, the
+    first `inputs.n_new` tokens of `inputs.ids[:, :C]` (`DiffusionGemma.commit_denoise_block`; the cache needs
+    2C block slots), instead of a separate `encode_chunk` before the step."""
     C, V = state.canvas.shape[1], model.config.vocab_size
     k_B1 = state.steps.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
     uniform, renoise = rng.step_noise(inputs.seeds, inputs.block, inputs.budget - state.steps, C, V)
     state.steps.add_((~state.finished).long())
-    logits = model.denoise_block(state.canvas, cache, state.sc_logits, state.has_sc, moe_impl=moe_impl)
+    if commit:
+        logits = model.commit_denoise_block(inputs.ids[:, :C], state.canvas, cache, inputs.n_new, moe_impl=moe_impl)
+    else:
+        logits = model.denoise_block(state.canvas, cache, state.sc_logits, state.has_sc, moe_impl=moe_impl)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
@@ -187,15 +203,20 @@ def prefill(runner: StepRunner, input_ids_RT: torch.Tensor, lengths_R: torch.Ten
 
 
 class BufferSteps:
-    """`StepRunner` over static buffers: every host-side fill lives here, the steps are the callables `denoise` and
-    `encode` (zero-argument, over `state`, `inputs` and `cache`): eager functions or compiled units."""
+    """`StepRunner` over static buffers: every host-side fill lives here, the steps are the callables `denoise`,
+    `encode` and, for commit fusion, `commit_denoise` (zero-argument, over `state`, `inputs` and `cache`): eager
+    functions or compiled units. With `commit_denoise`, `commit` only fills the inputs and the next `step` runs
+    `commit_denoise` (`denoise_step(commit=True)`) instead of `denoise`."""
 
     def __init__(self, *, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], cache: KVCache,
-                 state: DenoiseState, inputs: StepInputs, denoise: Callable[[], None], encode: Callable[[], None]):
+                 state: DenoiseState, inputs: StepInputs, denoise: Callable[[], None], encode: Callable[[], None],
+                 commit_denoise: Callable[[], None] | None = None):
         self.R, self.cache, self.state, self.inputs = len(cfgs), cache, state, inputs
-        self.denoise, self.encode = denoise, encode
+        self.denoise, self.encode, self.commit_denoise = denoise, encode, commit_denoise
         self.block_size = inputs.ids.shape[1]
         self.vocab_size = state.sc_logits.shape[-1]
+        self.commit_pending = False
+        self.commits = self.fused_commits = 0  # commits run as their own encoder pass / fused into a step
         inputs.set_requests(cfgs, seeds)
         cache.reset()
 
@@ -207,13 +228,30 @@ class BufferSteps:
         inp.n_new[:R] = n_new_R
         self.encode()
 
+    def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        if self.commit_denoise is None:
+            self.encode_chunk(ids_RC, n_new_R)
+            self.commits += 1
+            return
+        inp, R = self.inputs, self.R
+        inp.ids.zero_()
+        inp.ids[:R, :ids_RC.shape[1]] = ids_RC
+        inp.n_new.zero_()
+        inp.n_new[:R] = n_new_R
+        self.commit_pending = True
+
     def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
         inp, R, C = self.inputs, self.R, self.state.canvas.shape[1]
         inp.block.fill_(block)
         self.state.begin(rng.start_canvas(inp.seeds[:R], inp.block[:R], C, self.vocab_size), frozen_R)
 
     def step(self) -> torch.Tensor:
-        self.denoise()
+        if self.commit_pending:
+            self.commit_denoise()
+            self.commit_pending = False
+            self.fused_commits += 1
+        else:
+            self.denoise()
         return self.state.finished[:self.R]
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,15 +260,21 @@ class BufferSteps:
 
 class EagerSteps(BufferSteps):
     """The reference `StepRunner`: `denoise_step` and `encode_chunk` called eagerly over buffers of exactly R rows
-    and a cache of `max_seq_len` committed slots, with the routed experts run by `moe_impl`."""
+    and a cache of `max_seq_len` committed slots, with the routed experts run by `moe_impl`; with `fuse_commit`,
+    commits are fused into the next block's first step (`denoise_step(commit=True)`)."""
 
     def __init__(self, model: DiffusionGemma, cfgs: Sequence[GenerationConfig], seeds: Sequence[int],
-                 max_seq_len: int, moe_impl: str):
+                 max_seq_len: int, moe_impl: str, fuse_commit: bool = False):
         structural = cfgs[0]
-        cache = model.new_cache(len(cfgs), max_seq_len)
+        C = model.config.canvas_length
+        cache = model.new_cache(len(cfgs), max_seq_len, block_size=2 * C if fuse_commit else C)
         state = DenoiseState.allocate(model, len(cfgs), structural.stability_threshold if structural.stop_early else 0)
-        inputs = StepInputs.allocate(model, len(cfgs), cache.block_size, max(c.max_denoising_steps for c in cfgs))
-        super().__init__(cfgs=cfgs, seeds=seeds, cache=cache, state=state, inputs=inputs,
-                         denoise=lambda: denoise_step(model, cache, state, inputs, stop_early=structural.stop_early,
-                                                      moe_impl=moe_impl),
-                         encode=lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl))
+        inputs = StepInputs.allocate(model, len(cfgs), C, max(c.max_denoising_steps for c in cfgs))
+
+        def denoise(commit: bool) -> Callable[[], None]:
+            return lambda: denoise_step(model, cache, state, inputs, stop_early=structural.stop_early,
+                                        moe_impl=moe_impl, commit=commit)
+
+        super().__init__(cfgs=cfgs, seeds=seeds, cache=cache, state=state, inputs=inputs, denoise=denoise(False),
+                         encode=lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl),
+                         commit_denoise=denoise(True) if fuse_commit else None)

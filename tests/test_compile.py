@@ -119,7 +119,7 @@ class Units(dg.Observer):
 
     def on_unit(self, name, seconds):
         self.units[name] += 1
-        if name.startswith("denoise_step["):
+        if name.startswith(("denoise_step[", "commit_denoise_step[")):
             self.denoise_s += seconds
 
     def on_step(self, seconds):
@@ -143,7 +143,9 @@ def test_more_requests_than_the_largest_bucket_run_in_groups(tiny):
     assert all(len(toks) == 6 for _, toks in streamed)
     assert [len(t) for t in streamed[2][1]] == [0, 0, 0, 0, 8, 8] and [len(t) for t in streamed[3][1]] == [0] * 4 + [8, 0]
     assert {name.split("[")[1] for name in seen.units} == {"B2_P1_stop]", "B4_P1_stop]"}
-    assert seen.steps == sum(n for name, n in seen.units.items() if name.startswith("denoise_step["))
+    fused = sum(n for name, n in seen.units.items() if name.startswith("commit_denoise_step["))
+    assert fused == out.fused_commits == 2 and out.commits == 0, "one commit per group, fused into a step"
+    assert seen.steps == fused + sum(n for name, n in seen.units.items() if name.startswith("denoise_step["))
     assert 0 < seen.denoise_s <= seen.step_s, "each unit span lies inside its step span"
 
 
@@ -205,11 +207,11 @@ def test_compile_options_are_validated(kw, name):
 
 
 def test_explain_reports_one_graph_and_no_breaks(tiny):
-    """`torch._dynamo.explain` on both units, then a mixed workload: one graph each, zero breaks, zero recompiles.
+    """`torch._dynamo.explain` on the three units, then a mixed workload: one graph each, zero breaks, zero recompiles.
     (Last in this file: explain resets Dynamo.)"""
     _, gen = tiny
     reports = gen.explain(1)
-    assert [r.unit.split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
+    assert [r.unit.split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk", "commit_denoise_step"]
     for r in reports:
         assert r.graph_count == 1 and r.graph_break_count == 0 and r.break_reasons == []
         assert r.ops_per_graph[0] > 0 and r.guard_count > 0

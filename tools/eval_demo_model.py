@@ -16,7 +16,8 @@ share of blocks that stopped before ``max_denoising_steps``.
 
 The generation itself is one replaceable function (``GENERATORS``): ``dgemma`` (default) runs
 ``dgemma_compile.build(model)``, ``dgemma-eager`` the eager reference generator, ``transformers`` the
-reference ``model.generate``; a backend only has to return a ``Generation``.
+reference ``model.generate``, ``dgemma-unfused`` the compiled generator without commit fusion; a backend only has to
+return a ``Generation``. ``--dump FILE`` writes every prompt's generated ids, to compare generators token for token.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class _EagerRunner:
 
 
 GENERATORS: dict[str, Callable] = {"transformers": transformers_generate, "dgemma": dgemma_generate,
-                                   "dgemma-eager": dgemma_generate}
+                                   "dgemma-unfused": dgemma_generate, "dgemma-eager": dgemma_generate}
 
 
 def completion_text(tokenizer, new_ids: list[int]) -> tuple[str, int]:
@@ -105,11 +106,12 @@ def evaluate(model, tokenizer, examples, gen_config, generator: Callable = trans
     per_task = defaultdict(lambda: [0, 0])
     steps, tokens, passes, early, nblocks = 0, 0, 0, 0, 0
     limit = gen_config.max_denoising_steps
-    samples = []
+    samples, generated = [], []
     t0 = time.time()
     for i, (task, prompt, _ans) in enumerate(examples):
         ids = torch.tensor([tokenizer(prompt)["input_ids"]], dtype=torch.long)
         g = generator(model, ids, gen_config)
+        generated.append(g.new_ids)
         text, n_tok = completion_text(tokenizer, g.new_ids)
         ok = T.check(prompt, text)
         per_task[task][0] += ok
@@ -134,6 +136,7 @@ def evaluate(model, tokenizer, examples, gen_config, generator: Callable = trans
         "blocks": nblocks,
         "seconds": time.time() - t0,
         "samples": samples,
+        "generated": generated,
     }
 
 
@@ -177,7 +180,8 @@ def main(argv=None):
     ap.add_argument("--torch-seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--generator", default="dgemma", choices=sorted(GENERATORS),
-                    help="dgemma (compiled, default), dgemma-eager, or transformers' reference generate")
+                    help="dgemma (compiled, default), dgemma-unfused (compiled without commit fusion), dgemma-eager, "
+                    "or transformers' reference generate")
     ap.add_argument(
         "--gen",
         action="append",
@@ -186,6 +190,8 @@ def main(argv=None):
         help="override a generation_config field, e.g. --gen max_denoising_steps=16 --gen entropy_bound=0.5",
     )
     ap.add_argument("--show", action="store_true", help="print a few sample completions")
+    ap.add_argument("--dump", metavar="FILE", help="write the generated ids of every prompt (JSON list) to FILE, e.g. "
+                    "to compare two generators token for token")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -195,7 +201,10 @@ def main(argv=None):
 
         ours = dg.load(args.model_dir)
         tokenizer = dg.load_tokenizer(args.model_dir)
-        model = dg.build(ours) if args.generator == "dgemma" else _EagerRunner(ours)
+        if args.generator == "dgemma-eager":
+            model = _EagerRunner(ours)
+        else:  # dgemma-unfused: commits as their own encoder pass (CompileOptions.fuse_commit=False)
+            model = dg.build(ours, dg.CompileOptions(fuse_commit=args.generator == "dgemma"))
         gen_config = ours.generation_config.replace(**{k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in args.gen)})
     else:
         model, tokenizer = load(args.model_dir)
@@ -211,6 +220,9 @@ def main(argv=None):
     m = evaluate(model, tokenizer, examples, gen_config, GENERATORS[args.generator], log=print)
     print(format_table(m, args.offset))
     print(f"\n({m['seconds']:.0f}s, generator={args.generator})")
+    if args.dump:
+        with open(args.dump, "w") as f:
+            json.dump(m["generated"], f)
     if args.show:
         for p, c, ok in m["samples"]:
             print(f"{'OK ' if ok else 'BAD'} {p!r} -> {c!r}")

@@ -1,11 +1,13 @@
 """`build(model)`: the compiled block-diffusion generator, with its static batch buckets.
 
-Two compile units per batch bucket (`units.CompiledUnit`, `torch.compile(fullgraph=True, dynamic=False)` over the
-bucket's static buffers), both the very step functions the eager generator calls (`steps.py`):
+Compile units per batch bucket (`units.CompiledUnit`, `torch.compile(fullgraph=True, dynamic=False)` over the
+bucket's static buffers), each a step function the eager generator calls (`steps.py`):
 - the denoise step (`steps.denoise_step`): decoder forward + the whole sampler + convergence and per-row state update,
   in place, with no host synchronisation inside;
-- the encoder chunk (`steps.encode_chunk`): one causal pass over a fixed-size block, used for prefill chunks and for
-  commits.
+- the encoder chunk (`steps.encode_chunk`): one causal pass over a fixed-size block, used for prefill chunks (and
+  for commits without commit fusion);
+- with `CompileOptions.fuse_commit` (default), the fused commit + denoise step (`steps.denoise_step(commit=True)`):
+  a block's first denoise step that also commits the previous block, one forward of 2C tokens.
 Per-step scalars (temperature, bounds, lengths, flags) live in device tensors, so prompts of other lengths, other
 block counts and batch sizes within a bucket reuse the same graphs. On CUDA each unit of each bucket is captured
 as a CUDA graph; a failed capture is logged and that unit runs compiled without a graph (never silently).
@@ -38,26 +40,32 @@ from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 class Bucket:
     """One static batch size and structural config: its KV cache, `DenoiseState` and `StepInputs` buffers, and the
-    two compile units `denoise` and `encode` (zero-argument callables over them)."""
+    compile units `denoise`, `encode` and (commit fusion) `commit_denoise`, zero-argument callables over them."""
 
     def __init__(self, model: DiffusionGemma, factory: UnitFactory, rows: int, stability: int, stop_early: bool,
                  moe_impl: str):
         self.rows = rows
-        self.cache = model.new_cache(rows, factory.options.max_seq_len)
+        C, fuse = model.config.canvas_length, factory.options.fuse_commit
+        self.cache = model.new_cache(rows, factory.options.max_seq_len, block_size=2 * C if fuse else C)
         self.state = DenoiseState.allocate(model, rows, stability)
-        self.inputs = StepInputs.allocate(model, rows, self.cache.block_size, factory.options.max_denoising_steps)
+        self.inputs = StepInputs.allocate(model, rows, C, factory.options.max_denoising_steps)
         self.tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
         cache, state, inputs = self.cache, self.state, self.inputs
-        owners = (model, cache, state, inputs)  # every tensor the two units read
-        self.denoise: CompiledUnit = factory.unit(
-            f"denoise_step[{self.tag}]",
-            lambda: denoise_step(model, cache, state, inputs, stop_early=stop_early, moe_impl=moe_impl), owners)
+        owners = (model, cache, state, inputs)  # every tensor the units read
+
+        def step(commit: bool) -> Callable[[], None]:
+            return lambda: denoise_step(model, cache, state, inputs, stop_early=stop_early, moe_impl=moe_impl,
+                                        commit=commit)
+
+        self.denoise: CompiledUnit = factory.unit(f"denoise_step[{self.tag}]", step(False), owners)
         self.encode: CompiledUnit = factory.unit(f"encoder_chunk[{self.tag}]",
                                                  lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl), owners)
+        self.commit_denoise: CompiledUnit | None = (
+            factory.unit(f"commit_denoise_step[{self.tag}]", step(True), owners) if fuse else None)
 
     @property
-    def units(self) -> tuple[CompiledUnit, CompiledUnit]:
-        return self.denoise, self.encode
+    def units(self) -> tuple[CompiledUnit, ...]:
+        return tuple(u for u in (self.denoise, self.encode, self.commit_denoise) if u is not None)
 
     def steps(self, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], timer: SpanTimer) -> BufferSteps:
         """A `StepRunner` for len(cfgs) <= rows requests (one resolved config and seed each) over this bucket's
@@ -73,7 +81,8 @@ class Bucket:
             return call
 
         return BufferSteps(cfgs=cfgs, seeds=seeds, cache=self.cache, state=self.state, inputs=self.inputs,
-                           denoise=timed(self.denoise), encode=timed(self.encode))
+                           denoise=timed(self.denoise), encode=timed(self.encode),
+                           commit_denoise=timed(self.commit_denoise) if self.commit_denoise is not None else None)
 
 
 @dataclass
@@ -160,6 +169,7 @@ class CompiledGenerator:
         stats: list[RequestStats] = []
         forwards: list[int] = []
         wasted: list[int] = []
+        commits = fused_commits = 0
         for start in range(0, len(prompts), group):
             ps, ss, cs = prompts[start:start + group], seeds[start:start + group], cfgs[start:start + group]
             runner = self.bucket(len(ps), cs[0]).steps(cs, ss, timer)
@@ -170,6 +180,7 @@ class CompiledGenerator:
                                       stop=_global_stop(stop, start, len(ps), len(prompts)))
             sequences += out.sequences
             stats += out.stats
+            commits, fused_commits = commits + out.commits, fused_commits + out.fused_commits
             for b, (f, w) in enumerate(zip(out.forwards_per_block, out.wasted_forwards)):  # per block index
                 if b == len(forwards):
                     forwards.append(0)
@@ -177,11 +188,12 @@ class CompiledGenerator:
                 forwards[b] += f
                 wasted[b] += w
         return GenerationOutput(sequences=sequences, stats=stats, forwards_per_block=forwards, wasted_forwards=wasted,
+                                commits=commits, fused_commits=fused_commits, fuse_commit=self.options.fuse_commit,
                                 moe_impl=self.moe_impl)
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None) -> float:
-        """Compile the bucket that serves `batch_size` requests (both units) and return the seconds it took.
+        """Compile the bucket that serves `batch_size` requests (all its units) and return the seconds it took.
         Raises `ModelChangedError` as `generate` does."""
         self.fingerprint.check(self.model)
         start = time.perf_counter()
@@ -191,6 +203,9 @@ class CompiledGenerator:
         bucket.encode()
         bucket.state.finished.zero_()
         bucket.denoise()
+        if bucket.commit_denoise is not None:
+            bucket.commit_denoise()
+            bucket.cache.reset()
         bucket.state.finished.fill_(True)
         return time.perf_counter() - start
 
