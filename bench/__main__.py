@@ -71,7 +71,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def default_systems(spec: models.ModelSpec) -> list[str]:
-    return [s for s in systems.SYSTEMS if spec.has_checkpoint or not s.startswith("hf-")]
+    # the fused / unfused variants answer one question (commit fusion); ask for them by name
+    return [s for s in systems.SYSTEMS
+            if (spec.has_checkpoint or not s.startswith("hf-")) and s not in ("ours-compiled-fused", "ours-compiled-unfused")]
 
 
 class _Peaks:

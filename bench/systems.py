@@ -26,9 +26,10 @@ import torch
 from . import models, workloads
 from .timing import Recorder, RecorderObserver, patched
 
-SYSTEMS = ("ours-compiled", "ours-compiled-unfused", "ours-eager", "hf-eager", "hf-compiled", "ar-compiled")
-"""`ours-compiled-unfused`: ours-compiled with `CompileOptions(fuse_commit=False)` (a commit is its own encoder pass),
-the before side of commit fusion."""
+SYSTEMS = ("ours-compiled", "ours-compiled-fused", "ours-compiled-unfused", "ours-eager", "hf-eager", "hf-compiled",
+           "ar-compiled")
+"""`ours-compiled-fused` / `-unfused`: ours-compiled with commit fusion forced on / off (`CompileOptions.fuse_commit`;
+ours-compiled takes the device's default)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -127,7 +128,7 @@ class OursCompiled(_Ours):
     timing = (f"per step: Observer.on_step, the block loop's step span (host-side input fills + the compiled "
               f"denoise unit; {_SPAN}); the unit alone: Observer.on_unit")
 
-    def __init__(self, ctx: Context, fuse_commit: bool = True):
+    def __init__(self, ctx: Context, fuse_commit: bool | None = None):
         import dgemma_compile as dg
         from dgemma_compile.compile import CompileOptions
 
@@ -257,8 +258,8 @@ def _graph_notes(ctx: Context, units) -> None:
 
 def make(system: str, ctx: Context) -> System:
     """The prepared (compiled, where it compiles) `System` named `system`."""
-    if system in ("ours-compiled", "ours-compiled-unfused"):
-        return OursCompiled(ctx, fuse_commit=system == "ours-compiled")
+    if system.startswith("ours-compiled"):
+        return OursCompiled(ctx, fuse_commit={"ours-compiled-fused": True, "ours-compiled-unfused": False}.get(system))
     if system == "ours-eager":
         return OursEager(ctx)
     if system in ("hf-eager", "hf-compiled"):

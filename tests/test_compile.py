@@ -9,7 +9,7 @@ import torch
 import dgemma_compile as dg
 
 pytestmark = pytest.mark.slow  # compiles (shared through the session fixture `tiny_compiled`)
-from dgemma_compile.compile import CompileOptions, CudaGraphs, UnitFactory
+from dgemma_compile.compile import CompileOptions, CudaGraphs, UnitFactory, build
 from dgemma_compile.config import ConfigError
 
 PROMPTS = [[2, 5, 6], [2, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [2, 20, 21, 22, 23, 24]]
@@ -143,9 +143,8 @@ def test_more_requests_than_the_largest_bucket_run_in_groups(tiny):
     assert all(len(toks) == 6 for _, toks in streamed)
     assert [len(t) for t in streamed[2][1]] == [0, 0, 0, 0, 8, 8] and [len(t) for t in streamed[3][1]] == [0] * 4 + [8, 0]
     assert {name.split("[")[1] for name in seen.units} == {"B2_P1_stop]", "B4_P1_stop]"}
-    fused = sum(n for name, n in seen.units.items() if name.startswith("commit_denoise_step["))
-    assert fused == out.fused_commits == 2 and out.commits == 0, "one commit per group, fused into a step"
-    assert seen.steps == fused + sum(n for name, n in seen.units.items() if name.startswith("denoise_step["))
+    assert out.commits == 2 and out.fused_commits == 0, "one commit per group (CPU: separate, fuse_commit=None)"
+    assert seen.steps == sum(n for name, n in seen.units.items() if name.startswith("denoise_step["))
     assert 0 < seen.denoise_s <= seen.step_s, "each unit span lies inside its step span"
 
 
@@ -207,13 +206,32 @@ def test_compile_options_are_validated(kw, name):
 
 
 def test_explain_reports_one_graph_and_no_breaks(tiny):
-    """`torch._dynamo.explain` on the three units, then a mixed workload: one graph each, zero breaks, zero recompiles.
+    """`torch._dynamo.explain` on both units (CPU: no commit fusion), then a mixed workload: one graph each, zero breaks, zero recompiles.
     (Last in this file: explain resets Dynamo.)"""
     _, gen = tiny
     reports = gen.explain(1)
-    assert [r.unit.split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk", "commit_denoise_step"]
+    assert [r.unit.split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
     for r in reports:
         assert r.graph_count == 1 and r.graph_break_count == 0 and r.break_reasons == []
         assert r.ops_per_graph[0] > 0 and r.guard_count > 0
         assert r.recompiles_in_workload == 0
         assert "graph_breaks=0" in r.text()
+
+
+@pytest.mark.slow
+def test_compiled_commit_fusion_tokens_equal_eager(tiny_dir):
+    """`fuse_commit=True` (CPU default: off): every commit runs inside the next block's first step, in the fused unit;
+    tokens and statistics equal the eager generator's, fused and unfused (prompts shorter and longer than the
+    canvas, five blocks, sampling on)."""
+    model = dg.load(tiny_dir)
+    gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, fuse_commit=True))
+    prompts = [[2, 5, 6, 7], [2] + list(range(3, 30))]
+    cfg = dg.GenerationConfig(max_new_tokens=5 * model.config.canvas_length, max_denoising_steps=4, eos_token_ids=())
+    seen = Units()
+    out = gen.generate(prompts, cfg, seed=[3, 4], observer=seen)
+    assert out.fuse_commit and out.commits == 0 and out.fused_commits == 4
+    assert sum(n for name, n in seen.units.items() if name.startswith("commit_denoise_step[")) == 4
+    for fuse in (True, False):
+        eager = dg.generate(model, prompts, cfg, seed=[3, 4], moe_impl=gen.moe_impl, fuse_commit=fuse)
+        assert (eager.commits, eager.fused_commits) == ((0, 4) if fuse else (4, 0))
+        assert out.sequences == eager.sequences and out.stats == eager.stats

@@ -16,7 +16,7 @@ share of blocks that stopped before ``max_denoising_steps``.
 
 The generation itself is one replaceable function (``GENERATORS``): ``dgemma`` (default) runs
 ``dgemma_compile.build(model)``, ``dgemma-eager`` the eager reference generator, ``transformers`` the
-reference ``model.generate``, ``dgemma-unfused`` the compiled generator without commit fusion; a backend only has to
+reference ``model.generate``, ``dgemma-fused`` the compiled generator with commit fusion; a backend only has to
 return a ``Generation``. ``--dump FILE`` writes every prompt's generated ids, to compare generators token for token.
 """
 
@@ -89,7 +89,7 @@ class _EagerRunner:
 
 
 GENERATORS: dict[str, Callable] = {"transformers": transformers_generate, "dgemma": dgemma_generate,
-                                   "dgemma-unfused": dgemma_generate, "dgemma-eager": dgemma_generate}
+                                   "dgemma-fused": dgemma_generate, "dgemma-eager": dgemma_generate}
 
 
 def completion_text(tokenizer, new_ids: list[int]) -> tuple[str, int]:
@@ -180,7 +180,7 @@ def main(argv=None):
     ap.add_argument("--torch-seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--generator", default="dgemma", choices=sorted(GENERATORS),
-                    help="dgemma (compiled, default), dgemma-unfused (compiled without commit fusion), dgemma-eager, "
+                    help="dgemma (compiled, default), dgemma-fused (compiled with commit fusion), dgemma-eager, "
                     "or transformers' reference generate")
     ap.add_argument(
         "--gen",
@@ -203,8 +203,8 @@ def main(argv=None):
         tokenizer = dg.load_tokenizer(args.model_dir)
         if args.generator == "dgemma-eager":
             model = _EagerRunner(ours)
-        else:  # dgemma-unfused: commits as their own encoder pass (CompileOptions.fuse_commit=False)
-            model = dg.build(ours, dg.CompileOptions(fuse_commit=args.generator == "dgemma"))
+        else:  # dgemma-fused: commit fusion forced on (CompileOptions.fuse_commit=True; default: CUDA only)
+            model = dg.build(ours, dg.CompileOptions(fuse_commit=True if args.generator == "dgemma-fused" else None))
         gen_config = ours.generation_config.replace(**{k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in args.gen)})
     else:
         model, tokenizer = load(args.model_dir)

@@ -6,7 +6,7 @@ bucket's static buffers), each a step function the eager generator calls (`steps
   in place, with no host synchronisation inside;
 - the encoder chunk (`steps.encode_chunk`): one causal pass over a fixed-size block, used for prefill chunks (and
   for commits without commit fusion);
-- with `CompileOptions.fuse_commit` (default), the fused commit + denoise step (`steps.denoise_step(commit=True)`):
+- with `CompileOptions.fuse_commit` (default on CUDA), the fused commit + denoise step (`steps.denoise_step(commit=True)`):
   a block's first denoise step that also commits the previous block, one forward of 2C tokens.
 Per-step scalars (temperature, bounds, lengths, flags) live in device tensors, so prompts of other lengths, other
 block counts and batch sizes within a bucket reuse the same graphs. On CUDA each unit of each bucket is captured
@@ -45,7 +45,7 @@ class Bucket:
     def __init__(self, model: DiffusionGemma, factory: UnitFactory, rows: int, stability: int, stop_early: bool,
                  moe_impl: str):
         self.rows = rows
-        C, fuse = model.config.canvas_length, factory.options.fuse_commit
+        C, fuse = model.config.canvas_length, factory.options.commit_fusion(model.device.type)
         self.cache = model.new_cache(rows, factory.options.max_seq_len, block_size=2 * C if fuse else C)
         self.state = DenoiseState.allocate(model, rows, stability)
         self.inputs = StepInputs.allocate(model, rows, C, factory.options.max_denoising_steps)
@@ -188,7 +188,8 @@ class CompiledGenerator:
                 forwards[b] += f
                 wasted[b] += w
         return GenerationOutput(sequences=sequences, stats=stats, forwards_per_block=forwards, wasted_forwards=wasted,
-                                commits=commits, fused_commits=fused_commits, fuse_commit=self.options.fuse_commit,
+                                commits=commits, fused_commits=fused_commits,
+                                fuse_commit=self.options.commit_fusion(self.model.device.type),
                                 moe_impl=self.moe_impl)
 
     @torch.no_grad()

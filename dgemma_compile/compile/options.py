@@ -70,8 +70,11 @@ class CompileOptions:
     skip_guards: bool = True
     # Commit fusion: run each block's commit inside the next block's first denoise step, one forward of 2C tokens
     # (`steps.denoise_step(commit=True)`, a third compile unit per bucket; the cache gets 2C block slots): one
-    # forward and one unit call fewer per block. Tokens equal the unfused run's up to float reduction order.
-    fuse_commit: bool = True
+    # forward and one unit call fewer per block. Tokens equal the unfused run's up to float reduction order. None =
+    # on for CUDA, off for CPU: at batch 1 a GPU forward is bound by reading the weights, so a 2C-token forward
+    # costs about one C-token forward (not yet measured: no GPU run); on CPU the demo gained no wall time per canvas
+    # (0.96-0.99x, bench/results/commit_fusion_cpu_2026-11-30.md) and the extra unit doubled the compile time.
+    fuse_commit: bool | None = None
 
     def __post_init__(self) -> None:
         b = self.batch_buckets
@@ -89,8 +92,8 @@ class CompileOptions:
             raise ConfigError(f"moe_impl: must be one of {('auto', *MOE_IMPLS)}, got {self.moe_impl!r}")
         if not isinstance(self.skip_guards, bool):
             raise ConfigError(f"skip_guards: must be a bool, got {self.skip_guards!r}")
-        if not isinstance(self.fuse_commit, bool):
-            raise ConfigError(f"fuse_commit: must be a bool, got {self.fuse_commit!r}")
+        if self.fuse_commit not in (None, True, False):
+            raise ConfigError(f"fuse_commit: must be None, True or False, got {self.fuse_commit!r}")
         if not isinstance(self.direct_calls, bool):
             raise ConfigError(f"direct_calls: must be a bool, got {self.direct_calls!r}")
         if self.cpp_wrapper not in (None, True, False):
@@ -98,6 +101,10 @@ class CompileOptions:
         if self.recompile_limit < 2 * len(b):
             raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")
 
+
+    def commit_fusion(self, device_type: str) -> bool:
+        """Whether generators on `device_type` ("cpu", "cuda", ...) fuse commits (`fuse_commit`, None resolved)."""
+        return device_type == "cuda" if self.fuse_commit is None else self.fuse_commit
 
     def inductor_config(self, device_type: str) -> dict:
         """The Inductor settings that depend on the device a graph runs on (`device_type` "cpu", "cuda", ...), patched
