@@ -337,14 +337,15 @@ class DiffusionGemma(nn.Module):
 
     def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
                       self_conditioning_mask_B: torch.Tensor | None = None,
-                      moe_impl: str | None = None) -> torch.Tensor:
+                      moe_impl: str | None = None, plan: ForwardPlan | None = None) -> torch.Tensor:
         """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
         self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch.
-        `moe_impl` None: `self.moe_impl`."""
+        `moe_impl` None: `self.moe_impl`. `plan`: the uniform denoise plan for the cache's current lengths, built
+        once per block (`plan.PlanBuffers`); None builds it here."""
         embeds = self._embed(canvas_BC)
         x = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits,
                                                                 self_conditioning_mask_B))
-        plan = build_plan(self, cache, canvas_BC.shape[1], mode="denoise")
+        plan = plan if plan is not None else build_plan(self, cache, canvas_BC.shape[1], mode="denoise")
         return self.logits(self._forward_block(x, cache, plan, moe_impl))
 
     def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,

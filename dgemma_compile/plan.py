@@ -166,3 +166,40 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
     return ForwardPlan(mode=mode_B, encoder_tokens=encoder_tokens, denoise_tokens=denoise_tokens, real=real,
                        commit=commit, slots=slots, self_conditioning=self_conditioning, positions=positions, rope=rope,
                        masks=masks)
+
+
+class PlanBuffers:
+    """A uniform denoise plan held in preallocated tensors: what every denoise step of one block reads, built once
+    per block (after the prefill's chunks or the commit that precedes the block, by `fill`) instead of in every step.
+
+    `plan` is a `ForwardPlan` over these tensors: positions [B, T], per layer type the RoPE tables and a FlexAttention
+    `BlockMask` whose block-sparsity tensors are static buffers (its mask_mod reads `cache.lengths`, as
+    `build_plan`'s) or, for the dense backend, the dense mask [B, T, S+T]. Static tensors, updated in place, so a
+    compiled denoise step reads them as graph inputs and a compiled encoder step can write them (`tensors` lists them
+    for `compile.units.static_tensors`).
+    """
+
+    def __init__(self, model, cache: KVCache, T: int):
+        self.model, self.cache, self.T = model, cache, T
+        self.plan = build_plan(model, cache, T, mode="denoise")  # fresh tensors: these become the buffers
+        self.tensors: list[torch.Tensor] = [self.plan.positions]
+        for lt in sorted(self.plan.rope):
+            self.tensors += list(self.plan.rope[lt])
+            mask = self.plan.masks[lt]
+            self.tensors += [mask] if isinstance(mask, torch.Tensor) else _mask_tensors(mask)
+
+    def fill(self) -> None:
+        """Rebuild the plan for the cache's current `lengths` into the buffers (tensor ops only, no host sync)."""
+        fresh = build_plan(self.model, self.cache, self.T, mode="denoise")
+        new = [fresh.positions]
+        for lt in sorted(fresh.rope):
+            new += list(fresh.rope[lt])
+            mask = fresh.masks[lt]
+            new += [mask] if isinstance(mask, torch.Tensor) else _mask_tensors(mask)
+        for buf, t in zip(self.tensors, new, strict=True):
+            buf.copy_(t)
+
+
+def _mask_tensors(mask: BlockMask) -> list[torch.Tensor]:
+    """A BlockMask's tensors in a fixed order (its `_TENSOR_ATTRS` that are set)."""
+    return [t for t in (getattr(mask, name) for name in BlockMask._TENSOR_ATTRS) if isinstance(t, torch.Tensor)]

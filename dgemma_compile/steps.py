@@ -26,6 +26,7 @@ import torch
 from .config import GenerationConfig
 from .kv_cache import KVCache
 from .model import DiffusionGemma
+from .plan import PlanBuffers
 from . import rng
 from .sampler import StepNoise, denoise_update, temperature_table
 
@@ -155,8 +156,8 @@ class StepInputs:
         self.confidence[:R] = torch.tensor([c.confidence_threshold for c in cfgs], dtype=torch.float32, device=dev)
 
 
-def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs, *,
-                 stop_early: bool, moe_impl: str, commit: bool = False) -> None:
+def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs,
+                 plan: PlanBuffers | None = None, *, stop_early: bool, moe_impl: str, commit: bool = False) -> None:
     """One denoise step over all rows, in place: each row's temperature from its table at its step counter k and
     its noise from `rng.step_noise` at step n = budget - k (drawn here, inside the step); count the pass for live
     rows; decoder forward with self-conditioning where `has_sc`; `sampler.denoise_update` (sampling, entropy-bound
@@ -164,17 +165,24 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     self-conditioning logits (cast to the model dtype, finite) for the next step. `moe_impl`: the routed experts'
     implementation (`ops.moe.resolve_moe_impl`).
 
+    `plan`: the block's denoise plan (masks, RoPE), filled once per block by whatever changed the cache's lengths
+    (`encode_chunk`, or this step with `commit`); None: built inside the step.
+
     `commit=True` (commit fusion, a block's first step only): the forward also commits the previous block, the
     first `inputs.n_new` tokens of `inputs.ids[:, :C]` (`DiffusionGemma.commit_denoise_block`; the cache needs
-    2C block slots), instead of a separate `encode_chunk` before the step."""
+    2C block slots), instead of a separate `encode_chunk` before the step; then it fills `plan` for the block's
+    later steps."""
     C, V = state.canvas.shape[1], model.config.vocab_size
     k_B1 = state.steps.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
     uniform, renoise = rng.step_noise(inputs.seeds, inputs.block, inputs.budget - state.steps, C, V)
     state.steps.add_((~state.finished).long())
     if commit:
         logits = model.commit_denoise_block(inputs.ids[:, :C], state.canvas, cache, inputs.n_new, moe_impl=moe_impl)
+        if plan is not None:
+            plan.fill()
     else:
-        logits = model.denoise_block(state.canvas, cache, state.sc_logits, state.has_sc, moe_impl=moe_impl)
+        logits = model.denoise_block(state.canvas, cache, state.sc_logits, state.has_sc, moe_impl=moe_impl,
+                                     plan=plan.plan if plan is not None else None)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
@@ -188,10 +196,14 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     state.has_sc.fill_(True)
 
 
-def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, *, moe_impl: str) -> None:
+def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, plan: PlanBuffers | None = None, *,
+                 moe_impl: str) -> None:
     """One causal encoder pass over `inputs.ids` with `inputs.n_new` real tokens per row (prefill chunk or commit);
-    writes their keys/values and advances `cache.lengths`."""
+    writes their keys/values and advances `cache.lengths`; then fills `plan` (if given), the denoise plan for the
+    new lengths, which the next block's steps read."""
     model.encode_block(inputs.ids, cache, inputs.n_new, moe_impl=moe_impl)
+    if plan is not None:
+        plan.fill()
 
 
 def prefill(runner: StepRunner, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
@@ -270,11 +282,12 @@ class EagerSteps(BufferSteps):
         cache = model.new_cache(len(cfgs), max_seq_len, block_size=2 * C if fuse_commit else C)
         state = DenoiseState.allocate(model, len(cfgs), structural.stability_threshold if structural.stop_early else 0)
         inputs = StepInputs.allocate(model, len(cfgs), C, max(c.max_denoising_steps for c in cfgs))
+        plan = PlanBuffers(model, cache, C)
 
         def denoise(commit: bool) -> Callable[[], None]:
-            return lambda: denoise_step(model, cache, state, inputs, stop_early=structural.stop_early,
+            return lambda: denoise_step(model, cache, state, inputs, plan, stop_early=structural.stop_early,
                                         moe_impl=moe_impl, commit=commit)
 
         super().__init__(cfgs=cfgs, seeds=seeds, cache=cache, state=state, inputs=inputs, denoise=denoise(False),
-                         encode=lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl),
+                         encode=lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl),
                          commit_denoise=denoise(True) if fuse_commit else None)

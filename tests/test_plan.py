@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.plan import DENOISE, ENCODER, IDLE, build_plan
+from dgemma_compile.plan import DENOISE, ENCODER, IDLE, PlanBuffers, build_plan
 
 S = 48  # committed slots per row
 # (mode, tokens committed before the forward, real tokens of an encoder row, self-conditioned)
@@ -201,3 +201,28 @@ def test_commit_fusion_needs_two_blocks_of_cache_slots(tiny_dir):
     ids = torch.zeros(1, C, dtype=torch.long)
     with pytest.raises(ValueError, match="block_size >= 2C"):
         model.commit_denoise_block(ids, ids, model.new_cache(1, S), torch.tensor([C]))
+
+
+# --- the block's denoise plan in static buffers, built once per block --------------------------------------------
+
+@pytest.mark.parametrize("attention", ["flex", "dense"])
+def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
+    """`PlanBuffers.fill` rebuilds the denoise plan for the cache's lengths into the same tensors (no new ones), and
+    a denoise pass over the filled plan equals one that builds its own plan, bitwise."""
+    model = dg.load(tiny_dir, attention=attention)
+    V, C = model.config.vocab_size, model.config.canvas_length
+    g = torch.Generator().manual_seed(5)
+    cache = model.new_cache(3, S)
+    plan = PlanBuffers(model, cache, C)
+    ids = [t.data_ptr() for t in plan.tensors]
+    canvas = torch.randint(3, V, (3, C), generator=g)
+    for lengths in ([4, 19, 0], [11, 3, 30]):
+        cache.reset()
+        model.encode(torch.randint(3, V, (3, max(lengths)), generator=g), cache, input_lengths=torch.tensor(lengths))
+        plan.fill()
+        fresh = build_plan(model, cache, C, mode="denoise")
+        assert torch.equal(plan.plan.positions, fresh.positions)
+        with torch.no_grad():
+            assert torch.equal(model.denoise_block(canvas, cache, None, plan=plan.plan),
+                               model.denoise_block(canvas, cache, None))
+    assert [t.data_ptr() for t in plan.tensors] == ids, "filled in place"

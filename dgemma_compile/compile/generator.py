@@ -31,6 +31,7 @@ from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, 
 from ..model import DiffusionGemma
 from ..observe import UNIT, Observer, SpanTimer
 from ..ops.moe import resolve_moe_impl
+from ..plan import PlanBuffers
 from ..steps import BufferSteps, DenoiseState, StepInputs, denoise_step, encode_chunk
 from ..stop_check import PinnedCopy, StopCheck
 from ..stop_check import resolve as resolve_stop_check
@@ -39,8 +40,8 @@ from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 
 class Bucket:
-    """One static batch size and structural config: its KV cache, `DenoiseState` and `StepInputs` buffers, and the
-    compile units `denoise`, `encode` and (commit fusion) `commit_denoise`, zero-argument callables over them."""
+    """One static batch size and structural config: its KV cache, `DenoiseState`, `StepInputs` and `PlanBuffers`
+    buffers, and the compile units `denoise`, `encode` and (commit fusion) `commit_denoise`, zero-argument callables over them."""
 
     def __init__(self, model: DiffusionGemma, factory: UnitFactory, rows: int, stability: int, stop_early: bool,
                  moe_impl: str):
@@ -49,17 +50,18 @@ class Bucket:
         self.cache = model.new_cache(rows, factory.options.max_seq_len, block_size=2 * C if fuse else C)
         self.state = DenoiseState.allocate(model, rows, stability)
         self.inputs = StepInputs.allocate(model, rows, C, factory.options.max_denoising_steps)
+        self.plan = PlanBuffers(model, self.cache, C)  # the block's denoise plan, filled once per block
         self.tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
-        cache, state, inputs = self.cache, self.state, self.inputs
-        owners = (model, cache, state, inputs)  # every tensor the units read
+        cache, state, inputs, plan = self.cache, self.state, self.inputs, self.plan
+        owners = (model, cache, state, inputs, plan)  # every tensor the units read
 
         def step(commit: bool) -> Callable[[], None]:
-            return lambda: denoise_step(model, cache, state, inputs, stop_early=stop_early, moe_impl=moe_impl,
+            return lambda: denoise_step(model, cache, state, inputs, plan, stop_early=stop_early, moe_impl=moe_impl,
                                         commit=commit)
 
         self.denoise: CompiledUnit = factory.unit(f"denoise_step[{self.tag}]", step(False), owners)
-        self.encode: CompiledUnit = factory.unit(f"encoder_chunk[{self.tag}]",
-                                                 lambda: encode_chunk(model, cache, inputs, moe_impl=moe_impl), owners)
+        self.encode: CompiledUnit = factory.unit(
+            f"encoder_chunk[{self.tag}]", lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl), owners)
         self.commit_denoise: CompiledUnit | None = (
             factory.unit(f"commit_denoise_step[{self.tag}]", step(True), owners) if fuse else None)
 
