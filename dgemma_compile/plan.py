@@ -169,37 +169,77 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
 
 
 class PlanBuffers:
-    """A uniform denoise plan held in preallocated tensors: what every denoise step of one block reads, built once
-    per block (after the prefill's chunks or the commit that precedes the block, by `fill`) instead of in every step.
+    """A plan held in preallocated tensors, rebuilt in place by `fill` (tensor ops only: a compiled step can fill
+    it, and another compiled step read it as graph inputs).
 
-    `plan` is a `ForwardPlan` over these tensors: positions [B, T], per layer type the RoPE tables and a FlexAttention
-    `BlockMask` whose block-sparsity tensors are static buffers (its mask_mod reads `cache.lengths`, as
-    `build_plan`'s) or, for the dense backend, the dense mask [B, T, S+T]. Static tensors, updated in place, so a
-    compiled denoise step reads them as graph inputs and a compiled encoder step can write them (`tensors` lists them
-    for `compile.units.static_tensors`).
+    - `PlanBuffers(model, cache, T)`: the uniform denoise plan that every denoise step of one block reads, filled
+      once per block (after the prefill's chunks or the commit that precedes the block) instead of in every step.
+    - `PlanBuffers(model, cache, T, mixed=True)`: a mixed plan whose per-row inputs are the buffers `mode`,
+      `n_new` and `self_conditioning` ([B]; all rows IDLE until filled): `fill(mode=..., n_new=...,
+      self_conditioning=...)` copies the given rows' inputs in, then rebuilds. Its masks read per-row tensors of
+      the buffers, which is what Inductor's CPU flex template needs (captured tensors must be graph inputs).
+
+    `plan` is a `ForwardPlan` over the buffers: each block mask's sparsity tensors are static (its mask_mod reads
+    `cache.lengths` and the plan's own per-row tensors, as `build_plan`'s). `tensors` lists every buffer once (views
+    by their base), for `compile.units.static_tensors`.
     """
 
-    def __init__(self, model, cache: KVCache, T: int):
+    def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False):
         self.model, self.cache, self.T = model, cache, T
-        self.plan = build_plan(model, cache, T, mode="denoise")  # fresh tensors: these become the buffers
-        self.tensors: list[torch.Tensor] = [self.plan.positions]
-        for lt in sorted(self.plan.rope):
-            self.tensors += list(self.plan.rope[lt])
-            mask = self.plan.masks[lt]
-            self.tensors += [mask] if isinstance(mask, torch.Tensor) else _mask_tensors(mask)
+        B, dev = cache.batch_size, cache.lengths.device
+        self.mixed = mixed
+        if mixed:
+            self.mode = torch.full((B,), IDLE, dtype=torch.long, device=dev)
+            self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
+            self.self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.plan = self._build()  # fresh tensors: these become the buffers
+        self.tensors: list[torch.Tensor] = _plan_tensors(self.plan)
 
-    def fill(self) -> None:
-        """Rebuild the plan for the cache's current `lengths` into the buffers (tensor ops only, no host sync)."""
-        fresh = build_plan(self.model, self.cache, self.T, mode="denoise")
-        new = [fresh.positions]
-        for lt in sorted(fresh.rope):
-            new += list(fresh.rope[lt])
-            mask = fresh.masks[lt]
-            new += [mask] if isinstance(mask, torch.Tensor) else _mask_tensors(mask)
-        for buf, t in zip(self.tensors, new, strict=True):
+    def _build(self) -> ForwardPlan:
+        if self.mixed:
+            return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new,
+                              self_conditioning=self.self_conditioning)
+        return build_plan(self.model, self.cache, self.T, mode="denoise")
+
+    def fill(self, mode: torch.Tensor | None = None, n_new: torch.Tensor | None = None,
+             self_conditioning: torch.Tensor | None = None) -> None:
+        """Rebuild the plan for the cache's current `lengths` (and, mixed, the given per-row inputs: int64 / int64 /
+        bool [B], each optional) into the buffers. No host synchronisation and no validation (`build_plan` checks a
+        mixed plan's inputs when it is built from them directly).
+
+        Raises:
+            ValueError: per-row inputs given to a uniform denoise plan.
+        """
+        if not self.mixed and (mode is not None or n_new is not None or self_conditioning is not None):
+            raise ValueError("fill: per-row inputs (mode, n_new, self_conditioning) need PlanBuffers(..., mixed=True)")
+        for buf, value in ((getattr(self, "mode", None), mode), (getattr(self, "n_new", None), n_new),
+                           (getattr(self, "self_conditioning", None), self_conditioning)):
+            if value is not None:
+                buf.copy_(value)
+        for buf, t in zip(self.tensors, _plan_tensors(self._build()), strict=True):
             buf.copy_(t)
 
 
-def _mask_tensors(mask: BlockMask) -> list[torch.Tensor]:
-    """A BlockMask's tensors in a fixed order (its `_TENSOR_ATTRS` that are set)."""
-    return [t for t in (getattr(mask, name) for name in BlockMask._TENSOR_ATTRS) if isinstance(t, torch.Tensor)]
+def _plan_tensors(plan: ForwardPlan) -> list[torch.Tensor]:
+    """Every tensor a plan holds, in a fixed order, each once: a view by its base (the per-token flags of a mixed
+    plan are views of its per-row flags, which its masks read)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor):
+            t = t._base if t._base is not None else t
+            if id(t) not in seen:
+                seen.add(id(t))
+                found.append(t)
+
+    for t in (plan.mode, plan.encoder_tokens, plan.denoise_tokens, plan.real, plan.commit, plan.slots,
+              plan.self_conditioning, plan.positions):
+        add(t)
+    for lt in sorted(plan.rope):
+        for t in plan.rope[lt]:
+            add(t)
+        mask = plan.masks[lt]
+        for t in [mask] if isinstance(mask, torch.Tensor) else (getattr(mask, a) for a in BlockMask._TENSOR_ATTRS):
+            add(t)
+    return found

@@ -91,14 +91,16 @@ def test_mixed_rows_equal_separate_calls_eagerly(tiny_dir, attention):
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["flex", "dense"])
 def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
-    """The mixed forward compiled (plan built outside: its tensors are graph inputs), experts `gathered` as the
-    compiled generator runs them on float32, against eager single-row calls with the loop."""
+    """The mixed plan built by a compiled builder into preallocated tensors (`PlanBuffers(mixed=True)`, BlockMask
+    included), then the mixed forward compiled over them (graph inputs), experts `gathered` as the compiled
+    generator runs them on float32, against eager single-row calls with the loop."""
     model = dg.load(tiny_dir, attention=attention)
     cache, ids, sc_logits, mode, n_new, sc = _setup(model, seed=1)
     expected = _separately(model, cache, ids, sc_logits, "loop")
+    buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True)
     with torch.no_grad():
-        plan = build_plan(model, cache, ids.shape[1], mode=mode, n_new=n_new, self_conditioning=sc)
-        step = torch.compile(lambda: model.forward_plan(ids, cache, plan, sc_logits, moe_impl="gathered"),
+        torch.compile(lambda: buffers.fill(mode, n_new, sc), fullgraph=True, dynamic=False)()
+        step = torch.compile(lambda: model.forward_plan(ids, cache, buffers.plan, sc_logits, moe_impl="gathered"),
                              fullgraph=True, dynamic=False)
         hidden = step()
     _check(model, hidden, cache, expected)
@@ -226,3 +228,33 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
             assert torch.equal(model.denoise_block(canvas, cache, None, plan=plan.plan),
                                model.denoise_block(canvas, cache, None))
     assert [t.data_ptr() for t in plan.tensors] == ids, "filled in place"
+    with pytest.raises(ValueError, match="mixed=True"):
+        plan.fill(mode=torch.zeros(3, dtype=torch.long))
+
+
+def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir):
+    """A mixed `PlanBuffers` filled with the ROWS mix gives the forward of `build_plan`'s plan, bitwise, and keeps
+    its tensors; refilled with every row idle, then with the mix again, still the same."""
+    model = dg.load(tiny_dir)
+    cache, ids, sc_logits, mode, n_new, sc = _setup(model, seed=6)
+    buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True)
+    ptrs = [t.data_ptr() for t in buffers.tensors]
+    snapshot = lambda c: ([k.clone() for k in c.keys], [v.clone() for v in c.values], c.lengths.clone())  # noqa: E731
+
+    def forward(plan):
+        keys, values, lengths = snapshot(cache)
+        with torch.no_grad():
+            out = model.forward_plan(ids, cache, plan, sc_logits)
+        for t, saved in zip((*cache.keys, *cache.values), (*keys, *values)):
+            t.copy_(saved)
+        cache.lengths.copy_(lengths)
+        return out
+
+    expected = forward(build_plan(model, cache, ids.shape[1], mode=mode, n_new=n_new, self_conditioning=sc))
+    buffers.fill(mode, n_new, sc)
+    assert torch.equal(forward(buffers.plan), expected)
+    buffers.fill(torch.full_like(mode, IDLE))
+    assert buffers.plan.commit.eq(0).all() and not buffers.plan.self_conditioning.any()
+    buffers.fill(mode)
+    assert torch.equal(forward(buffers.plan), expected)
+    assert [t.data_ptr() for t in buffers.tensors] == ptrs
