@@ -233,23 +233,22 @@ class BufferSteps:
         cache.reset()
 
     def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        self._set_chunk(ids_RT, n_new_R)
+        self.encode()
+
+    def _set_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
         inp, R = self.inputs, self.R
         inp.ids.zero_()
         inp.ids[:R, :ids_RT.shape[1]] = ids_RT
         inp.n_new.zero_()
         inp.n_new[:R] = n_new_R
-        self.encode()
 
     def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
         if self.commit_denoise is None:
             self.encode_chunk(ids_RC, n_new_R)
             self.commits += 1
             return
-        inp, R = self.inputs, self.R
-        inp.ids.zero_()
-        inp.ids[:R, :ids_RC.shape[1]] = ids_RC
-        inp.n_new.zero_()
-        inp.n_new[:R] = n_new_R
+        self._set_chunk(ids_RC, n_new_R)  # copied now: the next block's begin_block resets the argmax buffer
         self.commit_pending = True
 
     def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
