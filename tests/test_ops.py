@@ -2,6 +2,7 @@
 the units' backend (with `moe_decompositions`), the implementation rule, and refused inputs."""
 
 import functools
+import pickle
 
 import pytest
 import torch
@@ -215,3 +216,23 @@ def test_model_moe_impl(tiny_dir):
     with pytest.raises(ValueError, match="moe_impl"):
         model.encode(prompt, cache, moe_impl="fast")
     assert int(cache.lengths[0]) == 5 and all(torch.equal(a, b) for a, b in zip(keys, cache.keys))
+
+
+def test_units_backend_compiles_through_inductors_fx_graph_cache():
+    """The backend's decomposition table pickles to a stable key, so Inductor's FX graph cache serves a unit compiled
+    before (in this process or an earlier one) instead of bypassing the cache ("Cannot produce stable cache key":
+    a plain dict of decompositions holds an unpicklable pybind11 function). Two compiles of one MoE graph: neither
+    bypasses the cache, the second is served by it."""
+    from torch._dynamo.utils import counters
+
+    def fn(x, w, idx, gate_up, down):
+        return moe(x, w, idx, gate_up, None, down, None, "gathered") + 1
+
+    args = experts(8, 4, 2, routing="random", dtype=torch.float32)
+    before = dict(counters["inductor"])
+    for _ in range(2):  # a new backend each time: Dynamo recompiles, Inductor's cache may serve the graph
+        compiled = torch.compile(fn, backend=UnitFactory(CompileOptions(), "cpu").backend("cache"), fullgraph=True)
+        torch.testing.assert_close(compiled(*args), fn(*args))
+    seen = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_bypass", "fxgraph_cache_hit")}
+    assert seen["fxgraph_cache_bypass"] == 0 and seen["fxgraph_cache_hit"] >= 1, seen
+    assert pickle.loads(pickle.dumps(ops.moe.DecompositionTable(True))) == ops.moe.DecompositionTable(True)

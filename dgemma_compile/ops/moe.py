@@ -164,16 +164,34 @@ def moe_decompositions(gm: torch.fx.GraphModule) -> dict:
     Raises: ValueError (naming moe_impl) when one graph calls the op with "loop" and with another implementation
     (one unit, one implementation: the others would silently stay opaque).
     """
-    from torch._inductor.decomposition import select_decomp_table
-
-    table = dict(select_decomp_table())
     impls = graph_moe_impls(gm)
     if "loop" in impls and len(impls) > 1:
         raise ValueError(f"moe_impl: one compiled graph calls dgemma::moe_experts with {sorted(impls)}; 'loop' "
                          "cannot be mixed with a decomposed implementation in one graph")
-    if "loop" not in impls:
-        table[torch.ops.dgemma.moe_experts.default] = _decompose_moe_experts
-    return table
+    return DecompositionTable(decompose_moe="loop" not in impls)
+
+
+class DecompositionTable(dict):
+    """Inductor's default decomposition table (`select_decomp_table()`, read at construction: it depends on
+    Inductor's config), plus, with `decompose_moe`, `dgemma::moe_experts` -> its traceable implementation.
+
+    Pickles as its recipe, `DecompositionTable(decompose_moe)`: Inductor's FX graph cache keys a compile on the
+    pickled `decompositions` it was given, and the default table holds a pybind11 function that does not pickle, so
+    a plain dict made every compile bypass the on-disk cache ("Cannot produce stable cache key", measured: each
+    process recompiled every unit). The recipe's code is covered by `moe_cache_key` (a hash of this file), the
+    default table's by the cache key's Inductor config and torch version.
+    """
+
+    def __init__(self, decompose_moe: bool):
+        from torch._inductor.decomposition import select_decomp_table
+
+        super().__init__(select_decomp_table())
+        self.decompose_moe = decompose_moe
+        if decompose_moe:
+            self[torch.ops.dgemma.moe_experts.default] = _decompose_moe_experts
+
+    def __reduce__(self):
+        return (DecompositionTable, (self.decompose_moe,))
 
 
 @contextlib.contextmanager
