@@ -63,3 +63,26 @@ def test_late_checks_give_the_oracles_tokens_with_bounded_waste(mode, k):
     bound = 1 if mode == "deferred" else k - 1
     assert all(0 <= w <= bound for w in late.wasted_forwards)
     assert [f - w for f, w in zip(late.forwards_per_block, late.wasted_forwards)] == oracle.forwards_per_block
+
+
+@pytest.mark.slow
+def test_deferred_check_with_commit_fusion_issues_the_fused_forward_one_step_late():
+    """Commit fusion under the deferred check: the host learns a block finished one step late (at most one wasted,
+    frozen-only forward), then the commit rides in the next block's first step; tokens and stats equal the
+    synchronous, unfused oracle's on the demo model."""
+    model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
+    cfg = model.generation_config.replace(max_denoising_steps=8, max_new_tokens=40)
+    texts = [p for _, p, _ in tasks.make_split("heldout", 4, seed=0)]
+
+    def run(check, fuse):
+        cfgs, prompts, seeds, _ = plan(model, [tok(t)["input_ids"] for t in texts], cfg, [3, 4, 5, 6])
+        runner = EagerSteps(model, cfgs, seeds, 256, "loop", fuse_commit=fuse)
+        return run_block_diffusion(model, runner, prompts, cfgs, stop_check=check)
+
+    oracle, late = run(StopCheck("sync"), False), run(StopCheck("deferred"), True)
+    assert late.sequences == oracle.sequences and late.stats == oracle.stats
+    blocks = len(oracle.forwards_per_block)
+    assert blocks > 1 and (oracle.commits, oracle.fused_commits) == (blocks - 1, 0)
+    assert (late.commits, late.fused_commits) == (0, blocks - 1)
+    assert all(0 <= w <= 1 for w in late.wasted_forwards) and any(late.wasted_forwards)
+    assert [f - w for f, w in zip(late.forwards_per_block, late.wasted_forwards)] == oracle.forwards_per_block
