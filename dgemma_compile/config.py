@@ -175,6 +175,9 @@ class ModelConfig:
         act = get("hidden_activation", "gelu_pytorch_tanh")
         _require(act == "gelu_pytorch_tanh", "hidden_activation", f"only gelu_pytorch_tanh is supported, got {act!r}")
         _require(get("num_experts") is not None, "num_experts", "missing: DiffusionGemma always has MoE layers")
+        for name in ("attn_logit_softcapping", "query_pre_attn_scalar"):  # Gemma 2/3 score transforms
+            _require(get(name) is None, name, "not supported: DiffusionGemma's attention applies no score transform "
+                     "(scale 1.0 on RMS-normed q/k, no attention softcap; transformers' DiffusionGemma attention)")
         eos = get("eos_token_id", 1)
         return cls(
             vocab_size=get("vocab_size", 262_144), hidden_size=get("hidden_size", 2304),

@@ -106,6 +106,8 @@ def test_tokenizer_with_chat_template(ckpt):
     ("bad_json", r"config.json: not valid JSON"),
     ("not_diffusion_gemma", r"config.json: model_type: not a DiffusionGemma checkpoint \(model_type='llama'"),
     ("bad_config_value", r"config.json: top_k_experts: must be <= num_experts=4"),
+    ("attention_softcap", r"config.json: attn_logit_softcapping: not supported: DiffusionGemma's attention applies no "
+                          r"score transform"),
     ("no_weights", r"no model.safetensors or model.safetensors.index.json"),
     ("missing_tensor", r"tensor model.decoder.layers.1.router.proj.weight is missing"),
     ("wrong_shape", r"model.safetensors: tensor model.decoder.layers.0.mlp.up_proj.weight has shape \[48, 31\], expected \[48, 32\]"),
@@ -146,6 +148,9 @@ def test_bad_checkpoints_fail_with_a_message_naming_file_and_tensor(tmp_path, ck
         elif case == "bad_config_value":
             cfg["text_config"]["top_k_experts"] = 9
             cfg_path.write_text(json.dumps(cfg))
+        elif case == "attention_softcap":
+            cfg["text_config"]["attn_logit_softcapping"] = 50.0
+            cfg_path.write_text(json.dumps(cfg))
         elif case == "no_weights":
             weights.unlink()
         elif case == "missing_tensor":
@@ -171,3 +176,25 @@ def test_missing_tokenizer_is_a_checkpoint_error(tmp_path):
     d = write_checkpoint(tmp_path / "notok")
     with pytest.raises(CheckpointError, match="no loadable tokenizer"):
         dg.load_tokenizer(d)
+
+
+def test_reference_attention_applies_no_score_transform():
+    """What our attention assumes of transformers' DiffusionGemma (scale 1.0 on RMS-normed q/k, no attention
+    softcap, so FlexAttention needs no score_mod): its config has no attention softcap or query pre-scalar field,
+    its attention modules set `scaling = 1.0`, and their forward passes no `softcap` to the attention function."""
+    import inspect
+
+    from transformers import DiffusionGemmaConfig
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as m
+
+    text = DiffusionGemmaConfig().text_config
+    assert not hasattr(text, "attn_logit_softcapping") and not hasattr(text, "query_pre_attn_scalar")
+    attention = [c for name, c in vars(m).items() if isinstance(c, type) and name.endswith("Attention")]
+    assert attention
+    model = hf_model()
+    for module in model.modules():
+        if type(module) in attention:
+            assert module.scaling == 1.0
+    for cls in attention:
+        source = inspect.getsource(cls.forward)
+        assert "scaling=self.scaling" in source and "softcap" not in source, cls.__name__
