@@ -43,7 +43,7 @@ def test_auto_resolves_by_device_and_bad_modes_are_refused():
         dg.CompileOptions(stop_check="never")
 
 
-@pytest.mark.parametrize("mode,k", [("deferred", 1), ("every_k", 3)])
+@pytest.mark.parametrize("mode,k", [("deferred", 1), pytest.param("every_k", 3, marks=pytest.mark.slow)])
 def test_late_checks_give_the_oracles_tokens_with_bounded_waste(mode, k):
     """On the demo model (its blocks stop after ~2 of 8 steps), prompts long enough for several blocks."""
     model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
