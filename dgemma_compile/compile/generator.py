@@ -221,13 +221,18 @@ class CompiledGenerator:
         return explain(self, batch_size, config, workload)
 
 
+def _padded(toks: list[list[int]], start: int, total: int) -> list[list[int]]:
+    """A group's per-request new tokens placed at the call's request indices (empty lists elsewhere)."""
+    return [[] for _ in range(start)] + toks + [[] for _ in range(total - start - len(toks))]
+
+
 def _global_rows(on_block: BlockCallback | None, start: int, n: int, total: int) -> BlockCallback | None:
     """on_block of a group of n requests starting at `start`, seen with the call's request indices."""
     if on_block is None:
         return None
 
     def forward(block: int, toks: list[list[int]]) -> None:
-        on_block(block, [[] for _ in range(start)] + toks + [[] for _ in range(total - start - n)])
+        on_block(block, _padded(toks, start, total))
 
     return forward
 
@@ -238,7 +243,7 @@ def _global_stop(stop: StopHook | None, start: int, n: int, total: int) -> StopH
         return None
 
     def forward(block: int, toks: list[list[int]]) -> list[int]:
-        rows = list(stop(block, [[] for _ in range(start)] + toks + [[] for _ in range(total - start - n)]))
+        rows = list(stop(block, _padded(toks, start, total)))
         bad = [r for r in rows if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < total]
         if bad:
             raise ValueError(f"stop: returned request index {bad[0]!r}, not an integer in [0, {total})")
