@@ -90,6 +90,10 @@ class _Ours(System):
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.observer = RecorderObserver(ctx.rec, live=ctx.model.device.type != "cuda")
+        C = ctx.model.config.canvas_length
+        need = ctx.work.max_prompt_len + (-(-ctx.cfg.max_new_tokens // C) - 1) * C
+        # one cache size for eager and compiled: attention reduces over every slot
+        self.max_seq_len = ctx.max_seq_len or max(need, C)
 
     @abc.abstractmethod
     def _generate(self, *args, **kwargs):
@@ -121,7 +125,7 @@ class OursEager(_Ours):
     def _generate(self, *args, **kwargs):
         import dgemma_compile as dg
 
-        return dg.generate(self.ctx.model, *args, **kwargs)
+        return dg.generate(self.ctx.model, *args, max_seq_len=self.max_seq_len, **kwargs)
 
 
 class OursCompiled(_Ours):
@@ -133,9 +137,8 @@ class OursCompiled(_Ours):
         from dgemma_compile.compile import CompileOptions
 
         super().__init__(ctx)
-        C, B = ctx.model.config.canvas_length, ctx.batch
-        need = ctx.work.max_prompt_len + (-(-ctx.cfg.max_new_tokens // C) - 1) * C
-        self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=ctx.max_seq_len or max(need, C),
+        B = ctx.batch
+        self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=self.max_seq_len,
                                                       stop_check=ctx.stop_check, fuse_commit=fuse_commit))
         self.compile_s = self.gen.warmup(B, ctx.cfg)
         self.bucket = self.gen.bucket(B, ctx.cfg)

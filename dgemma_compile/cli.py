@@ -7,7 +7,7 @@ in input order. Every expected failure (missing directory or file, bad checkpoin
 `dgemma: error:` line on stderr and exit status 2.
 
 Timing: tok/s and ttfb_s (request start to the first committed block) cover the generation only. One-time costs
-come first and are reported apart: `compile_s` (compiled path: the denoise step and encoder chunk), or `warmup_s`
+come first and are reported apart: `compile_s` (compiled path: every compile unit of the bucket), or `warmup_s`
 (`--eager`: an untimed run of the same request with one denoise step per block, so that the shape-specialised
 traces eager FlexAttention makes on first use of each shape are done before the clock starts).
 """
@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                         "stdin; writes one JSON line per prompt on stdout, in input order")
     g.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help=f"prompts per batch with --prompts-file (default {DEFAULT_BATCH_SIZE}: one compiled bucket)")
-    e = sub.add_parser("explain", help="Dynamo explain report of the compiled denoise step and encoder chunk")
+    e = sub.add_parser("explain", help="Dynamo explain report of each compile unit (denoise step, encoder chunk, "
+                                       "fused commit where on)")
     e.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
     e.add_argument("--batch-size", type=int, default=1, help="report the bucket serving this many requests")
     e.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -190,7 +191,8 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
 
     gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=max_seq_len,
                                       max_denoising_steps=max(256, steps)))
-    print("dgemma: compiling the denoise step and encoder chunk (a minute or so on a CPU, cached afterwards)...",
+    print("dgemma: compiling the denoise step and encoder chunk (a minute or so on a CPU the first time; Inductor's "
+          "disk cache serves later runs)...",
           file=sys.stderr, flush=True)
     return gen.generate, f" compile_s={gen.warmup(rows, config):.1f}"
 

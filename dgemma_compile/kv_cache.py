@@ -35,7 +35,8 @@ class KVCache:
         keys, values: one tensor per layer, [B, H_kv(layer), max_seq_len + block_size, D_h(layer)].
         lengths: int64 [B], committed tokens per row (positions 0..lengths-1 are valid).
         max_seq_len: S, committed slots per row.
-        block_size: T_blk, the largest block one forward may process (canvas or prefill chunk).
+        block_size: T_blk, the largest block one forward may process (canvas or prefill chunk; 2C for a fused
+            commit + denoise forward).
     """
 
     keys: list[torch.Tensor]

@@ -7,7 +7,7 @@ A forward processes one block of T token slots per row (the cache layout of `kv_
   nothing is committed (its keys/values only pass through the block slots). Its input is the self-conditioned
   embedding, with the previous step's signal where `self_conditioning[b]` (zero otherwise).
 - IDLE: no real token, nothing committed; its outputs are meaningless.
-- COMMIT_DENOISE (commit fusion; every row of a "commit+denoise" plan): 2C block tokens, the first C a commit
+- COMMIT_DENOISE (commit fusion; every row of a uniform "commit+denoise" plan, never in a mixed one): 2C block tokens, the first C a commit
   (encoder mode, `n_new[b]` real, committed) and the last C the next block's start canvas (denoise mode, no
   self-conditioning), which sees the committed context including the tokens committed by this very forward
   (`masks.commit_denoise_mask_mod`). One forward instead of a commit and a block's first denoise step.
@@ -89,15 +89,16 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         mode: "encoder", "denoise" or "commit+denoise" (T = 2C: commit fusion, see the module docstring) for every
             row, or an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE`.
         n_new: int64 [B], real tokens of encoder rows (0 <= n_new <= T; ignored for other rows), or tokens committed
-            by a "commit+denoise" row (0 <= n_new <= C); required when a row is in encoder mode.
+            by a "commit+denoise" row (0 <= n_new <= C, and lengths + n_new <= S: a precondition, not checked);
+            required when a row is in encoder mode.
         self_conditioning: bool [B], denoise rows that receive the previous step's logits (mixed plans; default
             none).
     Returns:
         A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
         a uniform plan.
     Raises:
-        ValueError: an unknown mode, a missing `n_new`, per-row tensors whose shape is not [B], or an odd T for
-            "commit+denoise".
+        ValueError: an unknown mode (a mixed plan's values are checked unless built inside a compiled region), a
+            missing `n_new`, per-row tensors whose shape is not [B], or an odd T for "commit+denoise".
     """
     B, S, dev = cache.batch_size, cache.max_seq_len, cache.lengths.device
     lengths = cache.lengths
@@ -108,7 +109,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         if mode not in UNIFORM_MODES:
             raise ValueError(f"mode must be one of {UNIFORM_MODES} or an int64 tensor [B], got {mode!r}")
         if mode != "denoise" and n_new is None:
-            raise ValueError("n_new: required for encoder rows")
+            raise ValueError(f"n_new: required for mode {mode!r}")
         if mode == "commit+denoise":
             if T % 2:
                 raise ValueError(f"T must be 2C for mode 'commit+denoise', got {T}")
@@ -135,8 +136,12 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
                 raise ValueError(f"{name} must be [B={B}], got {tuple(t.shape)}")
         if self_conditioning is not None and self_conditioning.dtype != torch.bool:
             raise ValueError(f"self_conditioning must be bool, got {self_conditioning.dtype}")
-        if n_new is None and bool((mode == ENCODER).any()):
-            raise ValueError("n_new: required for encoder rows")
+        if not torch.compiler.is_compiling():  # value checks read the device; a compiled builder skips them
+            if bool(((mode < IDLE) | (mode > DENOISE)).any()):
+                raise ValueError(f"mode: per-row modes are IDLE, ENCODER, DENOISE ({IDLE}, {ENCODER}, {DENOISE}; "
+                                 f"COMMIT_DENOISE is uniform only), got {mode.tolist()}")
+            if n_new is None and bool((mode == ENCODER).any()):
+                raise ValueError("n_new: required for encoder rows")
         mode_B = mode
         encoder_rows = mode == ENCODER
         encoder_tokens, denoise_tokens = encoder_rows[:, None], (mode == DENOISE)[:, None]

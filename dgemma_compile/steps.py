@@ -1,15 +1,15 @@
 """The step contract: what the block loop drives, the one per-row state it drives, and the one denoise step.
 
-- `StepRunner` (a Protocol) is everything `generate.run_block_diffusion` needs: encode a chunk (prefill or commit),
-  begin a block, run a denoise step, read the block's result.
+- `StepRunner` (a Protocol) is everything `generate.run_block_diffusion` needs: encode a prefill chunk, commit a
+  block (now, or fused into the next block's first step), begin a block, run a denoise step, read the block's result.
 - `DenoiseState` is the per-row state of the block in flight and `StepInputs` the per-step inputs, both static
   device buffers; "no self-conditioning yet" is the `has_sc` flag in every path.
-- `denoise_step` and `encode_chunk` are the two steps, pure functions of (model, cache, buffers) that update the
-  buffers in place with no host synchronisation; the denoise step draws its own noise from the request's
+- `denoise_step` (with `commit=True`: the fused commit + first denoise step) and `encode_chunk` are the steps, pure
+  functions of (model, cache, buffers) that update the buffers in place with no host synchronisation; the denoise step draws its own noise from the request's
   counter-based stream (`rng.py`) and reads its temperature from a per-row table. The eager generator calls them directly; the compiled generator
   compiles exactly these functions (`compile/generator.py`).
-- `BufferSteps` implements `StepRunner` over those buffers for any pair of zero-argument step callables, so eager
-  and compiled share every host-side fill; `EagerSteps` is the eager instance.
+- `BufferSteps` implements `StepRunner` over those buffers for any zero-argument step callables (denoise, encode,
+  and optionally the fused commit + denoise), so eager and compiled share every host-side fill; `EagerSteps` is the eager instance.
 
 Legend: B rows of the buffers (a bucket; rows >= R are frozen padding), R requests, C canvas, V vocab,
 P stability_threshold (history depth), T block tokens (encoder chunk).
@@ -35,14 +35,15 @@ class StepRunner(Protocol):
     """What the block loop drives. Tensors are [R, ...] for the R requests of the call."""
 
     block_size: int
-    """T: tokens per encoder chunk (prefill chunks and commits are padded to it)."""
+    """T: tokens per encoder chunk (prefill chunks, and commits without fusion, are padded to it)."""
     commits: int
     """Commits run so far as their own encoder pass."""
     fused_commits: int
     """Commits run so far inside the next block's first denoise step (commit fusion)."""
 
     def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
-        """Causal pass over T' <= T tokens, n_new_R[r] of row r real: a prefill chunk or a commit; writes the KV."""
+        """Causal pass over T' <= T tokens, n_new_R[r] of row r real: a prefill chunk (or an unfused commit, through
+        `commit`); writes the KV."""
 
     def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
         """Commit a finished block (its argmax canvas, n_new_R[r] tokens of row r: C, or 0 for a done row) before

@@ -222,16 +222,19 @@ def test_explain_reports_one_graph_and_no_breaks(tiny):
 def test_compiled_commit_fusion_tokens_equal_eager(tiny_dir):
     """`fuse_commit=True` (CPU default: off): every commit runs inside the next block's first step, in the fused unit;
     tokens and statistics equal the eager generator's, fused and unfused (prompts shorter and longer than the
-    canvas, five blocks, sampling on)."""
+    canvas, five blocks, sampling on, a stop hook ending one row after its second block, so the later fused steps
+    commit nothing for it)."""
     model = dg.load(tiny_dir)
     gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, fuse_commit=True))
     prompts = [[2, 5, 6, 7], [2] + list(range(3, 30))]
     cfg = dg.GenerationConfig(max_new_tokens=5 * model.config.canvas_length, max_denoising_steps=4, eos_token_ids=())
     seen = Units()
-    out = gen.generate(prompts, cfg, seed=[3, 4], observer=seen)
+    stop = lambda block, toks: [0] if block == 1 else []  # noqa: E731 - row 0 commits nothing in the later fused steps
+    out = gen.generate(prompts, cfg, seed=[3, 4], observer=seen, stop=stop)
     assert out.fuse_commit and out.commits == 0 and out.fused_commits == 4
+    assert out.stats[0].finish_reason == "stop" and out.stats[0].blocks == 2
     assert sum(n for name, n in seen.units.items() if name.startswith("commit_denoise_step[")) == 4
     for fuse in (True, False):
-        eager = dg.generate(model, prompts, cfg, seed=[3, 4], moe_impl=gen.moe_impl, fuse_commit=fuse)
+        eager = dg.generate(model, prompts, cfg, seed=[3, 4], moe_impl=gen.moe_impl, fuse_commit=fuse, stop=stop)
         assert (eager.commits, eager.fused_commits) == ((0, 4) if fuse else (4, 0))
         assert out.sequences == eager.sequences and out.stats == eager.stats

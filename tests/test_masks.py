@@ -124,22 +124,6 @@ def test_commit_denoise_mask_mod_matches_dense(c):
     assert torch.equal(got[:, 0], dense_commit_denoise_mask(c["lengths_B"], c["n_new_B"], **kw))
 
 
-@SETTINGS
-@given(commit_layouts())
-def test_commit_denoise_mask_is_the_two_unfused_masks(c):
-    """Row by row: the commit half sees what the unfused commit sees; the canvas half, with its block keys moved
-    to slots [C, 2C), sees what a denoise pass after the commit sees (context lengths + n_new)."""
-    L, n, C, S = c["lengths_B"], c["n_new_B"], c["C"], c["S"]
-    kw = dict(cache_slots=S, sliding_window=c["W"], window_kind=c["kind"])
-    fused = dense_commit_denoise_mask(L, n, canvas=C, **kw)
-    commit = dense_block_mask(L, n, True, block_len=C, **kw)
-    denoise = dense_block_mask(L + n, None, False, block_len=C, **kw)
-    assert torch.equal(fused[:, :C, :S + C], commit) and not fused[:, :C, S + C:].any()
-    assert torch.equal(fused[:, C:, :S], denoise[..., :S]) and not fused[:, C:, S:S + C].any()
-    assert torch.equal(fused[:, C:, S + C:], denoise[..., S:])
-    assert fused.any(-1).all(), "every query row sees at least one key"
-
-
 # --- properties of the dense reference ---------------------------------------------------------------------------
 
 @SETTINGS

@@ -113,11 +113,17 @@ def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
                                      r"n_new must be \[B=5\]"),
                                     (dict(mode=torch.ones(5, dtype=torch.long)), "n_new: required"),
                                     (dict(mode=torch.full((5,), 2), self_conditioning=torch.ones(5, dtype=torch.long)),
-                                     "self_conditioning must be bool")])
+                                     "self_conditioning must be bool"),
+                                    (dict(mode=torch.full((5,), 3)), "COMMIT_DENOISE is uniform only"),
+                                    (dict(mode=torch.full((5,), -1)), "per-row modes are IDLE, ENCODER, DENOISE"),
+                                    (dict(mode="commit+denoise"), "n_new: required for mode 'commit\\+denoise'"),
+                                    (dict(mode="commit+denoise", n_new=torch.ones(5, dtype=torch.long), T=7),
+                                     "T must be 2C")])
 def test_bad_plans_are_refused(tiny_dir, kw, msg):
     model = dg.load(tiny_dir)
+    T = kw.pop("T", model.config.canvas_length)
     with pytest.raises(ValueError, match=msg):
-        build_plan(model, model.new_cache(5, S), model.config.canvas_length, **kw)
+        build_plan(model, model.new_cache(5, S, block_size=2 * model.config.canvas_length), T, **kw)
 
 
 def test_reset_cache_leaves_nothing_of_a_previous_request(tiny_dir):

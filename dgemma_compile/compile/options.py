@@ -92,11 +92,11 @@ class CompileOptions:
             raise ConfigError(f"moe_impl: must be one of {('auto', *MOE_IMPLS)}, got {self.moe_impl!r}")
         if not isinstance(self.skip_guards, bool):
             raise ConfigError(f"skip_guards: must be a bool, got {self.skip_guards!r}")
-        if self.fuse_commit not in (None, True, False):
+        if not (self.fuse_commit is None or isinstance(self.fuse_commit, bool)):
             raise ConfigError(f"fuse_commit: must be None, True or False, got {self.fuse_commit!r}")
         if not isinstance(self.direct_calls, bool):
             raise ConfigError(f"direct_calls: must be a bool, got {self.direct_calls!r}")
-        if self.cpp_wrapper not in (None, True, False):
+        if not (self.cpp_wrapper is None or isinstance(self.cpp_wrapper, bool)):
             raise ConfigError(f"cpp_wrapper: must be None, True or False, got {self.cpp_wrapper!r}")
         if self.recompile_limit < 2 * len(b):
             raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")

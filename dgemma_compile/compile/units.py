@@ -1,8 +1,8 @@
 """Compiled units: a zero-argument step over static buffers, `torch.compile`d under `CompileOptions`, optionally
 replayed as a CUDA graph; and `UnitFactory`, which makes them and counts their Inductor compiles.
 
-A unit is the unit of compilation (STYLE.md principle 3): `denoise_step` and `encoder_chunk` per batch bucket in the
-generator, the prefill chunk and one-token step in the AR baseline. Its function reads and writes only static
+A unit is the unit of compilation (STYLE.md principle 3): `denoise_step`, `encoder_chunk` and, with commit fusion,
+`commit_denoise_step` per batch bucket in the generator, the prefill chunk and one-token step in the AR baseline. Its function reads and writes only static
 buffers captured by the closure, so every call runs the same graph and a CUDA graph can replay it.
 
 Guards: each unit has its own Dynamo cache (`isolate_recompiles`), holding one entry. With
