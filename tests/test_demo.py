@@ -14,6 +14,7 @@ def heldout(n):
     return [prompt for _, prompt, _ in tasks.make_split("heldout", n, seed=0)]
 
 
+@pytest.mark.slow  # fast-tier budget; the tiny-model parity tests stay fast
 def test_demo_logits_equal_transformers(demo):
     from transformers import DiffusionGemmaForBlockDiffusion
 
@@ -69,6 +70,7 @@ def test_demo_answers_at_tiny_and_zero_temperature(demo, demo_gen, T):
     assert all(st.finish_reason == "eos" for st in eager.stats)
 
 
+@pytest.mark.slow  # fast-tier budget
 def test_with_temperature_scales_the_schedule_and_zero_is_greedy(demo):
     model, tok = demo
     cfg = model.generation_config

@@ -271,6 +271,7 @@ def test_bad_stop_strings_name_the_field(bpe, bad):
         StopStrings(bpe, bad)
 
 
+@pytest.mark.slow  # fast-tier budget; the stop-string unit tests stay fast
 def test_stop_strings_end_the_request_on_the_demo():
     """Through the generator's stop hook: a stop string in the first block ends the request after it (no second
     block is denoised); one spanning the two blocks of a long reversal is cut out across the boundary."""
