@@ -226,8 +226,8 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
     """The block loop over validated inputs (see `plan`), driving `runner` (eager or compiled steps, built for these
     requests and seeds): prefill in fixed chunks; per block: start canvases, denoise steps until every row finished
     (stopped early or ran its step budget), finalise (eos, budget, `on_block`, `stop`), commit the argmax canvas of
-    rows still running (`runner.commit`: now, or fused into the next block's first step). The host reads one flag per step, when `stop_check` says (default: "sync", every step);
-    everything else stays on the device."""
+    rows still running (`runner.commit`: now, or fused into the next block's first step). The host reads one flag
+    per step, when `stop_check` says (default: "sync", every step); everything else stays on the device."""
     dev, C = model.device, model.config.canvas_length
     R = len(prompts)
     timer = timer or SpanTimer(dev, None)
