@@ -1,16 +1,15 @@
 """Counter-based random streams (Philox4x32-10) in plain torch integer ops.
 
 Every random number of a generation is a pure function of (seed, block, step, position, lane): a denoise step
-draws all its noise inside one compiled graph (no torch.Generator, no host work per step), and a row's draws
-never depend on its batch mates. This torch version works eagerly and under
-`torch.compile(fullgraph=True, dynamic=False)` with bit-identical results, and is the oracle that a future
-Triton kernel must reproduce bit for bit.
+draws all its noise from device tensors (no torch.Generator, no host work per step), and a row's draws never
+depend on its batch mates. Only integer tensor ops, so the results are bit-identical wherever the step runs, and
+this is the oracle that a future Triton kernel must reproduce bit for bit.
 
 Algorithm: Philox4x32-10 from J. K. Salmon, M. A. Moraes, R. O. Dror, D. E. Shaw, "Parallel random numbers:
 as easy as 1, 2, 3", SC'11, checked against the known-answer vectors of the Random123 library
 (`tests/kat_vectors`). CPU torch has no uint32 add/shift/mulhi, so 32-bit words live in int64 tensors with
 values in [0, 2**32), and each 32x32->64-bit product is split into two 32x16-bit products (< 2**48), so no
-int64 ever overflows (signed overflow would be undefined behaviour in Inductor's C++).
+int64 ever overflows (signed overflow is undefined behaviour in C and C++ code generated from these ops).
 
 Stream layout (THE table; one Philox4x32-10 call per counter, output words w0..w3):
 
@@ -38,7 +37,7 @@ lanes LANE_VOCAB_BASE + v0/4 .. LANE_VOCAB_BASE + (v0 + K)/4 - 1. No function he
 
 Seeds are an int64 [B] tensor holding each 64-bit seed (in [0, 2**64)) as its two's-complement bit pattern
 (`seed_tensor` builds it from Python ints). Block and step are int64 tensors, 0-d or [B], never Python ints,
-so changing their values never recompiles. Tensor legend: _B batch rows, _C canvas positions, _L lanes.
+so their values are data, never constants baked into the step. Tensor legend: _B batch rows, _C canvas positions, _L lanes.
 """
 
 from __future__ import annotations
