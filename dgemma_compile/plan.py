@@ -80,7 +80,7 @@ class ForwardPlan:
 
 
 def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
-               self_conditioning: torch.Tensor | None = None) -> ForwardPlan:
+               self_conditioning: torch.Tensor | None = None, check_values: bool = True) -> ForwardPlan:
     """The plan of one forward of T block tokens per row over `cache` (its current `lengths`).
 
     Args:
@@ -93,12 +93,14 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
             required when a row is in encoder mode.
         self_conditioning: bool [B], denoise rows that receive the previous step's logits (mixed plans; default
             none).
+        check_values: check a mixed plan's mode values and that encoder rows have `n_new` (reads the device: a
+            host synchronisation).
     Returns:
         A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
         a uniform plan.
     Raises:
-        ValueError: an unknown mode (a mixed plan's values are checked unless built inside a compiled region), a
-            missing `n_new`, per-row tensors whose shape is not [B], or an odd T for "commit+denoise".
+        ValueError: an unknown mode (a mixed plan's mode values only with `check_values`, which reads the device),
+            a missing `n_new`, per-row tensors whose shape is not [B], or an odd T for "commit+denoise".
     """
     B, S, dev = cache.batch_size, cache.max_seq_len, cache.lengths.device
     lengths = cache.lengths
@@ -136,7 +138,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
                 raise ValueError(f"{name} must be [B={B}], got {tuple(t.shape)}")
         if self_conditioning is not None and self_conditioning.dtype != torch.bool:
             raise ValueError(f"self_conditioning must be bool, got {self_conditioning.dtype}")
-        if not torch.compiler.is_compiling():  # value checks read the device; a compiled builder skips them
+        if check_values:  # they read the device: `PlanBuffers.fill`, which may run compiled, turns them off
             if bool(((mode < IDLE) | (mode > DENOISE)).any()):
                 raise ValueError(f"mode: per-row modes are IDLE, ENCODER, DENOISE ({IDLE}, {ENCODER}, {DENOISE}; "
                                  f"COMMIT_DENOISE is uniform only), got {mode.tolist()}")
@@ -202,7 +204,7 @@ class PlanBuffers:
 
     def _build(self) -> ForwardPlan:
         if self.mixed:
-            return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new,
+            return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new, check_values=False,
                               self_conditioning=self.self_conditioning)
         return build_plan(self.model, self.cache, self.T, mode="denoise")
 

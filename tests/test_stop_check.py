@@ -43,22 +43,26 @@ def test_auto_resolves_by_device_and_bad_modes_are_refused():
         dg.CompileOptions(stop_check="never")
 
 
+DEMO_SETTINGS = dict(max_denoising_steps=8, max_new_tokens=40)  # blocks stop after ~2 of 8 steps; several blocks
+
+
+def _demo_run(check: StopCheck, fuse_commit: bool = False):
+    """Four held-out demo prompts through the eager block loop under `check` (and commit fusion if asked)."""
+    model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
+    cfg = model.generation_config.replace(**DEMO_SETTINGS)
+    texts = [p for _, p, _ in tasks.make_split("heldout", 4, seed=0)]
+    cfgs, prompts, seeds, _ = plan(model, [tok(t)["input_ids"] for t in texts], cfg, [3, 4, 5, 6])
+    runner = EagerSteps(model, cfgs, seeds, 256, "loop", fuse_commit=fuse_commit)
+    return run_block_diffusion(model, runner, prompts, cfgs, stop_check=check)
+
+
 @pytest.mark.parametrize("mode,k", [("deferred", 1), pytest.param("every_k", 3, marks=pytest.mark.slow)])
 def test_late_checks_give_the_oracles_tokens_with_bounded_waste(mode, k):
     """On the demo model (its blocks stop after ~2 of 8 steps), prompts long enough for several blocks."""
-    model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
-    cfg = model.generation_config.replace(max_denoising_steps=8, max_new_tokens=40)
-    texts = [p for _, p, _ in tasks.make_split("heldout", 4, seed=0)]
-
-    def run(check):
-        cfgs, prompts, seeds, slots = plan(model, [tok(t)["input_ids"] for t in texts], cfg, [3, 4, 5, 6])
-        return run_block_diffusion(model, EagerSteps(model, cfgs, seeds, slots, "loop"), prompts, cfgs,
-                                   stop_check=check)
-
-    oracle, late = run(StopCheck("sync")), run(StopCheck(mode, k=k))
+    oracle, late = _demo_run(StopCheck("sync")), _demo_run(StopCheck(mode, k=k))
     assert late.sequences == oracle.sequences and late.stats == oracle.stats
     assert oracle.wasted_forwards == [0] * len(oracle.forwards_per_block)
-    early = [b for b, n in enumerate(oracle.forwards_per_block) if n < cfg.max_denoising_steps]
+    early = [b for b, n in enumerate(oracle.forwards_per_block) if n < DEMO_SETTINGS["max_denoising_steps"]]
     assert early, "some block stopped early, so a late check has something to waste"
     bound = 1 if mode == "deferred" else k - 1
     assert all(0 <= w <= bound for w in late.wasted_forwards)
@@ -70,16 +74,7 @@ def test_deferred_check_with_commit_fusion_issues_the_fused_forward_one_step_lat
     """Commit fusion under the deferred check: the host learns a block finished one step late (at most one wasted,
     frozen-only forward), then the commit rides in the next block's first step; tokens and stats equal the
     synchronous, unfused oracle's on the demo model."""
-    model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
-    cfg = model.generation_config.replace(max_denoising_steps=8, max_new_tokens=40)
-    texts = [p for _, p, _ in tasks.make_split("heldout", 4, seed=0)]
-
-    def run(check, fuse):
-        cfgs, prompts, seeds, _ = plan(model, [tok(t)["input_ids"] for t in texts], cfg, [3, 4, 5, 6])
-        runner = EagerSteps(model, cfgs, seeds, 256, "loop", fuse_commit=fuse)
-        return run_block_diffusion(model, runner, prompts, cfgs, stop_check=check)
-
-    oracle, late = run(StopCheck("sync"), False), run(StopCheck("deferred"), True)
+    oracle, late = _demo_run(StopCheck("sync")), _demo_run(StopCheck("deferred"), fuse_commit=True)
     assert late.sequences == oracle.sequences and late.stats == oracle.stats
     blocks = len(oracle.forwards_per_block)
     assert blocks > 1 and (oracle.commits, oracle.fused_commits) == (blocks - 1, 0)
