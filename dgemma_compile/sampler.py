@@ -161,6 +161,39 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-big, big)
 
 
+class SampleStep(NamedTuple):
+    """What `sample_step` computes per position: argmax, sampled: int64 [B, C]; entropy: float32 [B, C];
+    sc_logits: float32 [B, C, V] (see `StepUpdate`)."""
+
+    argmax: torch.Tensor
+    sampled: torch.Tensor
+    entropy: torch.Tensor
+    sc_logits: torch.Tensor
+
+
+def sample_step(logits_BCV: torch.Tensor, temperature_B: torch.Tensor, greedy_B: torch.Tensor,
+                uniform_BC: torch.Tensor) -> SampleStep:
+    """The vocabulary-wide part of a denoise step, the region `dgemma::sample_step` fuses: the logits scaled by 1/T
+    (shifted by their max first), their argmax, one token per position by `sample_chunked_icdf` with `uniform_BC`,
+    the entropy of softmax(scaled), and the self-conditioning logits (the scaled logits; one-hot for greedy rows).
+
+    Args: logits float [B, C, V] (any float dtype, computed in float32); temperature float32 [B]; greedy bool [B]
+    (sample = argmax, entropy 0); uniform float32 [B, C] in [0, 1). Rows are independent: a slice of rows or
+    positions gives the same values as the whole (what a chunked implementation relies on).
+    """
+    greedy_B11 = greedy_B[:, None, None]
+    # shift by the max before dividing: softmax is unchanged, the max entry is exactly 0, and a tiny T can only
+    # push the others towards -inf (clamped), never overflow the max (which would make false ties)
+    shifted = logits_BCV.float() - logits_BCV.float().amax(dim=-1, keepdim=True)
+    scaled = _finite(shifted / torch.where(greedy_B, 1.0, temperature_B)[:, None, None])
+    argmax = scaled.argmax(dim=-1)
+    sampled = torch.where(greedy_B[:, None], argmax, sample_chunked_icdf(scaled, uniform_BC))
+    ent = torch.where(greedy_B[:, None], 0.0, entropy(scaled))
+    one_hot = torch.where(torch.arange(scaled.shape[-1], device=scaled.device) == argmax[..., None], 0.0,
+                          torch.finfo(scaled.dtype).min)
+    return SampleStep(argmax=argmax, sampled=sampled, entropy=ent, sc_logits=torch.where(greedy_B11, one_hot, scaled))
+
+
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
                    finished_B: torch.Tensor, logits_BCV: torch.Tensor, temperature_B: torch.Tensor,
                    greedy_B: torch.Tensor, noise: StepNoise, *, entropy_bound_B: torch.Tensor,
@@ -174,19 +207,9 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
     Stopping (`StableAndConfidentStoppingCriteria`): argmax equal to each of the previous P argmax canvases (so never
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
     """
-    greedy_B11 = greedy_B[:, None, None]
-    # shift by the max before dividing: softmax is unchanged, the max entry is exactly 0, and a tiny T can only
-    # push the others towards -inf (clamped), never overflow the max (which would make false ties)
-    shifted = logits_BCV.float() - logits_BCV.float().amax(dim=-1, keepdim=True)
-    scaled = _finite(shifted / torch.where(greedy_B, 1.0, temperature_B)[:, None, None])
-    argmax = scaled.argmax(dim=-1)
-    sampled = torch.where(greedy_B[:, None], argmax, sample_chunked_icdf(scaled, noise.uniform))
-    ent = torch.where(greedy_B[:, None], 0.0, entropy(scaled))
+    argmax, sampled, ent, sc_logits = sample_step(logits_BCV, temperature_B, greedy_B, noise.uniform)
     accepted = entropy_bound_accept(ent, entropy_bound_B[:, None])
     canvas = torch.where(accepted, sampled, noise.renoise)
-    one_hot = torch.where(torch.arange(scaled.shape[-1], device=scaled.device) == argmax[..., None], 0.0,
-                          torch.finfo(scaled.dtype).min)
-    sc_logits = torch.where(greedy_B11, one_hot, scaled)
     frozen = finished_B[:, None]
     argmax = torch.where(frozen, argmax_BC, argmax)
     canvas = torch.where(frozen, canvas_BC, canvas)
