@@ -10,6 +10,7 @@ import torch
 
 from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError
 from ..ops.moe import MOE_IMPLS
+from ..passes.pipeline import check_names
 from ..stop_check import STOP_CHECKS
 
 
@@ -75,6 +76,11 @@ class CompileOptions:
     # costs about one C-token forward (not yet measured: no GPU run); on CPU the demo gained no wall time per canvas
     # (0.96-0.99x, bench/results/commit_fusion_cpu_2026-11-30.md) and the extra unit doubled the compile time.
     fuse_commit: bool | None = None
+    # Our graph passes (`passes.PASS_NAMES`, run inside each unit's Inductor compile) to leave out, by name. All run by
+    # default: each rewrite is value-preserving up to float reduction order and checked token-equal with it off
+    # (tests/test_passes.py). `sample_step_fusion` replaces the vocabulary-wide region of the denoise step with
+    # `dgemma::sample_step`, whose CPU implementation works in slices of positions (bounded transient memory).
+    disabled_passes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         b = self.batch_buckets
@@ -98,6 +104,12 @@ class CompileOptions:
             raise ConfigError(f"direct_calls: must be a bool, got {self.direct_calls!r}")
         if not (self.cpp_wrapper is None or isinstance(self.cpp_wrapper, bool)):
             raise ConfigError(f"cpp_wrapper: must be None, True or False, got {self.cpp_wrapper!r}")
+        if not isinstance(self.disabled_passes, tuple):
+            raise ConfigError(f"disabled_passes: must be a tuple of pass names, got {self.disabled_passes!r}")
+        try:
+            check_names(self.disabled_passes)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.recompile_limit < 2 * len(b):
             raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")
 

@@ -294,6 +294,22 @@ class CompiledUnit:
                         self.name, self.graph_error)
 
 
+@dataclass(frozen=True)
+class PassMatches:
+    """The graph passes' matches in one unit's latest compile: `counts` {pass name: matches} (None: unknown), and
+    where they come from: "compiled" (the passes ran), "cache record" (the FX graph cache served the compile; the
+    counts recorded when its entry was made, `passes.records`) or "unknown" (served with no record)."""
+
+    counts: dict[str, int] | None
+    source: str
+
+    def text(self) -> str:
+        if self.counts is None:
+            return f"passes=unknown ({self.source})"
+        return "passes=" + (",".join(f"{k}:{v}" for k, v in sorted(self.counts.items())) or "none") + \
+            f" ({self.source})"
+
+
 class UnitFactory:
     """Makes `CompiledUnit`s for one device under one `CompileOptions`, counting each unit's Inductor compiles
     (`compiles[name]`; above one means a recompile) and their seconds (`compile_seconds`, Dynamo tracing excluded).
@@ -310,20 +326,37 @@ class UnitFactory:
         self.graph_pool = self.graphs.pool() if self.graphs is not None else None
         self.compiles: Counter = Counter()
         self.compile_seconds = 0.0
+        self.pass_matches: dict[str, PassMatches] = {}  # per unit name, its latest compile
 
     def backend(self, name: str, sink: list[CompiledGraph] | None = None):
         """Inductor with our decompositions (`ops.moe.moe_decompositions`: a "grouped", "dense" or "gathered"
-        `dgemma::moe_experts` is traced into the graph) and `CompileOptions.inductor_config` for the factory's device,
-        counting compiles of unit `name` and their seconds; each compiled graph is appended to `sink` if given."""
+        `dgemma::moe_experts` is traced into the graph), our graph passes (`passes`, minus
+        `CompileOptions.disabled_passes`) and `CompileOptions.inductor_config` for the factory's device, counting
+        compiles of unit `name` and their seconds and the passes' matches (`pass_matches`); each compiled graph is
+        appended to `sink` if given."""
         from torch._inductor.compile_fx import compile_fx
 
+        from .. import passes
         from ..ops.moe import moe_cache_key, moe_decompositions
+        from ..passes import records
 
         def backend(gm: torch.fx.GraphModule, example_inputs):
             start = time.perf_counter()
             self.compiles[name] += 1
-            with moe_cache_key(), torch._inductor.config.patch(self.options.inductor_config(self.device.type)):
+            pass_config = passes.inductor_config(self.options.disabled_passes)
+            config = {**self.options.inductor_config(self.device.type), **pass_config}
+            with moe_cache_key(), passes.cache_key(pass_config), torch._inductor.config.patch(config), \
+                    passes.recording() as counts:
                 out = compile_fx(gm, example_inputs, decompositions=moe_decompositions(gm))
+                key = records.record_key(gm, example_inputs, pass_config)
+            if not pass_config:
+                self.pass_matches[name] = PassMatches({}, "no pass enabled")
+            elif counts:  # the passes ran: Inductor compiled this graph
+                records.save(key, counts)
+                self.pass_matches[name] = PassMatches(dict(counts), "compiled")
+            else:  # served by the FX graph cache: the counts recorded when the entry was made, if any
+                saved = records.load(key)
+                self.pass_matches[name] = PassMatches(saved, "cache record" if saved is not None else "unknown")
             self.compile_seconds += time.perf_counter() - start
             if sink is not None:
                 (output,) = gm.graph.find_nodes(op="output")

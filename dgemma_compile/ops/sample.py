@@ -1,0 +1,81 @@
+"""`dgemma::sample_step`: the vocabulary-wide region of a denoise step as one op.
+
+The region is `sampler.sample_step` (scale by 1/T, argmax, chunked inverse-CDF sample, entropy, self-conditioning
+logits): every tensor of it that spans the vocabulary ([B, C, V], ~10 of them, 268 MB each in float32 at B=1 and the
+released vocabulary of 262,144) lives and dies inside it. The model never calls this op: the graph pass
+`passes.sample_step_fusion` recognises the region in a captured step and replaces it with the op, so the eager
+generator keeps running `sampler.sample_step` itself (the oracle).
+
+Implementations:
+- CPU (and the default for any device without its own kernel): `sampler.sample_step` in plain torch, over slices
+  of at most `position_chunk(V)` positions, so the region's transient memory is a slice's, not the whole canvas's.
+  Positions are independent (each reduces over its own vocabulary row), so slicing changes no value.
+- CUDA: registered by `register_cuda_kernel` from the Triton kernel of `templates/sample_step.py`, when that module
+  is importable (triton installed).
+
+Legend: B rows, C canvas positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import sampler
+
+CHUNK_BYTES = 64 * 2**20
+"""Float32 logits bytes per slice of the CPU implementation: at V = 262,144 a slice is 64 positions."""
+
+
+def position_chunk(vocab_size: int) -> int:
+    """Positions per slice of the CPU implementation: as many float32 vocabulary rows as fit in `CHUNK_BYTES`
+    (at least one)."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def _check(logits, temperature, greedy, uniform) -> None:
+    if logits.dim() != 3 or not logits.dtype.is_floating_point:
+        raise ValueError(f"dgemma::sample_step: logits must be a float [B, C, V] tensor, got {logits.dtype} "
+                         f"{list(logits.shape)}")
+    B, C, _ = logits.shape
+    for name, t, shape, dtype in (("temperature", temperature, (B,), torch.float32),
+                                  ("greedy", greedy, (B,), torch.bool), ("uniform", uniform, (B, C), torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"dgemma::sample_step: {name} must be {dtype} {list(shape)}, got {t.dtype} "
+                             f"{list(t.shape)}")
+
+
+@torch.library.custom_op("dgemma::sample_step", mutates_args=())
+def sample_step(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, uniform: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sampler.sample_step` as one op: (argmax int64 [B, C], sampled int64 [B, C], entropy float32 [B, C],
+    sc_logits float32 [B, C, V]).
+
+    Args: logits float [B, C, V] (any float dtype); temperature float32 [B]; greedy bool [B]; uniform float32 [B, C].
+    Raises: ValueError naming the tensor whose dtype or shape is wrong.
+    """
+    _check(logits, temperature, greedy, uniform)
+    B, C, V = logits.shape
+    dev = logits.device
+    argmax = torch.empty(B * C, dtype=torch.int64, device=dev)
+    sampled = torch.empty(B * C, dtype=torch.int64, device=dev)
+    ent = torch.empty(B * C, dtype=torch.float32, device=dev)
+    sc = torch.empty(B * C, 1, V, dtype=torch.float32, device=dev)
+    # one "row" per position: [B*C, 1, V] with the row's parameters repeated per position
+    rows = logits.reshape(B * C, 1, V)
+    T, g, u = temperature.repeat_interleave(C), greedy.repeat_interleave(C), uniform.reshape(B * C, 1)
+    P = position_chunk(V)
+    for s in range(0, B * C, P):
+        out = sampler.sample_step(rows[s:s + P], T[s:s + P], g[s:s + P], u[s:s + P])
+        argmax[s:s + P] = out.argmax[:, 0]
+        sampled[s:s + P] = out.sampled[:, 0]
+        ent[s:s + P] = out.entropy[:, 0]
+        sc[s:s + P] = out.sc_logits
+    return argmax.view(B, C), sampled.view(B, C), ent.view(B, C), sc.view(B, C, V)
+
+
+@sample_step.register_fake
+def _(logits, temperature, greedy, uniform):
+    _check(logits, temperature, greedy, uniform)
+    B, C, V = logits.shape
+    return (logits.new_empty(B, C, dtype=torch.int64), logits.new_empty(B, C, dtype=torch.int64),
+            logits.new_empty(B, C, dtype=torch.float32), logits.new_empty(B, C, V, dtype=torch.float32))

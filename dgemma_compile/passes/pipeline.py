@@ -1,0 +1,105 @@
+"""The ordered pipeline of our graph passes, as Inductor custom passes with a cache-safe `uuid()`.
+
+`PASSES` is the one ordered registry: (name, module) pairs; each module has `NAME`, `STAGE` (the Inductor hook it
+runs at: "joint_custom_pre_pass", "post_grad_custom_pre_pass" or "post_grad_custom_post_pass") and
+`apply(graph) -> int` (its match count). `inductor_config(disabled)` returns the Inductor settings that install the
+enabled passes, one `PassPipeline` per stage used.
+
+Cache safety: Inductor's FX graph cache puts each custom pass's `uuid()` in its key. A `PassPipeline`'s uuid hashes
+the source files of this package, of the ops its passes insert and of the sampler its pattern is traced from, plus
+the names of the enabled passes: editing a pass, or turning one off, can never be served a stale rewrite.
+
+Counting: a pass runs only when Inductor really compiles (not on an FX-graph-cache hit; `torch._dynamo.explain`
+never reaches Inductor), so each run reports its matches to the innermost `recording()` block; `records.py` keeps
+them beside the cache for the compiles the cache serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import sample_step_fusion
+
+PASSES = ((sample_step_fusion.NAME, sample_step_fusion),)
+"""The pipeline, in order."""
+PASS_NAMES = tuple(name for name, _ in PASSES)
+STAGES = ("joint_custom_pre_pass", "post_grad_custom_pre_pass", "post_grad_custom_post_pass")
+
+_PACKAGE = Path(__file__).parent
+_SOURCES = tuple(sorted(str(p) for p in _PACKAGE.glob("*.py"))) + tuple(
+    str(_PACKAGE.parent / f) for f in ("ops/sample.py", "sampler.py"))
+
+_recorders: list[Counter] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the match counts of every pass that runs inside the block: yields a Counter {pass name: matches},
+    with an entry (possibly 0) for each pass that ran."""
+    counts: Counter = Counter()
+    _recorders.append(counts)
+    try:
+        yield counts
+    finally:
+        _recorders.remove(counts)
+
+
+def sources_hash() -> str:
+    """sha256 (hex) of the pass sources (this package, `ops/sample.py`, `sampler.py`)."""
+    return get_hash_for_files(_SOURCES).hex()
+
+
+class PassPipeline(CustomGraphPass):
+    """The enabled passes of one stage, run in `PASSES` order on the graph Inductor hands over."""
+
+    def __init__(self, stage: str, names: tuple[str, ...]):
+        self.stage, self.names = stage, names
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for name, module in PASSES:
+            if name in self.names:
+                n = module.apply(graph)
+                for counts in _recorders[-1:]:
+                    counts[name] += n
+        graph.lint()
+
+    def uuid(self) -> str:
+        return f"dgemma-passes:{self.stage}:{','.join(self.names)}:{sources_hash()}"
+
+
+def check_names(names, field: str = "disabled_passes") -> None:
+    """Raises ValueError naming `field` for a name that is not a pass."""
+    unknown = [n for n in names if n not in PASS_NAMES]
+    if unknown:
+        raise ValueError(f"{field}: unknown pass(es) {unknown}; the passes are {list(PASS_NAMES)}")
+
+
+def inductor_config(disabled: tuple[str, ...] = ()) -> dict:
+    """Inductor config entries installing every pass not in `disabled`, one `PassPipeline` per stage that has one.
+    Raises ValueError for an unknown name in `disabled`."""
+    check_names(disabled)
+    out = {}
+    for stage in STAGES:
+        names = tuple(name for name, m in PASSES if m.STAGE == stage and name not in disabled)
+        if names:
+            out[stage] = PassPipeline(stage, names)
+    return out
+
+
+@contextlib.contextmanager
+def cache_key(pass_config: dict):
+    """Around a compile with `pass_config` installed: appends the pipelines' uuids (hashed) to
+    `torch.compiler.config.cache_key_tag`, so AOTAutograd's cache, whose key does not cover custom passes, can never
+    serve a graph compiled with other passes (the FX graph cache covers them itself)."""
+    import hashlib
+
+    digest = hashlib.sha256("|".join(f"{s}={p.uuid()}" for s, p in sorted(pass_config.items())).encode())
+    ours = "dgemma-passes-" + digest.hexdigest()[:16]
+    tag = torch.compiler.config.cache_key_tag
+    with torch.compiler.config.patch(cache_key_tag=f"{tag}|{ours}" if tag else ours):
+        yield
