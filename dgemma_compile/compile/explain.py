@@ -1,5 +1,6 @@
 """Compile reports: what `torch._dynamo.explain` says of each compile unit of a bucket, plus the compiles observed
-while a short mixed workload runs (recompiles show up there). `torch._dynamo.explain` resets Dynamo, so the
+while a short mixed workload runs (recompiles show up there) and our graph passes' matches in those compiles
+(explain itself never reaches Inductor, where the passes run). `torch._dynamo.explain` resets Dynamo, so the
 generator's compiled state is dropped and rebuilt: keep this out of a serving process."""
 
 from __future__ import annotations
@@ -31,12 +32,19 @@ class UnitReport:
     compiles_in_workload: int = 0
     recompiles_in_workload: int = 0
     moe_impl: str = ""
+    pass_matches: dict[str, int] | None = None
+    """Our graph passes' matches in the unit's Inductor compile during the workload (None: unknown)."""
+    pass_matches_source: str = ""
+    """"compiled", "cache record" (served by the FX graph cache; the counts recorded with its entry), "unknown" or
+    "no pass enabled" (`units.PassMatches`)."""
 
     def text(self) -> str:
+        passes = ("unknown" if self.pass_matches is None else
+                  ",".join(f"{k}:{v}" for k, v in sorted(self.pass_matches.items())) or "none")
         lines = [f"{self.unit}: graphs={self.graph_count} graph_breaks={self.graph_break_count} "
                  f"ops_per_graph={self.ops_per_graph} guards={self.guard_count} "
                  f"compiles_in_workload={self.compiles_in_workload} recompiles={self.recompiles_in_workload} "
-                 f"moe_impl={self.moe_impl}"]
+                 f"moe_impl={self.moe_impl} passes={passes} ({self.pass_matches_source})"]
         for r in self.break_reasons:
             lines.append(f"  break: {r['reason']}\n    at: {r['user_stack']}")
         return "\n".join(lines)
@@ -66,6 +74,9 @@ def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationCon
         seen = {name: n - before[name] for name, n in gen.compiles.items() if name.startswith(kind + "[")}
         r.compiles_in_workload = sum(seen.values())
         r.recompiles_in_workload = sum(max(0, n - 1) for n in seen.values())
+        matches = gen.units.pass_matches.get(r.unit)
+        if matches is not None:
+            r.pass_matches, r.pass_matches_source = matches.counts, matches.source
     return reports
 
 

@@ -17,11 +17,13 @@ them beside the cache for the compiles the cache serves.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 from collections import Counter
 from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import sample_step_fusion
 
@@ -49,9 +51,13 @@ def recording():
         _recorders.remove(counts)
 
 
+@functools.cache
 def sources_hash() -> str:
-    """sha256 (hex) of the pass sources (this package, `ops/sample.py`, `sampler.py`)."""
-    return get_hash_for_files(_SOURCES).hex()
+    """sha256 (hex) of the pass sources (this package, `ops/sample.py`, `sampler.py`), read once per process."""
+    h = hashlib.sha256()
+    for path in _SOURCES:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()
 
 
 class PassPipeline(CustomGraphPass):
@@ -96,8 +102,6 @@ def cache_key(pass_config: dict):
     """Around a compile with `pass_config` installed: appends the pipelines' uuids (hashed) to
     `torch.compiler.config.cache_key_tag`, so AOTAutograd's cache, whose key does not cover custom passes, can never
     serve a graph compiled with other passes (the FX graph cache covers them itself)."""
-    import hashlib
-
     digest = hashlib.sha256("|".join(f"{s}={p.uuid()}" for s, p in sorted(pass_config.items())).encode())
     ours = "dgemma-passes-" + digest.hexdigest()[:16]
     tag = torch.compiler.config.cache_key_tag

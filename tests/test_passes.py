@@ -1,0 +1,188 @@
+"""Our Inductor graph passes (`dgemma_compile/passes/`) and the op they insert (`dgemma::sample_step`):
+the op against `sampler.sample_step`; the pipeline's cache key; the fusion pass on small graphs (match counts, values,
+the generated code) and on the demo model's real captured units (counts per unit, the code, identical tokens with the
+pass on and off)."""
+
+import re
+import shutil
+
+import pytest
+import torch
+from torch.testing import FileCheck
+
+from dgemma_compile import sampler
+from dgemma_compile.compile import CompileOptions
+from dgemma_compile.compile.units import UnitFactory
+from dgemma_compile.config import ConfigError
+from dgemma_compile.ops import sample as sample_op
+from dgemma_compile.passes import pipeline, records
+
+FUSION = "sample_step_fusion"
+
+
+def _inputs(B, C, V, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, C, V, generator=g) * 4).to(dtype)
+    T = torch.rand(B, generator=g) + 0.1
+    greedy = torch.zeros(B, dtype=torch.bool)
+    greedy[0] = True
+    return logits, T, greedy, torch.rand(B, C, generator=g)
+
+
+@pytest.mark.parametrize("V,dtype", [(27, torch.float32), (4096 + 27, torch.float32), (300, torch.bfloat16)])
+def test_sample_step_op_equals_the_reference_also_in_slices(V, dtype, monkeypatch):
+    args = _inputs(3, 5, V, dtype)
+    ref = sampler.sample_step(*args)
+    whole = torch.ops.dgemma.sample_step(*args)
+    monkeypatch.setattr(sample_op, "CHUNK_BYTES", 4 * V * 2)  # two positions per slice: 8 slices for 15 positions
+    sliced = torch.ops.dgemma.sample_step(*args)
+    for out in (whole, sliced):
+        for name, a, b in zip(sampler.SampleStep._fields, out, ref):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert torch.equal(ref.sampled[0], ref.argmax[0]) and not ref.entropy[0].any()  # the greedy row
+
+
+@pytest.mark.parametrize("bad,name", [(lambda a: (a[0][0], *a[1:]), "logits"),
+                                      (lambda a: (a[0], a[1].double(), *a[2:]), "temperature"),
+                                      (lambda a: (*a[:2], a[2].int(), a[3]), "greedy"),
+                                      (lambda a: (*a[:3], a[3][:, :2]), "uniform")])
+def test_sample_step_op_names_a_bad_tensor(bad, name):
+    with pytest.raises(ValueError, match=name):
+        torch.ops.dgemma.sample_step(*bad(_inputs(2, 3, 11)))
+
+
+def test_disabled_passes_is_checked_by_name():
+    assert CompileOptions(disabled_passes=(FUSION,)).disabled_passes == (FUSION,)
+    with pytest.raises(ConfigError, match="disabled_passes: unknown pass"):
+        CompileOptions(disabled_passes=("no_such_pass",))
+    with pytest.raises(ConfigError, match="disabled_passes: must be a tuple"):
+        CompileOptions(disabled_passes=FUSION)
+
+
+def test_pipeline_uuid_changes_with_a_pass_source_and_the_enabled_passes(tmp_path, monkeypatch):
+    copies = []
+    for path in pipeline._SOURCES:
+        copies.append(tmp_path / f"{len(copies)}_{path.rsplit('/', 1)[-1]}")
+        shutil.copy(path, copies[-1])
+    monkeypatch.setattr(pipeline, "_SOURCES", tuple(map(str, copies)))
+    pipeline.sources_hash.cache_clear()
+    try:
+        on = pipeline.inductor_config()[pipeline.sample_step_fusion.STAGE].uuid()
+        assert pipeline.inductor_config((FUSION,)) == {}  # nothing installed when the only pass is off
+        fusion_copy = next(p for p in copies if p.name.endswith("sample_step_fusion.py"))
+        fusion_copy.write_text(fusion_copy.read_text() + "\n# edited\n")
+        pipeline.sources_hash.cache_clear()
+        edited = pipeline.inductor_config()[pipeline.sample_step_fusion.STAGE].uuid()
+        assert edited != on
+    finally:
+        pipeline.sources_hash.cache_clear()
+    assert pipeline.PassPipeline("joint_custom_pre_pass", ()).uuid() != pipeline.PassPipeline(
+        "joint_custom_pre_pass", (FUSION,)).uuid()
+
+
+def _region(logits_scale, T, greedy, u, renoise):
+    """A denoise-step tail: a softcap-like producer of the logits, the region, and consumers of every output."""
+    logits = torch.tanh(logits_scale / 30.0) * 30.0
+    out = sampler.sample_step(logits, T, greedy, u)
+    accepted = sampler.entropy_bound_accept(out.entropy, 0.5)
+    return (torch.where(accepted, out.sampled, renoise), out.argmax, out.entropy.mean(-1),
+            out.sc_logits.to(logits_scale.dtype))
+
+
+def _compile_region(args, disabled=(), fresh=True):
+    """The region compiled by our units' backend (passes installed); returns (outputs, code, PassMatches)."""
+    from torch._inductor.utils import run_and_get_code
+
+    factory = UnitFactory(CompileOptions(disabled_passes=disabled), "cpu")
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=not fresh):
+        fn = torch.compile(_region, backend=factory.backend("region"), fullgraph=True)
+        out, (code,) = run_and_get_code(fn, *args)
+    return out, code, factory.pass_matches["region"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("V,dtype", [(27, torch.float32), (4096 + 27, torch.float32), (96, torch.bfloat16)])
+def test_fusion_pass_rewrites_the_region_with_equal_values(V, dtype):
+    logits, T, greedy, u = _inputs(2, 4, V, dtype, seed=3)
+    args = (logits, T, greedy, u, torch.randint(V, (2, 4)))
+    ref = _region(*args)
+    out, code, matches = _compile_region(args)
+    assert matches.counts == {FUSION: 1} and matches.source == "compiled"
+    FileCheck().check('dgemma::sample_step').run(code)
+    assert "searchsorted" not in code  # the inverse CDF is inside the op
+    off, code_off, matches_off = _compile_region(args, disabled=(FUSION,))
+    assert matches_off.counts == {} and matches_off.source == "no pass enabled"
+    assert "dgemma::sample_step" not in code_off and "dgemma.sample_step" not in code_off
+    # pass on vs off: the same compiled producer of the logits (eager bf16 rounds the softcap's every op; Inductor
+    # computes it in float32), so the values agree to float reduction order
+    for a, b in zip(out, off):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_compile_served_by_the_fx_cache_reports_the_recorded_counts(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    args = (*_inputs(2, 4, 27, seed=4), torch.randint(27, (2, 4)))
+    first = _compile_region(args, fresh=False)[2]
+    again = _compile_region(args, fresh=False)[2]
+    assert first.counts == again.counts == {FUSION: 1}
+    assert (first.source, again.source) == ("compiled", "cache record")
+    assert len(list((tmp_path / "dgemma_pass_counts").glob("*.json"))) == 1
+    for path in (tmp_path / "dgemma_pass_counts").glob("*.json"):
+        path.unlink()  # a lost record is "unknown", never a wrong count
+    assert _compile_region(args, fresh=False)[2].source == "unknown"
+
+
+def test_record_key_depends_on_the_graph_inputs_and_passes():
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    x = torch.zeros(2, 3)
+    key = records.record_key(gm, [x], pipeline.inductor_config())
+    assert key == records.record_key(gm, [torch.ones(2, 3)], pipeline.inductor_config())
+    assert key != records.record_key(gm, [torch.zeros(3, 2)], pipeline.inductor_config())
+    assert key != records.record_key(gm, [x], pipeline.inductor_config((FUSION,)))
+    assert key != records.record_key(torch.fx.symbolic_trace(lambda x: x + 2), [x], pipeline.inductor_config())
+
+
+def _cumsum_sizes(code):
+    return [tuple(int(d) for d in m.group(1).replace("L", "").split(","))
+            for m in re.finditer(r'assert_size_stride\(\w+, \{([^}]*)\}, \{[^}]*\}, "torch\.ops\.aten\.cumsum', code)]
+
+
+@pytest.mark.slow
+def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_gen):
+    """The demo's real captured units (bucket 2): the pass matches once in the denoise step and never in the encoder
+    chunk; the denoise code calls the op and keeps no scan over the vocabulary; tokens equal a generator with the
+    pass off."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dgemma_compile.compile import build
+    from dgemma_compile.demo import tasks
+
+    model, tok = demo
+    V, C = model.config.vocab_size, model.config.canvas_length
+    prompts = [tok(p)["input_ids"] for _, p, _ in tasks.make_split("heldout", 6, seed=0)]
+    torch._dynamo.reset()
+    demo_gen.reset()
+    on, codes = run_and_get_code(lambda: [demo_gen.generate(prompts[i:i + 2], seed=[i, i + 1]).sequences
+                                          for i in range(0, 6, 2)])
+    tag = demo_gen.bucket(2).tag
+    matches = demo_gen.units.pass_matches
+    assert matches[f"denoise_step[{tag}]"].counts == {FUSION: 1}
+    assert matches[f"encoder_chunk[{tag}]"].counts == {FUSION: 0}
+    (denoise_code,) = [c for c in codes if "sort.default" in c]  # the entropy bound's sort: the denoise step only
+    FileCheck().check('"dgemma::sample_step"').run(denoise_code)
+    assert _cumsum_sizes(denoise_code) and all(s[-1] == C for s in _cumsum_sizes(denoise_code))
+
+    off_gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, disabled_passes=(FUSION,)))
+    off, codes_off = run_and_get_code(lambda: [off_gen.generate(prompts[i:i + 2], seed=[i, i + 1]).sequences
+                                               for i in range(0, 6, 2)])
+    assert on == off
+    (denoise_off,) = [c for c in codes_off if "sort.default" in c]
+    assert "dgemma::sample_step" not in denoise_off
+    assert off_gen.units.pass_matches[f"denoise_step[{tag}]"].source == "no pass enabled"
+    assert any(s[-1] == V for s in _cumsum_sizes(denoise_off))  # the unfused inverse CDF scans the vocabulary
