@@ -181,13 +181,23 @@ for ptr in ("*bf16", "*fp16", "*fp32"):
         compiled = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"], (ptr, kernel.__name__)
         print(ptr, kernel.__name__, "wgmma" in compiled.asm["ptx"])
+
+# the launcher as moe_lowering's autotuning choice: traced by make_fx into two user-kernel nodes, static grid
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from dgemma_compile.templates.moe_lowering import _triton_choice
+args = (torch.randn(5, 16).bfloat16(), torch.rand(5, 2), torch.tensor([[0, 1]] * 5), torch.randn(3, 16, 16).bfloat16(),
+        torch.randn(3, 16, 8).bfloat16())
+gm = make_fx(lambda *a: _triton_choice(*a, block_m=16, block_n=64, block_k=64), tracing_mode="fake")(*args)
+assert sum("TritonKernelWrapperMutation" in type(n.target).__name__ for n in gm.graph.nodes) == 2, gm.code
 """
 
 
 @pytest.mark.slow
 def test_moe_kernels_compile_for_sm90():
     """The kernels as the GPU compiles them (no interpreter: catches what it forgives, e.g. a non-constexpr global),
-    down to an sm_90 cubin with Triton's bundled ptxas, in a subprocess without TRITON_INTERPRET (~5 s)."""
+    down to an sm_90 cubin with Triton's bundled ptxas, and the launcher traced by make_fx as `moe_lowering` traces
+    it; in a subprocess without TRITON_INTERPRET (~5 s)."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
@@ -195,4 +205,39 @@ def test_moe_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("\n") == 6, done.stdout
+
+
+@pytest.mark.slow
+def test_moe_lowering_is_explicit_and_leaves_cpu_graphs_unchanged(monkeypatch):
+    """Importing `moe_lowering` registers nothing; registered, Inductor consults it for a CPU call, which it declines
+    (None: the usual lowering), so the compiled CPU graph computes what it did; unregistering removes it. (Its CUDA
+    path is unverified here: no GPU.) One Inductor compile, ~4 s."""
+    if DEVICE != "cpu":
+        pytest.skip("checks the CPU path; the CUDA path is for the GPU script")
+    from torch._inductor.lowering import user_lowerings
+
+    from dgemma_compile.templates import moe_lowering
+
+    op = torch.ops.dgemma.moe_experts.default
+    assert not moe_lowering.moe_lowering_registered() and op not in user_lowerings
+    with pytest.raises(ValueError, match="impls"):
+        moe_lowering.register_moe_lowering(impls=("triton",))
+    moe_lowering.register_moe_lowering()
+    try:
+        seen = []
+        installed = user_lowerings[op]
+        monkeypatch.setitem(user_lowerings, op, lambda *a, **k: seen.append(installed(*a, **k)))
+        args = moe_args(5, 16, 8, 4, 2, seed=7)
+        f = lambda x, w, idx, gate_up, down: torch.ops.dgemma.moe_experts(  # noqa: E731
+            x * 2, w, idx, gate_up, None, down, None, "grouped") + 1
+        torch._dynamo.reset()
+        # no cache hit: its key does not cover user lowerings, and a hit would skip lowering altogether
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            assert torch.equal(torch.compile(f, fullgraph=True)(*args), f(*args))
+        assert seen == [None]
+    finally:
+        monkeypatch.undo()
+        moe_lowering.unregister_moe_lowering()
+    assert not moe_lowering.moe_lowering_registered() and op not in user_lowerings
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -189,6 +190,10 @@ def moe_experts_triton(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI, *, block_m: in
     to x's dtype between the projections, everything else accumulates in float32 (float32 inputs: IEEE products,
     no TF32). Quantized experts (a weight scale) are not supported here.
 
+    Launches go through `torch.library.wrap_triton`, so make_fx can trace this function (the kernels become
+    `triton_kernel_wrapper` nodes: how `templates/moe_lowering.py` offers it to Inductor's autotuner); eagerly, and
+    for interpreted kernels, they are plain launches.
+
     Raises: ValueError naming the tensor for a wrong shape, dtype or device (see `check_moe_args`).
     """
     N, D, E, K, I = check_moe_args(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI)
@@ -205,10 +210,10 @@ def moe_experts_triton(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI, *, block_m: in
     precision = "ieee" if x_ND.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     upcast = _upcast_for_interpreter(x_ND.dtype)
     T = max_row_tiles(M, E, block_m)
-    _gate_up_kernel[(T, triton.cdiv(I, block_n))](
+    wrap_triton(_gate_up_kernel)[(T, triton.cdiv(I, block_n))](
         x_ND, order_M, counts_E, gate_up_EID, h_MI, E, K, D, I, *x_ND.stride(), *gate_up_EID.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, UPCAST=upcast)
-    _down_kernel[(T, triton.cdiv(D, block_n))](
+    wrap_triton(_down_kernel)[(T, triton.cdiv(D, block_n))](
         h_MI, order_M, counts_E, route_w_M, down_EDI, y_MD, E, D, I, *down_EDI.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, UPCAST=upcast)
     return y_MD.view(N, K, D).sum(1).to(x_ND.dtype)
