@@ -254,14 +254,17 @@ def make_block_mask(mask_mod, B: int, T: int, cache_slots: int, device,
 
 
 def flex_block_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, block_mask: BlockMask,
-                         scale: float = 1.0) -> torch.Tensor:
+                         scale: float = 1.0, kernel_options: dict | None = None) -> torch.Tensor:
     """FlexAttention over the block mask; q [B, H, T, Dh], k/v [B, Hkv, S+T, Dh] with H a multiple of Hkv (GQA).
 
     Scale 1.0 by default (Gemma4 q/k are RMS-normed). Matches `model.dense_attention` under the dense mask.
+    `kernel_options`: passed to `flex_attention` as they are (which kernel and tile sizes a compiled call uses;
+    values do not change).
     Inference only when compiled on CPU (inputs requiring grad raise): call under `torch.no_grad()`.
     """
+    kw = dict(block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options or None)
     if torch.compiler.is_compiling():
-        return flex_attention(q_BHTD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return flex_attention(q_BHTD, k_BHSD, v_BHSD, **kw)
     with warnings.catch_warnings():  # uncompiled flex is the eager reference path here, on purpose
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(q_BHTD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return flex_attention(q_BHTD, k_BHSD, v_BHSD, **kw)

@@ -99,7 +99,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
 
-    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask, slots_BT):
+    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask, slots_BT, kernel_options=None):
         B, T, _ = x_BTD.shape
         q = apply_rope(self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)), cos, sin)
         k_raw = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
@@ -112,7 +112,8 @@ class Attention(nn.Module):
         if isinstance(mask, torch.Tensor):  # dense reference mask [B, T, S+T]
             out = dense_attention(q.transpose(1, 2), keys, values, mask)
         else:  # FlexAttention BlockMask
-            out = flex_block_attention(q.transpose(1, 2).contiguous(), keys, values, mask)
+            out = flex_block_attention(q.transpose(1, 2).contiguous(), keys, values, mask,
+                                       kernel_options=kernel_options)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -184,7 +185,8 @@ class Layer(nn.Module):
         self.register_buffer("decoder_layer_scalar", torch.ones(1))
 
     def forward(self, x_BTD, cos, sin, cache, mask_BTS, plan: ForwardPlan, moe_impl: str):
-        attn = self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, self.layer, mask_BTS, plan.slots)
+        attn = self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, self.layer, mask_BTS, plan.slots,
+                              plan.kernel_options.get(self.layer_type))
         h = x_BTD + self.post_attention_layernorm(attn)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
         h_ND = h.reshape(-1, h.shape[-1])
@@ -329,10 +331,11 @@ class DiffusionGemma(nn.Module):
 
     # ----- unchecked building blocks (no host synchronisation; what compiled steps call) ------------------------
     def encode_block(self, ids_BT: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor,
-                     moe_impl: str | None = None) -> torch.Tensor:
+                     moe_impl: str | None = None, kernel_options: dict | None = None) -> torch.Tensor:
         """One encoder pass over T <= cache.block_size tokens, n_new_B [B] of them real per row; commits them and
-        advances `cache.lengths`. `moe_impl` None: `self.moe_impl`. No validation: callers check (see `encode`)."""
-        plan = build_plan(self, cache, ids_BT.shape[1], mode="encoder", n_new=n_new_B)
+        advances `cache.lengths`. `moe_impl` None: `self.moe_impl`; `kernel_options`: FlexAttention kernel options
+        by query kind and layer type (`plan.build_plan`). No validation: callers check (see `encode`)."""
+        plan = build_plan(self, cache, ids_BT.shape[1], mode="encoder", n_new=n_new_B, kernel_options=kernel_options)
         return self._forward_block(self._embed(ids_BT), cache, plan, moe_impl)
 
     def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
@@ -366,17 +369,19 @@ class DiffusionGemma(nn.Module):
         return self._forward_block(x, cache, plan, moe_impl)
 
     def commit_denoise_block(self, ids_BC: torch.Tensor, canvas_BC: torch.Tensor, cache: KVCache,
-                             n_new_B: torch.Tensor, moe_impl: str | None = None) -> torch.Tensor:
+                             n_new_B: torch.Tensor, moe_impl: str | None = None,
+                             kernel_options: dict | None = None) -> torch.Tensor:
         """Commit fusion: one forward of 2C tokens that commits `ids_BC` (the first `n_new_B[b]` of each row, as
         `encode_block` does, advancing `cache.lengths`) and runs the first denoise step of the next block's
         `canvas_BC` after them (no self-conditioning; `plan.py`, mode "commit+denoise"). Returns the canvas's float32
         logits [B, C, V], equal within float32 reduction-order noise to `encode_block` then `denoise_block`.
-        Needs `cache.block_size >= 2C` (ValueError otherwise). Unchecked otherwise, like `encode_block`."""
+        Needs `cache.block_size >= 2C` (ValueError otherwise). Unchecked otherwise, like `encode_block`;
+        `kernel_options` as there."""
         C = canvas_BC.shape[1]
         if ids_BC.shape != canvas_BC.shape or cache.block_size < 2 * C:
             raise ValueError(f"commit fusion needs ids and canvas of one shape [B, C] and a cache with block_size >= "
                              f"2C; got {tuple(ids_BC.shape)}, {tuple(canvas_BC.shape)}, block_size {cache.block_size}")
-        plan = build_plan(self, cache, 2 * C, mode="commit+denoise", n_new=n_new_B)
+        plan = build_plan(self, cache, 2 * C, mode="commit+denoise", n_new=n_new_B, kernel_options=kernel_options)
         hidden = self.forward_plan(torch.cat([ids_BC, canvas_BC], dim=1), cache, plan, moe_impl=moe_impl)
         return self.logits(hidden[:, C:])
 

@@ -30,6 +30,7 @@ Legend: B rows, T block length, S committed slots per row.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,9 @@ class ForwardPlan:
             fusion: lengths[b] + n_new[b] + i - C).
         rope: per layer type, (cos, sin) [B, T, rotary dim] in the model dtype.
         masks: per layer type, a FlexAttention `BlockMask` or a dense bool mask [B, T, S+T].
+        kernel_options: per layer type, the FlexAttention kernel options of this forward's queries (`kernel_options`
+            of `flex_attention`; empty: the kernel's defaults). Data, not a compiler setting: the compiled generator
+            fills it from `CompileOptions.attention_kernel_options`, the eager paths leave it empty.
     """
 
     mode: torch.Tensor
@@ -77,10 +81,22 @@ class ForwardPlan:
     positions: torch.Tensor
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
     masks: dict[str, BlockMask | torch.Tensor]
+    kernel_options: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+
+QUERY_KINDS = ("encoder", "canvas")
+"""The query kinds that attention kernel options are chosen by: "encoder" (prefill chunks and unfused commits) and
+"canvas" (denoise steps, mixed and commit + denoise forwards, whose queries are a canvas)."""
+
+
+def query_kind(mode: str | torch.Tensor) -> str:
+    """The query kind of a plan of `mode` (see `build_plan`): "encoder" for "encoder", else "canvas"."""
+    return "encoder" if isinstance(mode, str) and mode == "encoder" else "canvas"
 
 
 def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
-               self_conditioning: torch.Tensor | None = None, check_values: bool = True) -> ForwardPlan:
+               self_conditioning: torch.Tensor | None = None, check_values: bool = True,
+               kernel_options: dict | None = None) -> ForwardPlan:
     """The plan of one forward of T block tokens per row over `cache` (its current `lengths`).
 
     Args:
@@ -95,6 +111,8 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
             none).
         check_values: check a mixed plan's mode values and that encoder rows have `n_new` (reads the device: a
             host synchronisation).
+        kernel_options: {query kind: {layer type: FlexAttention kernel options}} (`QUERY_KINDS`); the plan keeps
+            the entry of its own query kind (`query_kind(mode)`). None: none.
     Returns:
         A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
         a uniform plan.
@@ -172,7 +190,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
             masks[lt] = make_block_mask(block_mask_mod(lengths, *mask_args, cache_slots=S, **window), B, T, S, dev)
     return ForwardPlan(mode=mode_B, encoder_tokens=encoder_tokens, denoise_tokens=denoise_tokens, real=real,
                        commit=commit, slots=slots, self_conditioning=self_conditioning, positions=positions, rope=rope,
-                       masks=masks)
+                       masks=masks, kernel_options=dict((kernel_options or {}).get(query_kind(mode), {})))
 
 
 class PlanBuffers:
@@ -191,8 +209,9 @@ class PlanBuffers:
     by their base), for `compile.units.static_tensors`.
     """
 
-    def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False):
+    def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None):
         self.model, self.cache, self.T = model, cache, T
+        self.kernel_options = kernel_options
         B, dev = cache.batch_size, cache.lengths.device
         self.mixed = mixed
         if mixed:
@@ -205,8 +224,8 @@ class PlanBuffers:
     def _build(self) -> ForwardPlan:
         if self.mixed:
             return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new, check_values=False,
-                              self_conditioning=self.self_conditioning)
-        return build_plan(self.model, self.cache, self.T, mode="denoise")
+                              self_conditioning=self.self_conditioning, kernel_options=self.kernel_options)
+        return build_plan(self.model, self.cache, self.T, mode="denoise", kernel_options=self.kernel_options)
 
     def fill(self, mode: torch.Tensor | None = None, n_new: torch.Tensor | None = None,
              self_conditioning: torch.Tensor | None = None) -> None:

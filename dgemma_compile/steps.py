@@ -158,7 +158,8 @@ class StepInputs:
 
 
 def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs,
-                 plan: PlanBuffers | None = None, *, stop_early: bool, moe_impl: str, commit: bool = False) -> None:
+                 plan: PlanBuffers | None = None, *, stop_early: bool, moe_impl: str, commit: bool = False,
+                 kernel_options: dict | None = None) -> None:
     """One denoise step over all rows, in place: each row's temperature from its table at its step counter k and
     its noise from `rng.step_noise` at step n = budget - k (drawn here, inside the step); count the pass for live
     rows; decoder forward with self-conditioning where `has_sc`; `sampler.denoise_update` (sampling, entropy-bound
@@ -172,13 +173,17 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     `commit=True` (commit fusion, a block's first step only): the forward also commits the previous block, the
     first `inputs.n_new` tokens of `inputs.ids[:, :C]` (`DiffusionGemma.commit_denoise_block`; the cache needs
     2C block slots), instead of a separate `encode_chunk` before the step; then it fills `plan` for the block's
-    later steps."""
+    later steps.
+
+    `kernel_options`: FlexAttention kernel options by query kind and layer type (`plan.build_plan`) for the plans
+    built here (a plan given in `plan` carries its own)."""
     C, V = state.canvas.shape[1], model.config.vocab_size
     k_B1 = state.steps.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
     uniform, renoise = rng.step_noise(inputs.seeds, inputs.block, inputs.budget - state.steps, C, V)
     state.steps.add_((~state.finished).long())
     if commit:
-        logits = model.commit_denoise_block(inputs.ids[:, :C], state.canvas, cache, inputs.n_new, moe_impl=moe_impl)
+        logits = model.commit_denoise_block(inputs.ids[:, :C], state.canvas, cache, inputs.n_new, moe_impl=moe_impl,
+                                            kernel_options=kernel_options)
         if plan is not None:
             plan.fill()
     else:
@@ -198,11 +203,11 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
 
 
 def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, plan: PlanBuffers | None = None, *,
-                 moe_impl: str) -> None:
+                 moe_impl: str, kernel_options: dict | None = None) -> None:
     """One causal encoder pass over `inputs.ids` with `inputs.n_new` real tokens per row (prefill chunk or commit);
     writes their keys/values and advances `cache.lengths`; then fills `plan` (if given), the denoise plan for the
-    new lengths, which the next block's steps read."""
-    model.encode_block(inputs.ids, cache, inputs.n_new, moe_impl=moe_impl)
+    new lengths, which the next block's steps read. `kernel_options` as in `denoise_step`."""
+    model.encode_block(inputs.ids, cache, inputs.n_new, moe_impl=moe_impl, kernel_options=kernel_options)
     if plan is not None:
         plan.fill()
 

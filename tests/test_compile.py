@@ -199,7 +199,10 @@ def test_no_cuda_graphs_on_a_cpu_by_default():
 @pytest.mark.parametrize("kw,name", [(dict(batch_buckets=(4, 2)), "batch_buckets"),
                                      (dict(batch_buckets=()), "batch_buckets"),
                                      (dict(max_seq_len=0), "max_seq_len"),
-                                     (dict(recompile_limit=1), "recompile_limit")])
+                                     (dict(recompile_limit=1), "recompile_limit"),
+                                     (dict(attention_kernel_options={"decode": {}}), "attention_kernel_options"),
+                                     (dict(attention_kernel_options={"canvas": {"local": {}}}),
+                                      "attention_kernel_options")])
 def test_compile_options_are_validated(kw, name):
     with pytest.raises(ConfigError, match=name):
         CompileOptions(**kw)
@@ -216,6 +219,13 @@ def test_explain_reports_one_graph_and_no_breaks(tiny):
         assert r.ops_per_graph[0] > 0 and r.guard_count > 0
         assert r.recompiles_in_workload == 0
         assert "graph_breaks=0" in r.text()
+        # our passes ran (or their record was read) during the workload; the sampler region is the denoise step's
+        assert r.pass_matches == {"sample_step_fusion": int(r.unit.startswith("denoise_step"))}, r.text()
+        assert f"passes=sample_step_fusion:{r.pass_matches['sample_step_fusion']}" in r.text()
+    canvas = {"FORCE_USE_FLEX_ATTENTION": True}
+    assert reports[0].attention_kernel_options == {t: canvas for t in gen.model.config.layer_types}
+    assert "attention full_attention: kernel_options={'FORCE_USE_FLEX_ATTENTION': True}" in reports[0].text()
+    assert reports[1].attention_kernel_options == {"sliding_attention": {}, "full_attention": {}}
 
 
 @pytest.mark.slow

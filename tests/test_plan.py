@@ -265,3 +265,59 @@ def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir):
     buffers.fill(mode)
     assert torch.equal(forward(buffers.plan), expected)
     assert [t.data_ptr() for t in buffers.tensors] == ptrs
+
+
+KERNELS = {"encoder": {"sliding_attention": {"BLOCK_M": 32}, "full_attention": {}},
+           "canvas": {"sliding_attention": {"FORCE_USE_FLEX_ATTENTION": True},
+                      "full_attention": {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_N": 64}}}
+
+
+def test_kernel_options_reach_flex_attention_per_query_kind_and_layer_type(tiny_dir, monkeypatch):
+    """Eagerly: each layer's `flex_attention` call gets its layer type's options of the plan's query kind."""
+    from dgemma_compile import masks
+
+    model = dg.load(tiny_dir)
+    seen = []
+    real = masks.flex_attention
+    monkeypatch.setattr(masks, "flex_attention", lambda *a, **kw: seen.append(kw["kernel_options"]) or real(*a, **kw))
+    cache = model.new_cache(1, S)
+    C = model.config.canvas_length
+    with torch.no_grad():
+        model.encode_block(torch.randint(3, 40, (1, C)), cache, torch.tensor([4]), kernel_options=KERNELS)
+        encoder, seen[:] = list(seen), []
+        plan = PlanBuffers(model, cache, C, kernel_options=KERNELS)
+        model.denoise_block(torch.randint(3, 40, (1, C)), cache, None, plan=plan.plan)
+        canvas, seen[:] = list(seen), []
+        model.denoise_block(torch.randint(3, 40, (1, C)), cache, None)  # no options: the kernels' defaults
+    types = model.config.layer_types
+    assert encoder == [KERNELS["encoder"][t] or None for t in types]
+    assert canvas == [KERNELS["canvas"][t] for t in types]
+    assert seen == [None] * len(types)
+
+
+@pytest.mark.slow
+def test_kernel_options_are_in_the_captured_graph(tiny_dir):
+    """Compiled: the Dynamo graph's flex_attention calls carry the canvas options of their layer type (what Inductor's
+    flex lowering reads to choose its kernel; CPU's template ignores them)."""
+    from dgemma_compile.compile import CompileOptions
+
+    model = dg.load(tiny_dir)
+    C = model.config.canvas_length
+    cache = model.new_cache(1, S)
+    plan = PlanBuffers(model, cache, C, kernel_options=CompileOptions().attention_kernels())
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    canvas = torch.randint(3, 40, (1, C))
+    with torch.no_grad():
+        torch.compile(lambda: model.denoise_block(canvas, cache, None, plan=plan.plan), backend=backend,
+                      fullgraph=True)()
+    (gm,) = graphs
+    calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
+    assert len(calls) == model.config.num_layers
+    for node in calls:
+        options = next(a for a in node.args if isinstance(a, dict))
+        assert options.get("FORCE_USE_FLEX_ATTENTION") is True, options

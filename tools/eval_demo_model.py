@@ -189,6 +189,9 @@ def main(argv=None):
         metavar="KEY=VALUE",
         help="override a generation_config field, e.g. --gen max_denoising_steps=16 --gen entropy_bound=0.5",
     )
+    ap.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
+                    help="compiled generators: leave out one of our graph passes (CompileOptions.disabled_passes), "
+                    "e.g. --disable-pass sample_step_fusion")
     ap.add_argument("--show", action="store_true", help="print a few sample completions")
     ap.add_argument("--dump", metavar="FILE", help="write the generated ids of every prompt (JSON list) to FILE, e.g. "
                     "to compare two generators token for token")
@@ -204,7 +207,8 @@ def main(argv=None):
         if args.generator == "dgemma-eager":
             model = _EagerRunner(ours)
         else:  # dgemma-fused: commit fusion forced on (CompileOptions.fuse_commit=True; default: CUDA only)
-            model = dg.build(ours, dg.CompileOptions(fuse_commit=True if args.generator == "dgemma-fused" else None))
+            model = dg.build(ours, dg.CompileOptions(fuse_commit=True if args.generator == "dgemma-fused" else None,
+                                                     disabled_passes=tuple(args.disable_pass)))
         gen_config = ours.generation_config.replace(**{k: _parse_value(v) for k, v in (kv.split("=", 1) for kv in args.gen)})
     else:
         model, tokenizer = load(args.model_dir)

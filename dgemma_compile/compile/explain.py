@@ -35,6 +35,8 @@ class UnitReport:
     pass_matches: dict[str, int] | None = None
     """Our graph passes' matches in the unit's Inductor compile during the workload (None: unknown)."""
     pass_matches_source: str = ""
+    attention_kernel_options: dict | None = None
+    """The FlexAttention kernel options of the unit's queries per layer type (`CompileOptions.attention_kernels`)."""
     """"compiled", "cache record" (served by the FX graph cache; the counts recorded with its entry), "unknown" or
     "no pass enabled" (`units.PassMatches`)."""
 
@@ -45,6 +47,8 @@ class UnitReport:
                  f"ops_per_graph={self.ops_per_graph} guards={self.guard_count} "
                  f"compiles_in_workload={self.compiles_in_workload} recompiles={self.recompiles_in_workload} "
                  f"moe_impl={self.moe_impl} passes={passes} ({self.pass_matches_source})"]
+        for layer_type, opts in (self.attention_kernel_options or {}).items():
+            lines.append(f"  attention {layer_type}: kernel_options={opts or 'defaults'}")
         for r in self.break_reasons:
             lines.append(f"  break: {r['reason']}\n    at: {r['user_stack']}")
         return "\n".join(lines)
@@ -65,7 +69,9 @@ def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationCon
                 break_reasons=[{"reason": str(b.reason), "user_stack": [str(f) for f in b.user_stack]}
                                for b in ex.break_reasons],
                 ops_per_graph=[len(ops) for ops in ex.ops_per_graph], guard_count=len(ex.out_guards),
-                moe_impl=gen.moe_impl))
+                moe_impl=gen.moe_impl,
+                attention_kernel_options=gen.options.attention_kernels()[
+                    "encoder" if unit.name.startswith("encoder_chunk") else "canvas"]))
     gen.reset()  # explain reset Dynamo; start from fresh compiled units
     before = Counter(gen.compiles)
     (workload or default_workload)(gen)

@@ -50,18 +50,20 @@ class Bucket:
         self.cache = model.new_cache(rows, factory.options.max_seq_len, block_size=2 * C if fuse else C)
         self.state = DenoiseState.allocate(model, rows, stability)
         self.inputs = StepInputs.allocate(model, rows, C, factory.options.max_denoising_steps)
-        self.plan = PlanBuffers(model, self.cache, C)  # the block's denoise plan, filled once per block
+        kernels = factory.options.attention_kernels()
+        self.plan = PlanBuffers(model, self.cache, C, kernel_options=kernels)  # the block's denoise plan, per block
         self.tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
         cache, state, inputs, plan = self.cache, self.state, self.inputs, self.plan
         owners = (model, cache, state, inputs, plan)  # every tensor the units read
 
         def step(commit: bool) -> Callable[[], None]:
             return lambda: denoise_step(model, cache, state, inputs, plan, stop_early=stop_early, moe_impl=moe_impl,
-                                        commit=commit)
+                                        commit=commit, kernel_options=kernels)
 
         self.denoise: CompiledUnit = factory.unit(f"denoise_step[{self.tag}]", step(False), owners)
         self.encode: CompiledUnit = factory.unit(
-            f"encoder_chunk[{self.tag}]", lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl), owners)
+            f"encoder_chunk[{self.tag}]", lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl,
+                                                          kernel_options=kernels), owners)
         self.commit_denoise: CompiledUnit | None = (
             factory.unit(f"commit_denoise_step[{self.tag}]", step(True), owners) if fuse else None)
 

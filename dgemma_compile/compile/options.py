@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import DEFAULT_MAX_SEQ_LEN, ConfigError
+from ..config import DEFAULT_MAX_SEQ_LEN, FULL, SLIDING, ConfigError
 from ..ops.moe import MOE_IMPLS
 from ..passes.pipeline import check_names
+from ..plan import QUERY_KINDS
 from ..stop_check import STOP_CHECKS
 
 
@@ -81,6 +82,13 @@ class CompileOptions:
     # (tests/test_passes.py). `sample_step_fusion` replaces the vocabulary-wide region of the denoise step with
     # `dgemma::sample_step`, whose CPU implementation works in slices of positions (bounded transient memory).
     disabled_passes: tuple[str, ...] = ()
+    # FlexAttention kernel options per query kind ("encoder": prefill chunks and unfused commits; "canvas": denoise
+    # steps and commit + denoise) and layer type ("sliding_attention", "full_attention"), passed to `flex_attention`
+    # as they are. Canvas queries are pinned to the main FlexAttention template (FORCE_USE_FLEX_ATTENTION): with
+    # fewer than 128 queries (small canvases, e.g. the demo's 16) Inductor would pick its flex-decoding kernel, which
+    # is built for one to a few query tokens per row, not a bidirectional canvas. Encoder rows keep the kernels'
+    # defaults. On CPU Inductor's flex template accepts the options and ignores them. None = these defaults.
+    attention_kernel_options: dict | None = None
 
     def __post_init__(self) -> None:
         b = self.batch_buckets
@@ -110,9 +118,22 @@ class CompileOptions:
             check_names(self.disabled_passes)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        k = self.attention_kernel_options
+        if k is not None and (not isinstance(k, dict) or not set(k) <= set(QUERY_KINDS)
+                              or any(not isinstance(v, dict) or not set(v) <= {SLIDING, FULL}
+                                     or any(not isinstance(o, dict) for o in v.values()) for v in k.values())):
+            raise ConfigError(f"attention_kernel_options: must be {{query kind in {QUERY_KINDS}: {{layer type in "
+                              f"{(SLIDING, FULL)}: dict of options}}}}, got {k!r}")
         if self.recompile_limit < 2 * len(b):
             raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")
 
+
+    def attention_kernels(self) -> dict:
+        """{query kind: {layer type: FlexAttention kernel options}}: `attention_kernel_options`, None resolved."""
+        if self.attention_kernel_options is not None:
+            return self.attention_kernel_options
+        pinned = {"FORCE_USE_FLEX_ATTENTION": True}
+        return {"encoder": {SLIDING: {}, FULL: {}}, "canvas": {SLIDING: dict(pinned), FULL: dict(pinned)}}
 
     def commit_fusion(self, device_type: str) -> bool:
         """Whether generators on `device_type` ("cpu", "cuda", ...) fuse commits (`fuse_commit`, None resolved)."""
