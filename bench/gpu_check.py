@@ -108,8 +108,8 @@ def step_latency(model, label: str, repeats: int) -> None:
         bucket.denoise()
     compiled_ms = cuda_ms(bucket.denoise, repeats)
     state = bucket.state
-    eager_ms = cuda_ms(lambda: model.denoise_block(state.canvas, bucket.cache, state.sc_logits, state.has_sc,
-                                                   moe_impl=gen.moe_impl), repeats)
+    eager_ms = cuda_ms(lambda: model.denoise_block(state.canvas, bucket.cache, None, state.has_sc,
+                                                   moe_impl=gen.moe_impl, self_conditioning_probs=state.sc_probs), repeats)
     graph = "graph" if bucket.denoise.graph is not None else "no graph"
     print(f"{label}: denoise step at context 512: eager {eager_ms:.2f} ms, compiled ({graph}) {compiled_ms:.2f} ms, "
           f"ratio {eager_ms / compiled_ms:.2f}x; compile {compile_s:.0f} s")

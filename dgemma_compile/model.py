@@ -340,14 +340,17 @@ class DiffusionGemma(nn.Module):
 
     def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
                       self_conditioning_mask_B: torch.Tensor | None = None,
-                      moe_impl: str | None = None, plan: ForwardPlan | None = None) -> torch.Tensor:
+                      moe_impl: str | None = None, plan: ForwardPlan | None = None,
+                      self_conditioning_probs: torch.Tensor | None = None) -> torch.Tensor:
         """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
         self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch.
         `moe_impl` None: `self.moe_impl`. `plan`: the uniform denoise plan for the cache's current lengths, built
-        once per block (`plan.PlanBuffers`); None builds it here."""
+        once per block (`plan.PlanBuffers`); None builds it here. `self_conditioning_probs` [B, C, V]: the
+        self-conditioning input as probabilities (what the generators carry, `sampler.SCHEME` v3), in place of
+        `self_conditioning_logits` (pass None there)."""
         embeds = self._embed(canvas_BC)
         x = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits,
-                                                                self_conditioning_mask_B))
+                                                                self_conditioning_mask_B, self_conditioning_probs))
         plan = plan if plan is not None else build_plan(self, cache, canvas_BC.shape[1], mode="denoise")
         return self.logits(self._forward_block(x, cache, plan, moe_impl))
 
@@ -397,13 +400,17 @@ class DiffusionGemma(nn.Module):
 
     # ----- internals --------------------------------------------------------------------------------------------
     def _soft_embedding(self, embeds_BTD: torch.Tensor, logits_BTV: torch.Tensor | None,
-                        mask_B: torch.Tensor | None) -> torch.Tensor:
-        """The self-conditioning input: softmax(logits) @ embedding * embed_scale, zero for rows outside `mask_B`
-        (when given) and everywhere without logits (a block's first step: zero, not uniform)."""
-        if logits_BTV is None:
-            return torch.zeros_like(embeds_BTD)
+                        mask_B: torch.Tensor | None, probs_BTV: torch.Tensor | None = None) -> torch.Tensor:
+        """The self-conditioning input: softmax(logits) @ embedding * embed_scale (or `probs_BTV` @ embedding *
+        embed_scale when the probabilities are given), zero for rows outside `mask_B` (when given) and everywhere
+        without either (a block's first step: zero, not uniform)."""
         weight = self.embed_tokens.weight
-        probs = torch.softmax(logits_BTV, dim=-1, dtype=torch.float32).to(weight.dtype)
+        if probs_BTV is not None:
+            probs = probs_BTV.to(weight.dtype)
+        elif logits_BTV is None:
+            return torch.zeros_like(embeds_BTD)
+        else:
+            probs = torch.softmax(logits_BTV, dim=-1, dtype=torch.float32).to(weight.dtype)
         soft = (probs @ weight) * self.embed_scale.to(embeds_BTD.dtype)
         if mask_B is not None:
             soft = torch.where(mask_B[:, None, None], soft, torch.zeros_like(soft))

@@ -32,9 +32,12 @@ import torch
 
 SAMPLE_CHUNK = 4096
 """Vocabulary ids per chunk of the inverse-CDF sampler (part of the scheme: a kernel must use the same chunks)."""
-SCHEME = f"philox4x32-10+chunked-icdf-{SAMPLE_CHUNK}/v2"
-"""Name of the sampling numerics (random streams + sampler); printed in stats and bench metadata. v1 was
-torch.Generator streams seeded by SplitMix64 with an unchunked inverse CDF."""
+SCHEME = f"philox4x32-10+chunked-icdf-{SAMPLE_CHUNK}+sc-probs/v3"
+"""Name of the step numerics (random streams, sampler, what a step hands the next); printed in stats and bench
+metadata. v3 carries the self-conditioning input as probabilities, softmax((logits - max) / T) computed in float32
+by the step that sampled and stored in the model dtype, where v2 carried the scaled logits (stored in the model
+dtype) and the next forward took their softmax. v1 was torch.Generator streams seeded by SplitMix64 with an
+unchunked inverse CDF."""
 GREEDY_BELOW = torch.finfo(torch.float32).tiny
 """Temperatures below float32's smallest normal (zero and denormals included) mean greedy decoding."""
 
@@ -144,16 +147,15 @@ def sample_chunked_icdf(logits_BCV: torch.Tensor, uniform: torch.Tensor, chunk: 
 class StepUpdate(NamedTuple):
     """What one denoise step computes from the decoder's logits (see `denoise_update`).
 
-    canvas, argmax: int64 [B, C]; history: int64 [P, B, C]; finished: bool [B]; sc_logits: float32 [B, C, V], finite,
-    whose softmax is the next step's self-conditioning input: (logits - max) / T, clamped to float32's range
-    (one-hot for greedy rows: 0 at the argmax, float32's lowest elsewhere).
+    canvas, argmax: int64 [B, C]; history: int64 [P, B, C]; finished: bool [B]; sc_probs: float32 [B, C, V], the next
+    step's self-conditioning input: softmax((logits - max) / T) (one-hot for greedy rows).
     """
 
     canvas: torch.Tensor
     argmax: torch.Tensor
     history: torch.Tensor
     finished: torch.Tensor
-    sc_logits: torch.Tensor
+    sc_probs: torch.Tensor
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -163,19 +165,19 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 class SampleStep(NamedTuple):
     """What `sample_step` computes per position: argmax, sampled: int64 [B, C]; entropy: float32 [B, C];
-    sc_logits: float32 [B, C, V] (see `StepUpdate`)."""
+    sc_probs: float32 [B, C, V] (see `StepUpdate`)."""
 
     argmax: torch.Tensor
     sampled: torch.Tensor
     entropy: torch.Tensor
-    sc_logits: torch.Tensor
+    sc_probs: torch.Tensor
 
 
 def sample_step(logits_BCV: torch.Tensor, temperature_B: torch.Tensor, greedy_B: torch.Tensor,
                 uniform_BC: torch.Tensor) -> SampleStep:
     """The vocabulary-wide part of a denoise step, the region `dgemma::sample_step` fuses: the logits scaled by 1/T
     (shifted by their max first), their argmax, one token per position by `sample_chunked_icdf` with `uniform_BC`,
-    the entropy of softmax(scaled), and the self-conditioning logits (the scaled logits; one-hot for greedy rows).
+    the entropy of softmax(scaled), and the self-conditioning input softmax(scaled) (one-hot for greedy rows).
 
     Args: logits float [B, C, V] (any float dtype, computed in float32); temperature float32 [B]; greedy bool [B]
     (sample = argmax, entropy 0); uniform float32 [B, C] in [0, 1). Rows are independent: a slice of rows or
@@ -191,7 +193,8 @@ def sample_step(logits_BCV: torch.Tensor, temperature_B: torch.Tensor, greedy_B:
     ent = torch.where(greedy_B[:, None], 0.0, entropy(scaled))
     one_hot = torch.where(torch.arange(scaled.shape[-1], device=scaled.device) == argmax[..., None], 0.0,
                           torch.finfo(scaled.dtype).min)
-    return SampleStep(argmax=argmax, sampled=sampled, entropy=ent, sc_logits=torch.where(greedy_B11, one_hot, scaled))
+    sc_probs = torch.softmax(torch.where(greedy_B11, one_hot, scaled), dim=-1)
+    return SampleStep(argmax=argmax, sampled=sampled, entropy=ent, sc_probs=sc_probs)
 
 
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
@@ -207,7 +210,7 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
     Stopping (`StableAndConfidentStoppingCriteria`): argmax equal to each of the previous P argmax canvases (so never
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
     """
-    argmax, sampled, ent, sc_logits = sample_step(logits_BCV, temperature_B, greedy_B, noise.uniform)
+    argmax, sampled, ent, sc_probs = sample_step(logits_BCV, temperature_B, greedy_B, noise.uniform)
     accepted = entropy_bound_accept(ent, entropy_bound_B[:, None])
     canvas = torch.where(accepted, sampled, noise.renoise)
     frozen = finished_B[:, None]
@@ -220,4 +223,4 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
         finished = finished | (stable & confident)
         if history.shape[0]:
             history = torch.cat([history[1:], argmax[None]], dim=0)
-    return StepUpdate(canvas=canvas, argmax=argmax, history=history, finished=finished, sc_logits=sc_logits)
+    return StepUpdate(canvas=canvas, argmax=argmax, history=history, finished=finished, sc_probs=sc_probs)

@@ -68,9 +68,8 @@ class DenoiseState:
 
     canvas, argmax: int64 [B, C] (argmax is what gets committed); history: int64 [P, B, C], the argmax canvases of
     the previous P steps (-1 before the first); finished: bool [B] (frozen rows); steps: int64 [B], decoder passes
-    of this block; sc_logits: [B, C, V] in the model dtype, finite, whose softmax is the self-conditioning input:
-    the previous step's (logits - max) / T (one-hot logits for greedy rows; `sampler.StepUpdate`), meaningful where
-    has_sc: bool [B].
+    of this block; sc_probs: [B, C, V] in the model dtype, the self-conditioning input: the previous step's
+    softmax((logits - max) / T) (one-hot for greedy rows; `sampler.StepUpdate`), meaningful where has_sc: bool [B].
     """
 
     canvas: torch.Tensor
@@ -78,7 +77,7 @@ class DenoiseState:
     history: torch.Tensor
     finished: torch.Tensor
     steps: torch.Tensor
-    sc_logits: torch.Tensor
+    sc_probs: torch.Tensor
     has_sc: torch.Tensor
 
     @classmethod
@@ -88,7 +87,7 @@ class DenoiseState:
         return cls(canvas=torch.zeros(rows, C, **long), argmax=torch.zeros(rows, C, **long),
                    history=torch.full((stability, rows, C), -1, **long),
                    finished=torch.zeros(rows, dtype=torch.bool, device=dev), steps=torch.zeros(rows, **long),
-                   sc_logits=torch.zeros(rows, C, V, dtype=model.dtype, device=dev),
+                   sc_probs=torch.zeros(rows, C, V, dtype=model.dtype, device=dev),
                    has_sc=torch.zeros(rows, dtype=torch.bool, device=dev))
 
     def begin(self, canvas_RC: torch.Tensor, frozen_R: torch.Tensor) -> None:
@@ -187,8 +186,8 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
         if plan is not None:
             plan.fill()
     else:
-        logits = model.denoise_block(state.canvas, cache, state.sc_logits, state.has_sc, moe_impl=moe_impl,
-                                     plan=plan.plan if plan is not None else None)
+        logits = model.denoise_block(state.canvas, cache, None, state.has_sc, moe_impl=moe_impl,
+                                     plan=plan.plan if plan is not None else None, self_conditioning_probs=state.sc_probs)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
@@ -197,8 +196,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     state.argmax.copy_(new.argmax)
     state.history.copy_(new.history)
     state.finished.copy_(new.finished | (state.steps >= inputs.budget))
-    big = torch.finfo(state.sc_logits.dtype).max
-    state.sc_logits.copy_(new.sc_logits.clamp(-big, big))
+    state.sc_probs.copy_(new.sc_probs)
     state.has_sc.fill_(True)
 
 
@@ -232,7 +230,7 @@ class BufferSteps:
         self.R, self.cache, self.state, self.inputs = len(cfgs), cache, state, inputs
         self.denoise, self.encode, self.commit_denoise = denoise, encode, commit_denoise
         self.block_size = inputs.ids.shape[1]
-        self.vocab_size = state.sc_logits.shape[-1]
+        self.vocab_size = state.sc_probs.shape[-1]
         self.commit_pending = False
         self.commits = self.fused_commits = 0  # commits run as their own encoder pass / fused into a step
         inputs.set_requests(cfgs, seeds)

@@ -7,8 +7,8 @@ prefill runs in fixed chunks, and the routed experts run with an implementation 
 depend on how many tokens an expert receives ("dense" eagerly, "gathered" compiled; the "loop" is not: it runs one
 GEMM per expert over the tokens routed to it). Invariance across buckets (other GEMM row counts) is not claimed.
 
-The recorded signal per row and live step is the step's self-conditioning logits `(logits - max) / T`
-(`steps.DenoiseState.sc_logits`), a per-row function of that step's logits, plus the final sequences.
+The recorded signal per row and live step is the step's self-conditioning input softmax((logits - max) / T)
+(`steps.DenoiseState.sc_probs`), a per-row function of that step's logits, plus the final sequences.
 """
 
 import random
@@ -26,7 +26,7 @@ SETTINGS = dict(confidence_threshold=1e9, max_denoising_steps=8, max_new_tokens=
 
 
 def _recorded(runner):
-    """Wrap `runner.step` to keep, per request, a copy of its self-conditioning logits after each step it ran live."""
+    """Wrap `runner.step` to keep, per request, a copy of its self-conditioning input after each step it ran live."""
     trace = [[] for _ in range(runner.R)]
     step = runner.step
 
@@ -34,7 +34,7 @@ def _recorded(runner):
         live = (~runner.state.finished[:runner.R]).tolist()
         finished = step()
         for r in (r for r, on in enumerate(live) if on):
-            trace[r].append(runner.state.sc_logits[r].clone())
+            trace[r].append(runner.state.sc_probs[r].clone())
         return finished
 
     runner.step = record

@@ -82,12 +82,13 @@ def test_pipeline_uuid_changes_with_a_pass_source_and_the_enabled_passes(tmp_pat
 
 
 def _region(logits_scale, T, greedy, u, renoise):
-    """A denoise-step tail: a softcap-like producer of the logits, the region, and consumers of every output."""
-    logits = torch.tanh(logits_scale / 30.0) * 30.0
+    """A denoise-step tail: the model's float32 softcap as the logits' producer (`DiffusionGemma.logits`), the region,
+    and consumers of every output."""
+    logits = torch.tanh(logits_scale.float() / 30.0) * 30.0
     out = sampler.sample_step(logits, T, greedy, u)
     accepted = sampler.entropy_bound_accept(out.entropy, 0.5)
     return (torch.where(accepted, out.sampled, renoise), out.argmax, out.entropy.mean(-1),
-            out.sc_logits.to(logits_scale.dtype))
+            out.sc_probs.to(logits_scale.dtype))
 
 
 def _compile_region(args, disabled=(), fresh=True):
@@ -112,9 +113,10 @@ def test_fusion_pass_rewrites_the_region_with_equal_values(V, dtype):
     assert matches.counts == {FUSION: 1} and matches.source == "compiled"
     FileCheck().check('dgemma::sample_step').run(code)
     assert "searchsorted" not in code  # the inverse CDF is inside the op
+    assert "tanh" not in code  # the softcap folded into the op: the float32 logits never exist whole
     off, code_off, matches_off = _compile_region(args, disabled=(FUSION,))
     assert matches_off.counts == {} and matches_off.source == "no pass enabled"
-    assert "dgemma::sample_step" not in code_off and "dgemma.sample_step" not in code_off
+    assert "dgemma::sample_step" not in code_off and "dgemma.sample_step" not in code_off and "tanh" in code_off
     # pass on vs off: the same compiled producer of the logits (eager bf16 rounds the softcap's every op; Inductor
     # computes it in float32), so the values agree to float reduction order
     for a, b in zip(out, off):

@@ -76,7 +76,7 @@ def test_stop_flags_match_stable_and_confident(seed, B, C, stability, threshold,
         state, new = update(state, logits, temperature, noise, entropy_bound=0.1, confidence_threshold=threshold,
                             stop_early=True)
         scaled_ref = (logits - logits.amax(-1, keepdim=True)) / temperature  # softmax-equal to logits / T
-        torch.testing.assert_close(new.sc_logits, scaled_ref, atol=0, rtol=0)
+        torch.testing.assert_close(new.sc_probs, torch.softmax(scaled_ref, -1), atol=0, rtol=0)
         argmax_ref = torch.where(frozen[:, None], argmax_ref, scaled_ref.argmax(-1))
         flags_ref |= crit(argmax_ref, torch.where(frozen[:, None, None], logits, scaled_ref))
         history_ref.append(argmax_ref.clone())
@@ -192,8 +192,8 @@ def test_greedy_and_tiny_temperatures_are_finite():
     new = denoise_update(*state, logits, T[:, 0], greedy[:, 0], noise, entropy_bound_B=torch.full((B,), 0.1),
                          confidence_B=torch.full((B,), 0.005), stop_early=True)
     assert torch.equal(new.canvas[:3], logits[:3].argmax(-1)) and torch.equal(new.argmax, logits.argmax(-1))
-    assert torch.isfinite(new.sc_logits).all()
-    one_hot = torch.softmax(new.sc_logits[:3], -1)
+    assert torch.isfinite(new.sc_probs).all()
+    one_hot = new.sc_probs[:3]
     assert torch.equal(one_hot, torch.nn.functional.one_hot(logits[:3].argmax(-1), V).float())
 
 

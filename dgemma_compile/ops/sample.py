@@ -1,7 +1,7 @@
 """`dgemma::sample_step`: the vocabulary-wide region of a denoise step as one op.
 
 The region is `sampler.sample_step` (scale by 1/T, argmax, chunked inverse-CDF sample, entropy, self-conditioning
-logits): every tensor of it that spans the vocabulary ([B, C, V], ~10 of them, 268 MB each in float32 at B=1 and the
+probabilities): every tensor of it that spans the vocabulary ([B, C, V], ~10 of them, 268 MB each in float32 at B=1 and the
 released vocabulary of 262,144) lives and dies inside it. The model never calls this op: the graph pass
 `passes.sample_step_fusion` recognises the region in a captured step and replaces it with the op, so the eager
 generator keeps running `sampler.sample_step` itself (the oracle).
@@ -44,13 +44,24 @@ def _check(logits, temperature, greedy, uniform) -> None:
                              f"{list(t.shape)}")
 
 
+def _prologue(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The logits as the region reads them: float32, soft-capped (`DiffusionGemma.logits`) when `softcap` is given."""
+    x = logits.float()
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
 @torch.library.custom_op("dgemma::sample_step", mutates_args=())
-def sample_step(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, uniform: torch.Tensor
+def sample_step(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, uniform: torch.Tensor,
+                softcap: float | None = None, sc_dtype: torch.dtype | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`sampler.sample_step` as one op: (argmax int64 [B, C], sampled int64 [B, C], entropy float32 [B, C],
-    sc_logits float32 [B, C, V]).
+    sc_probs [B, C, V] in `sc_dtype`, default float32).
 
-    Args: logits float [B, C, V] (any float dtype); temperature float32 [B]; greedy bool [B]; uniform float32 [B, C].
+    Args: logits float [B, C, V] (any float dtype; taken as float32, then soft-capped cap * tanh(x / cap) when
+    `softcap` is given, as `DiffusionGemma.logits` does: the pass folds the model's own cast and softcap in, so the
+    float32 logits never exist whole); temperature float32 [B]; greedy bool [B]; uniform float32 [B, C]; sc_dtype:
+    the dtype the self-conditioning probabilities are written in (the pass folds the step's cast to the model dtype
+    in).
     Raises: ValueError naming the tensor whose dtype or shape is wrong.
     """
     _check(logits, temperature, greedy, uniform)
@@ -59,23 +70,23 @@ def sample_step(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     argmax = torch.empty(B * C, dtype=torch.int64, device=dev)
     sampled = torch.empty(B * C, dtype=torch.int64, device=dev)
     ent = torch.empty(B * C, dtype=torch.float32, device=dev)
-    sc = torch.empty(B * C, 1, V, dtype=torch.float32, device=dev)
+    sc = torch.empty(B * C, 1, V, dtype=sc_dtype or torch.float32, device=dev)
     # one "row" per position: [B*C, 1, V] with the row's parameters repeated per position
     rows = logits.reshape(B * C, 1, V)
     T, g, u = temperature.repeat_interleave(C), greedy.repeat_interleave(C), uniform.reshape(B * C, 1)
     P = position_chunk(V)
     for s in range(0, B * C, P):
-        out = sampler.sample_step(rows[s:s + P], T[s:s + P], g[s:s + P], u[s:s + P])
+        out = sampler.sample_step(_prologue(rows[s:s + P], softcap), T[s:s + P], g[s:s + P], u[s:s + P])
         argmax[s:s + P] = out.argmax[:, 0]
         sampled[s:s + P] = out.sampled[:, 0]
         ent[s:s + P] = out.entropy[:, 0]
-        sc[s:s + P] = out.sc_logits
+        sc[s:s + P] = out.sc_probs
     return argmax.view(B, C), sampled.view(B, C), ent.view(B, C), sc.view(B, C, V)
 
 
 @sample_step.register_fake
-def _(logits, temperature, greedy, uniform):
+def _(logits, temperature, greedy, uniform, softcap=None, sc_dtype=None):
     _check(logits, temperature, greedy, uniform)
     B, C, V = logits.shape
     return (logits.new_empty(B, C, dtype=torch.int64), logits.new_empty(B, C, dtype=torch.int64),
-            logits.new_empty(B, C, dtype=torch.float32), logits.new_empty(B, C, V, dtype=torch.float32))
+            logits.new_empty(B, C, dtype=torch.float32), logits.new_empty(B, C, V, dtype=sc_dtype or torch.float32))

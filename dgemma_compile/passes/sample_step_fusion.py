@@ -13,6 +13,13 @@ patterns), so nothing else depended on an intermediate. Values are equal up to f
 fused loops vs the op's ATen kernels); tokens are checked equal with the pass on and off (tests/test_passes.py, the
 demo test set).
 
+Then, per inserted op, two folds that keep the vocabulary-wide tensors out of the step (what bounds its transient
+memory to about the model-dtype logits plus the model-dtype self-conditioning output): the op's logits input, when
+it is the model's own float32 cast and softcap (cap * tanh(x / cap), `DiffusionGemma.logits`) read by nothing else,
+is replaced by the cast's input with the cap as the op's `softcap`; and the self-conditioning output, when its only
+reader is a cast (to the model dtype, for the step's state), is written in that dtype by the op (`sc_dtype`). Both
+compute the same values in the same order, slice by slice (`ops.sample`).
+
 Stage: the joint-graph pre pass (`joint_custom_pre_pass`), before Inductor's own joint-graph rewrites: those rewrite
 `x * c - amax(x * c)` (its softmax-scale pattern) when the logits come from a multiply such as the final softcap,
 which would make the region's shape depend on what precedes it.
@@ -21,6 +28,7 @@ which would make the region's shape depend on what precedes it.
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 
@@ -54,6 +62,70 @@ def _patterns():
     return matcher
 
 
+_aten, _prims = torch.ops.aten, torch.ops.prims
+
+
+def _call(node, target, nargs: int) -> bool:
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+            and len(node.args) == nargs and not node.kwargs)
+
+
+def _softcap_input(node: torch.fx.Node) -> tuple[torch.fx.Node, float] | None:
+    """(x, cap) if `node` is mul(tanh(div(x, cap)), cap) with one user at each step, else None."""
+    if not (_call(node, _aten.mul.Tensor, 2) and isinstance(node.args[1], float)):
+        return None
+    tanh = node.args[0]
+    if not (_call(tanh, _aten.tanh.default, 1) and len(tanh.users) == 1):
+        return None
+    div = tanh.args[0]
+    if not (_call(div, _aten.div.Tensor, 2) and div.args[1] == node.args[1] and len(div.users) == 1):
+        return None
+    return div.args[0], node.args[1]
+
+
+def _float32_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """x if `node` is a float32 cast of x with one user, else None."""
+    if _call(node, _prims.convert_element_type.default, 2) and node.args[1] == torch.float32 and len(node.users) == 1:
+        return node.args[0]
+    return None
+
+
+def _fold(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Fold the logits' cast and softcap, and the self-conditioning output's cast, into one op call (see the module
+    docstring); then recompute the op's and its outputs' fake values."""
+    logits, kwargs = node.args[0], dict(node.kwargs)
+    val = logits.meta.get("val")
+    # a softcap computed in float32 only (as the model's): one in a 16-bit dtype rounds after each op, the op would not
+    if (len(logits.users) == 1 and isinstance(val, torch.Tensor) and val.dtype == torch.float32
+            and (capped := _softcap_input(logits)) is not None):
+        logits, kwargs["softcap"] = capped
+    logits = _float32_input(logits) or logits
+    sc_reads = [u for u in node.users if u.target is operator.getitem and u.args[1] == 3]
+    cast = None
+    if len(sc_reads) == 1 and len(sc_reads[0].users) == 1:
+        (user,) = sc_reads[0].users
+        if _call(user, _prims.convert_element_type.default, 2):
+            cast, kwargs["sc_dtype"] = user, user.args[1]
+    node.args = (logits, *node.args[1:])
+    node.kwargs = kwargs
+    if cast is not None:
+        cast.replace_all_uses_with(sc_reads[0])
+        graph.erase_node(cast)
+    graph.eliminate_dead_code()
+    vals = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]
+    fake_mode = torch._guards.detect_fake_mode(vals)
+    if fake_mode is not None:
+        with fake_mode:
+            out = node.target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args], **kwargs)
+        node.meta["val"] = out
+        for u in node.users:
+            if u.target is operator.getitem:
+                u.meta["val"] = out[u.args[1]]
+
+
 def apply(graph: torch.fx.Graph) -> int:
-    """Rewrite every match in `graph`; returns the number of matches."""
-    return _patterns().apply(graph)
+    """Rewrite every match in `graph`, folding casts and the softcap into each op; returns the number of matches."""
+    n = _patterns().apply(graph)
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.dgemma.sample_step.default)):
+        _fold(graph, node)
+    return n
