@@ -571,3 +571,31 @@ def test_sample_kernels_compile_for_sm90():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("\n") == 4, done.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# dgemma::sample_step's CUDA implementation (`ops.sample.triton_sample_step`) against its CPU implementation
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("softcap,dtype,sc_dtype", [(None, torch.float32, torch.float32),
+                                                    (30.0, torch.float32, torch.float32),
+                                                    (15.0, torch.bfloat16, torch.bfloat16)])
+def test_op_cuda_path_matches_the_cpu_op_in_slices(softcap, dtype, sc_dtype, monkeypatch):
+    """What the op runs on CUDA (the kernel, with a softcap one launch per slice of positions), here interpreted, against
+    the op's CPU implementation with the same slicing: argmax identical, the rest as `assert_same`."""
+    from dgemma_compile.ops import sample as op
+
+    B, C, V = 2, 3, 300
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(B, C, V, generator=g) * 40).to(dtype)
+    T, greedy, u = torch.tensor([0.7, 1.0]), torch.tensor([False, True]), torch.rand(B, C, generator=g)
+    monkeypatch.setattr(op, "CHUNK_BYTES", 4 * V * 2)  # two positions per slice: three slices
+    out = op.triton_sample_step(sample_kernels().sample_step_triton, logits.to(DEVICE), T.to(DEVICE),
+                                greedy.to(DEVICE), u.to(DEVICE), softcap, sc_dtype)
+    ref = torch.ops.dgemma.sample_step(logits, T, greedy, u, softcap, sc_dtype)
+    assert [t.shape for t in out] == [t.shape for t in ref] and out[3].dtype == sc_dtype
+    capped = op._prologue(logits, softcap)
+    out_f32 = sampler.SampleStep(*(t.cpu() for t in out))
+    ref_f32 = sampler.sample_step(capped, T, greedy, u)
+    assert torch.equal(ref[0], ref_f32.argmax)
+    assert_same(out_f32, ref_f32, capped, T, greedy, u)

@@ -10,8 +10,10 @@ Implementations:
 - CPU (and the default for any device without its own kernel): `sampler.sample_step` in plain torch, over slices
   of at most `position_chunk(V)` positions, so the region's transient memory is a slice's, not the whole canvas's.
   Positions are independent (each reduces over its own vocabulary row), so slicing changes no value.
-- CUDA: registered by `register_cuda_kernel` from the Triton kernel of `templates/sample_step.py`, when that module
-  is importable (triton installed).
+- CUDA: the Triton kernel of `templates/sample_step.py` (`triton_sample_step`; imported at the first CUDA call,
+  so triton is needed only there: without it the call raises, never falls back). The kernel reads the logits in
+  their own dtype; a softcap is applied in torch per slice of positions first (in-kernel softcap: not yet).
+  Unverified on a GPU so far (no device run); its kernel is tested on the CPU under TRITON_INTERPRET=1.
 
 Legend: B rows, C canvas positions, V vocabulary.
 """
@@ -82,6 +84,30 @@ def sample_step(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
         ent[s:s + P] = out.entropy[:, 0]
         sc[s:s + P] = out.sc_probs
     return argmax.view(B, C), sampled.view(B, C), ent.view(B, C), sc.view(B, C, V)
+
+
+def triton_sample_step(launch, logits, temperature, greedy, uniform, softcap=None, sc_dtype=None):
+    """The op through a Triton launcher `launch` (`templates.sample_step.sample_step_triton`'s signature): one launch
+    over the whole [B, C, V] logits, or with `softcap`, one launch per slice of `position_chunk(V)` positions over
+    their soft-capped float32 logits (so those never exist whole). Returns the op's 4 outputs."""
+    sc_dtype = sc_dtype or torch.float32
+    if softcap is None:
+        return tuple(launch(logits, temperature, greedy, uniform, sc_dtype=sc_dtype))
+    B, C, V = logits.shape
+    rows = logits.reshape(B * C, 1, V)
+    T, g, u = temperature.repeat_interleave(C), greedy.repeat_interleave(C), uniform.reshape(B * C, 1)
+    P = position_chunk(V)
+    outs = [launch(_prologue(rows[s:s + P], softcap), T[s:s + P], g[s:s + P], u[s:s + P], sc_dtype=sc_dtype)
+            for s in range(0, B * C, P)]
+    return tuple(torch.cat([o[i] for o in outs]).view(B, C, *([V] if i == 3 else [])) for i in range(4))
+
+
+@sample_step.register_kernel("cuda")
+def _(logits, temperature, greedy, uniform, softcap=None, sc_dtype=None):
+    _check(logits, temperature, greedy, uniform)
+    from ..templates.sample_step import sample_step_triton  # needs triton: an ImportError here is the message
+
+    return triton_sample_step(sample_step_triton, logits, temperature, greedy, uniform, softcap, sc_dtype)
 
 
 @sample_step.register_fake
