@@ -89,12 +89,14 @@ shapes = dict(N=st.integers(1, 12), D=st.sampled_from([8, 16, 24, 40]), I=st.sam
               seed=st.integers(0, 1000))
 
 
+@pytest.mark.slow  # ~2 s interpreted: the fast tier keeps the explicit cases below
 @settings(max_examples=25)
 @given(**shapes)
 def test_moe_float32_matches_loop(N, D, I, E, K, routing, seed):
     check_case(N, D, I, E, min(K, E), routing, seed, torch.float32)
 
 
+@pytest.mark.slow
 @settings(max_examples=15)
 @given(**shapes, dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_moe_low_precision_within_bound(N, D, I, E, K, routing, seed, dtype):
