@@ -583,8 +583,8 @@ def test_sample_kernels_compile_for_sm90():
                                                     (30.0, torch.float32, torch.float32),
                                                     (15.0, torch.bfloat16, torch.bfloat16)])
 def test_op_cuda_path_matches_the_cpu_op_in_slices(softcap, dtype, sc_dtype, monkeypatch):
-    """What the op runs on CUDA (the kernel, with a softcap one launch per slice of positions), here interpreted, against
-    the op's CPU implementation with the same slicing: argmax identical, the rest as `assert_same`."""
+    """What the op runs on CUDA (the kernel; with a softcap, one launch per slice of positions), here interpreted,
+    against the op's CPU implementation with the same slicing: argmax identical, the rest as `assert_same`."""
     from dgemma_compile.ops import sample as op
 
     B, C, V = 2, 3, 300
