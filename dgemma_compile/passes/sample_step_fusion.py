@@ -106,6 +106,12 @@ def _fold(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
         (user,) = sc_reads[0].users
         if _call(user, _prims.convert_element_type.default, 2):
             cast, kwargs["sc_dtype"] = user, user.args[1]
+        elif _call(user, _aten.copy.default, 2) and user.args[1] is sc_reads[0]:
+            # copy_ into the state buffer converts on the way (round to nearest, as a cast does): write the
+            # destination's dtype directly
+            dst = user.args[0].meta.get("val")
+            if isinstance(dst, torch.Tensor) and dst.dtype != torch.float32:
+                kwargs["sc_dtype"] = dst.dtype
     node.args = (logits, *node.args[1:])
     node.kwargs = kwargs
     if cast is not None:
