@@ -188,3 +188,41 @@ def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_ge
     assert "dgemma::sample_step" not in denoise_off
     assert off_gen.units.pass_matches[f"denoise_step[{tag}]"].source == "no pass enabled"
     assert any(s[-1] == V for s in _cumsum_sizes(denoise_off))  # the unfused inverse CDF scans the vocabulary
+
+
+def _region_into_state(logits_bf16, T, greedy, u, sc_state):
+    """The model's path in bfloat16: float32 cast and softcap of the lm_head output, the region, and the
+    self-conditioning output copied into the step's bfloat16 state buffer (as `steps.denoise_step` does)."""
+    logits = torch.tanh(logits_bf16.float() / 30.0) * 30.0
+    out = sampler.sample_step(logits, T, greedy, u)
+    sc_state.copy_(out.sc_probs)
+    return out.argmax, out.sampled, out.entropy
+
+
+@pytest.mark.slow
+def test_fusion_folds_the_softcap_and_the_state_dtype_into_the_op():
+    """The op reads the bfloat16 lm_head output itself (softcap folded in: the float32 logits never exist whole) and
+    writes the self-conditioning probabilities in the state's dtype (the copy's conversion folded in); values equal
+    the unfused compile's."""
+    seen = []
+
+    def record(graph):
+        seen.extend(n for n in graph.find_nodes(op="call_function", target=torch.ops.dgemma.sample_step.default))
+
+    logits, T, greedy, u = _inputs(2, 4, 4096 + 27, torch.bfloat16, seed=5)
+    results = []
+    for disabled in ((), (FUSION,)):
+        state = torch.zeros(2, 4, 4096 + 27, dtype=torch.bfloat16)
+        factory = UnitFactory(CompileOptions(disabled_passes=disabled), "cpu")
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=record):
+            out = torch.compile(_region_into_state, backend=factory.backend("region"), fullgraph=True)(
+                logits, T, greedy, u, state)
+        results.append((out, state))
+    (node,) = seen
+    assert node.kwargs == {"softcap": 30.0, "sc_dtype": torch.bfloat16}
+    assert node.args[0].meta["val"].dtype == torch.bfloat16  # the lm_head output, not a float32 copy of it
+    (on, state_on), (off, state_off) = results
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+    torch.testing.assert_close(on[2], off[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state_on.float(), state_off.float(), rtol=2**-8, atol=1e-7)
