@@ -3,8 +3,9 @@
     python -m bench.passes time [--calls 200] [--rounds 5] [--out bench/results]
     python -m bench.passes memory [--out bench/results]
 
-`time`: the demo model, one compiled generator with every pass and one with `CompileOptions.disabled_passes` naming
-them all, each with its B=1 bucket set up mid-request (a 64-token prompt encoded, block 0 begun), its denoise unit
+`time`: the demo model, one compiled generator with every pass (defaults), one with `CompileOptions.disabled_passes`
+naming them all, and one with `sample_step_fusion` forced on at the demo's size (`sample_step_fusion_min_bytes=0`),
+each with its B=1 bucket set up mid-request (a 64-token prompt encoded, block 0 begun), its denoise unit
 called `--calls` times per round, the two taking turns for `--rounds` rounds. Reports the median, p10 and p90 of the
 unit call per variant, and whether the passes-on median lies inside the passes-off p10-p90 band (issue 13's CPU
 target).
@@ -12,12 +13,12 @@ target).
 `memory`: a 2-layer model of the released width and vocabulary (hidden 2816, vocab 262,144, one sliding and one full
 layer as released, 8 experts top-2 instead of 128 top-8 to keep CPU weights and compile small: the sampler region,
 not the experts, is what is measured), bfloat16, random weights. Per (passes, batch) configuration, in a fresh
-process: the denoise unit compiled and called once, then the step's transient memory of a second call: peak resident
+process: the denoise unit compiled and called once, then the step's transient memory of a second call (default settings: at the released vocabulary the fusion runs at every
+batch size): peak resident
 memory during the call (VmHWM, reset through /proc/self/clear_refs) minus resident memory before it (weights, KV
 cache, static buffers), as a multiple of the float32 logits' size (B x 256 x 262,144 x 4 bytes). glibc returns
 freed blocks above its mmap threshold to the system; the child runs with MALLOC_MMAP_THRESHOLD_=131072 (fixed, not
 glibc's sliding one), so every vocabulary-sized buffer is its own mapping and shows in RSS while it lives.
-Passes off runs at B=1 only: at B=8 its ~10 float32 [8, 256, 262144] temporaries (~21 GB) do not fit this machine.
 
 Writes bench/results/passes_cpu_<date>.md (time) and passes_memory_cpu_<date>.md (memory) and prints them.
 """
@@ -62,12 +63,13 @@ def _quantiles(xs: list[float]) -> tuple[float, float, float]:
 class Variant:
     """One compiled generator on the demo model (passes on or off) and its B=1 bucket, set up mid-request."""
 
-    def __init__(self, model, label: str, disabled: tuple[str, ...]):
+    def __init__(self, model, label: str, disabled: tuple[str, ...], **options):
         from dgemma_compile.observe import SpanTimer
         from dgemma_compile.steps import prefill
 
         self.label = label
-        self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, disabled_passes=disabled))
+        self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, disabled_passes=disabled,
+                                                  **options))
         self.compile_s = self.gen.warmup(1)
         self.bucket = self.gen.bucket(1)
         cfg = model.generation_config.resolved(model.config)
@@ -94,7 +96,8 @@ def time_table(calls: int, rounds: int) -> str:
 
     torch.set_num_threads(1)
     model = dg.load(DEMO_MODEL)
-    variants = [Variant(model, "passes on (default)", ()), Variant(model, "passes off", PASS_NAMES)]
+    variants = [Variant(model, "passes on (default)", ()), Variant(model, "passes off", PASS_NAMES),
+                Variant(model, "sample_step_fusion forced (min bytes 0)", (), sample_step_fusion_min_bytes=0)]
     for _ in range(rounds):
         for v in variants:
             v.time_calls(calls)
@@ -103,7 +106,7 @@ def time_table(calls: int, rounds: int) -> str:
     for v in variants:
         p10, med, p90 = (x * 1e3 for x in _quantiles(v.wall))
         rows.append(f"| {v.label} | {med:.3f} | {p10:.3f} | {p90:.3f} | {v.compile_s:.1f} |")
-    on, off = (_quantiles(v.wall) for v in variants)
+    on, off, forced = (_quantiles(v.wall) for v in variants)
     inside = off[0] <= on[1] <= off[2]
     lines = [f"# Graph passes on vs off: the demo denoise step, B=1 ({time.strftime('%Y-%m-%d')})", "",
              _describe(), "",
@@ -111,7 +114,9 @@ def time_table(calls: int, rounds: int) -> str:
              "unit calls per variant (milliseconds per call).", "",
              "| variant | median | p10 | p90 | warm-up s |", "|---|---|---|---|---|", *rows, "",
              f"passes-on median / passes-off median: {on[1] / off[1]:.3f}; inside the passes-off p10-p90 band: "
-             f"{'yes' if inside else 'no'}.", "",
+             f"{'yes' if inside else 'no'}. Forced / off: {forced[1] / off[1]:.3f} (the op's CPU implementation is "
+             "eager torch; at the demo's size it does not run by default, `CompileOptions.sample_step_fusion_min_bytes`).",
+             "",
              "Pass matches per unit:", ""]
     for label, per_unit in matches.items():
         lines += [f"- {label}: " + "; ".join(f"{k} {t}" for k, t in sorted(per_unit.items()))]
@@ -119,7 +124,7 @@ def time_table(calls: int, rounds: int) -> str:
 
 
 # ----- memory ------------------------------------------------------------------------------------------------------
-MEMORY_CONFIGS = (("on", 1), ("off", 1), ("on", 8))
+MEMORY_CONFIGS = (("on", 1), ("off", 1), ("on", 8), ("off", 8))
 
 
 def _rss_kib(field: str) -> int:

@@ -341,17 +341,19 @@ class DiffusionGemma(nn.Module):
     def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
                       self_conditioning_mask_B: torch.Tensor | None = None,
                       moe_impl: str | None = None, plan: ForwardPlan | None = None,
-                      self_conditioning_probs: torch.Tensor | None = None) -> torch.Tensor:
+                      self_conditioning_probs: torch.Tensor | None = None,
+                      kernel_options: dict | None = None) -> torch.Tensor:
         """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
         self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch.
         `moe_impl` None: `self.moe_impl`. `plan`: the uniform denoise plan for the cache's current lengths, built
         once per block (`plan.PlanBuffers`); None builds it here. `self_conditioning_probs` [B, C, V]: the
         self-conditioning input as probabilities (what the generators carry, `sampler.SCHEME` v3), in place of
-        `self_conditioning_logits` (pass None there)."""
+        `self_conditioning_logits` (pass None there). `kernel_options`: as `encode_block`'s, for a plan built here."""
         embeds = self._embed(canvas_BC)
         x = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits,
                                                                 self_conditioning_mask_B, self_conditioning_probs))
-        plan = plan if plan is not None else build_plan(self, cache, canvas_BC.shape[1], mode="denoise")
+        if plan is None:
+            plan = build_plan(self, cache, canvas_BC.shape[1], mode="denoise", kernel_options=kernel_options)
         return self.logits(self._forward_block(x, cache, plan, moe_impl))
 
     def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,

@@ -188,7 +188,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     else:
         logits = model.denoise_block(state.canvas, cache, None, state.has_sc, moe_impl=moe_impl,
                                      plan=plan.plan if plan is not None else None,
-                                     self_conditioning_probs=state.sc_probs)
+                                     self_conditioning_probs=state.sc_probs, kernel_options=kernel_options)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,

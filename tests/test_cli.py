@@ -373,4 +373,4 @@ def test_explain_json_reports_no_graph_breaks(tiny_dir):
     assert [r["unit"].split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
     assert all(r["graph_count"] == 1 and r["graph_break_count"] == 0 and r["recompiles_in_workload"] == 0
                for r in reports)
-    assert [r["pass_matches"] for r in reports] == [{"sample_step_fusion": 1}, {"sample_step_fusion": 0}]
+    assert all(r["pass_matches"]["sample_step_fusion"] == 0 for r in reports)  # the tiny region: below the threshold

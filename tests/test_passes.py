@@ -20,6 +20,11 @@ from dgemma_compile.passes import pipeline, records
 FUSION = "sample_step_fusion"
 
 
+def fusion(rewrites, softcap=0, sc_dtype=0):
+    """The pass's counts: rewrites, and how many of them took the softcap / the self-conditioning dtype in."""
+    return {FUSION: rewrites, f"{FUSION}.softcap_folded": softcap, f"{FUSION}.sc_dtype_folded": sc_dtype}
+
+
 def _inputs(B, C, V, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(B, C, V, generator=g) * 4).to(dtype)
@@ -91,11 +96,12 @@ def _region(logits_scale, T, greedy, u, renoise):
             out.sc_probs.to(logits_scale.dtype))
 
 
-def _compile_region(args, disabled=(), fresh=True):
-    """The region compiled by our units' backend (passes installed); returns (outputs, code, PassMatches)."""
+def _compile_region(args, disabled=(), fresh=True, min_bytes=0):
+    """The region compiled by our units' backend (passes installed, rewriting regions of any size unless
+    `min_bytes`); returns (outputs, code, PassMatches)."""
     from torch._inductor.utils import run_and_get_code
 
-    factory = UnitFactory(CompileOptions(disabled_passes=disabled), "cpu")
+    factory = UnitFactory(CompileOptions(disabled_passes=disabled, sample_step_fusion_min_bytes=min_bytes), "cpu")
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=not fresh):
         fn = torch.compile(_region, backend=factory.backend("region"), fullgraph=True)
@@ -110,7 +116,8 @@ def test_fusion_pass_rewrites_the_region_with_equal_values(V, dtype):
     args = (logits, T, greedy, u, torch.randint(V, (2, 4)))
     ref = _region(*args)
     out, code, matches = _compile_region(args)
-    assert matches.counts == {FUSION: 1} and matches.source == "compiled"
+    assert matches.counts == fusion(1, softcap=1, sc_dtype=int(dtype != torch.float32))
+    assert matches.source == "compiled"
     FileCheck().check('dgemma::sample_step').run(code)
     assert "searchsorted" not in code  # the inverse CDF is inside the op
     assert "tanh" not in code  # the softcap folded into the op: the float32 logits never exist whole
@@ -124,6 +131,9 @@ def test_fusion_pass_rewrites_the_region_with_equal_values(V, dtype):
     if dtype == torch.float32:
         for a, b in zip(out, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # below the size threshold the region stays with Inductor's loops (counted: 0 rewrites)
+    small, code_small, matches_small = _compile_region(args, min_bytes=4 * logits.numel() + 1)
+    assert matches_small.counts == fusion(0) and "dgemma::sample_step" not in code_small
 
 
 @pytest.mark.slow
@@ -132,7 +142,7 @@ def test_a_compile_served_by_the_fx_cache_reports_the_recorded_counts(tmp_path, 
     args = (*_inputs(2, 4, 27, seed=4), torch.randint(27, (2, 4)))
     first = _compile_region(args, fresh=False)[2]
     again = _compile_region(args, fresh=False)[2]
-    assert first.counts == again.counts == {FUSION: 1}
+    assert first.counts == again.counts == fusion(1, softcap=1)
     assert (first.source, again.source) == ("compiled", "cache record")
     assert len(list((tmp_path / "dgemma_pass_counts").glob("*.json"))) == 1
     for path in (tmp_path / "dgemma_pass_counts").glob("*.json"):
@@ -157,9 +167,10 @@ def _cumsum_sizes(code):
 
 @pytest.mark.slow
 def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_gen):
-    """The demo's real captured units (bucket 2): the pass matches once in the denoise step and never in the encoder
-    chunk; the denoise code calls the op and keeps no scan over the vocabulary; tokens equal a generator with the
-    pass off."""
+    """The demo's real captured units (bucket 2), the pass forced on at the demo's size (`sample_step_fusion_min_bytes`
+    0): it matches once in the denoise step and never in the encoder chunk; the denoise code calls the op and keeps no
+    scan over the vocabulary; tokens equal a generator with the pass off. With the default threshold the demo's tiny
+    region stays with Inductor's loops (0 rewrites)."""
     from torch._inductor.utils import run_and_get_code
 
     from dgemma_compile.compile import build
@@ -168,26 +179,63 @@ def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_ge
     model, tok = demo
     V, C = model.config.vocab_size, model.config.canvas_length
     prompts = [tok(p)["input_ids"] for _, p, _ in tasks.make_split("heldout", 6, seed=0)]
-    torch._dynamo.reset()
-    demo_gen.reset()
-    on, codes = run_and_get_code(lambda: [demo_gen.generate(prompts[i:i + 2], seed=[i, i + 1]).sequences
-                                          for i in range(0, 6, 2)])
+
+    def run(gen):
+        return run_and_get_code(lambda: [gen.generate(prompts[i:i + 2], seed=[i, i + 1]).sequences
+                                         for i in range(0, 6, 2)])
+
+    default = run(demo_gen)[0]
     tag = demo_gen.bucket(2).tag
-    matches = demo_gen.units.pass_matches
-    assert matches[f"denoise_step[{tag}]"].counts == {FUSION: 1}
-    assert matches[f"encoder_chunk[{tag}]"].counts == {FUSION: 0}
+    assert demo_gen.units.pass_matches[f"denoise_step[{tag}]"].counts == fusion(0)
+    on_gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, sample_step_fusion_min_bytes=0))
+    on, codes = run(on_gen)
+    matches = on_gen.units.pass_matches
+    capped = int(model.config.final_logit_softcapping is not None)
+    assert matches[f"denoise_step[{tag}]"].counts == fusion(1, softcap=capped)  # float32 state: no dtype to fold
+    assert matches[f"encoder_chunk[{tag}]"].counts == fusion(0)
     (denoise_code,) = [c for c in codes if "sort.default" in c]  # the entropy bound's sort: the denoise step only
     FileCheck().check('"dgemma::sample_step"').run(denoise_code)
     assert _cumsum_sizes(denoise_code) and all(s[-1] == C for s in _cumsum_sizes(denoise_code))
 
     off_gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, disabled_passes=(FUSION,)))
-    off, codes_off = run_and_get_code(lambda: [off_gen.generate(prompts[i:i + 2], seed=[i, i + 1]).sequences
-                                               for i in range(0, 6, 2)])
-    assert on == off
+    off, codes_off = run(off_gen)
+    assert on == off == default
     (denoise_off,) = [c for c in codes_off if "sort.default" in c]
     assert "dgemma::sample_step" not in denoise_off
     assert off_gen.units.pass_matches[f"denoise_step[{tag}]"].source == "no pass enabled"
     assert any(s[-1] == V for s in _cumsum_sizes(denoise_off))  # the unfused inverse CDF scans the vocabulary
+
+
+@pytest.mark.slow
+def test_fusion_on_bf16_units_with_softcap_and_commit_fusion(tmp_path):
+    """A tiny bfloat16 checkpoint whose config.json holds an integer softcap (30), compiled with commit fusion: the
+    pass rewrites the denoise and the commit + denoise units, not the encoder; in each the op takes the softcap in
+    (so it reads the bfloat16 lm_head output) and writes the state's bfloat16 (the fold counts; the folded node itself
+    is checked on a small graph below); tokens equal the pass off."""
+    import json
+
+    import dgemma_compile as dg
+    from dgemma_compile.compile import build
+    from helpers import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "ckpt", vocab_size=48, final_logit_softcapping=30)
+    cfg_file = path / "config.json"
+    config = json.loads(cfg_file.read_text())
+    config["text_config"]["final_logit_softcapping"] = 30  # an int, as a hand-written config may hold it
+    cfg_file.write_text(json.dumps(config))
+    model = dg.load(path, dtype=torch.bfloat16)
+    prompts = [[2, 5, 6, 7], [2] + list(range(3, 30))]
+    gcfg = dg.GenerationConfig(max_new_tokens=3 * model.config.canvas_length, max_denoising_steps=4, eos_token_ids=())
+    results = []
+    for disabled in ((), (FUSION,)):
+        gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, fuse_commit=True,
+                                          sample_step_fusion_min_bytes=0, disabled_passes=disabled))
+        results.append(gen.generate(prompts, gcfg, seed=[3, 4]))
+        if not disabled:  # counts recorded at compile time, also when the caches serve the compile
+            counts = {k.split("[")[0]: m.counts for k, m in gen.units.pass_matches.items()}
+            assert counts == {"denoise_step": fusion(1, 1, 1), "commit_denoise_step": fusion(1, 1, 1),
+                              "encoder_chunk": fusion(0)}
+    assert results[0].fused_commits > 0 and results[0].sequences == results[1].sequences
 
 
 def _region_into_state(logits_bf16, T, greedy, u, sc_state):
@@ -213,7 +261,7 @@ def test_fusion_folds_the_softcap_and_the_state_dtype_into_the_op():
     results = []
     for disabled in ((), (FUSION,)):
         state = torch.zeros(2, 4, 4096 + 27, dtype=torch.bfloat16)
-        factory = UnitFactory(CompileOptions(disabled_passes=disabled), "cpu")
+        factory = UnitFactory(CompileOptions(disabled_passes=disabled, sample_step_fusion_min_bytes=0), "cpu")
         torch._dynamo.reset()
         with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=record):
             out = torch.compile(_region_into_state, backend=factory.backend("region"), fullgraph=True)(

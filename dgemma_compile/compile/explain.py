@@ -14,6 +14,7 @@ import torch
 
 from ..config import GenerationConfig
 from .options import applied
+from .units import PassMatches
 
 if TYPE_CHECKING:
     from .generator import CompiledGenerator
@@ -35,18 +36,18 @@ class UnitReport:
     pass_matches: dict[str, int] | None = None
     """Our graph passes' matches in the unit's Inductor compile during the workload (None: unknown)."""
     pass_matches_source: str = ""
+    """"compiled", "cache record" (served by the compile caches; the counts recorded with their entry), "unknown" or
+    "no pass enabled" (`units.PassMatches`); empty: the workload did not compile the unit."""
     attention_kernel_options: dict | None = None
     """The FlexAttention kernel options of the unit's queries per layer type (`CompileOptions.attention_kernels`)."""
-    """"compiled", "cache record" (served by the FX graph cache; the counts recorded with its entry), "unknown" or
-    "no pass enabled" (`units.PassMatches`)."""
 
     def text(self) -> str:
-        passes = ("unknown" if self.pass_matches is None else
-                  ",".join(f"{k}:{v}" for k, v in sorted(self.pass_matches.items())) or "none")
+        passes = (PassMatches(self.pass_matches, self.pass_matches_source).text() if self.pass_matches_source
+                  else "passes=? (not compiled by the workload)")
         lines = [f"{self.unit}: graphs={self.graph_count} graph_breaks={self.graph_break_count} "
                  f"ops_per_graph={self.ops_per_graph} guards={self.guard_count} "
                  f"compiles_in_workload={self.compiles_in_workload} recompiles={self.recompiles_in_workload} "
-                 f"moe_impl={self.moe_impl} passes={passes} ({self.pass_matches_source})"]
+                 f"moe_impl={self.moe_impl} {passes}"]
         for layer_type, opts in (self.attention_kernel_options or {}).items():
             lines.append(f"  attention {layer_type}: kernel_options={opts or 'defaults'}")
         for r in self.break_reasons:
@@ -73,6 +74,7 @@ def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationCon
                 attention_kernel_options=gen.options.attention_kernels()[
                     "encoder" if unit.name.startswith("encoder_chunk") else "canvas"]))
     gen.reset()  # explain reset Dynamo; start from fresh compiled units
+    gen.units.pass_matches.clear()  # report only what the workload's compiles matched
     before = Counter(gen.compiles)
     (workload or default_workload)(gen)
     for r in reports:

@@ -4,6 +4,7 @@ function that applies them (only around our own compiled calls; nothing is set a
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -82,12 +83,20 @@ class CompileOptions:
     # (tests/test_passes.py). `sample_step_fusion` replaces the vocabulary-wide region of the denoise step with
     # `dgemma::sample_step`, whose CPU implementation works in slices of positions (bounded transient memory).
     disabled_passes: tuple[str, ...] = ()
+    # `sample_step_fusion` rewrites a region only when its logits, counted as float32, span at least this many bytes
+    # (B x C x V x 4). The op exists to bound the region's memory at the released vocabulary; its CPU implementation
+    # is eager torch over slices, which at the demo's size costs more than Inductor's fused loops (forced on, the
+    # demo step went 1.27 -> 1.70 ms; bench/results/passes_cpu_*.md). 256 MiB = the released vocabulary (256 x
+    # 262,144) at every batch size; the demo and the scaled bench model stay with Inductor's loops. 0: always.
+    sample_step_fusion_min_bytes: int = 256 * 2**20
     # FlexAttention kernel options per query kind ("encoder": prefill chunks and unfused commits; "canvas": denoise
     # steps and commit + denoise) and layer type ("sliding_attention", "full_attention"), passed to `flex_attention`
     # as they are. Canvas queries are pinned to the main FlexAttention template (FORCE_USE_FLEX_ATTENTION): with
     # fewer than 128 queries (small canvases, e.g. the demo's 16) Inductor would pick its flex-decoding kernel, which
     # is built for one to a few query tokens per row, not a bidirectional canvas. Encoder rows keep the kernels'
-    # defaults. On CPU Inductor's flex template accepts the options and ignores them. None = these defaults.
+    # defaults. On CPU Inductor's flex template accepts the options and ignores them. Entries given here are merged
+    # over these defaults ({query kind: {layer type: {option: value}}}, option names as `FlexKernelOptions`'s); a canvas
+    # entry may not unpin (FORCE_USE_FLEX_ATTENTION=False). None = the defaults.
     attention_kernel_options: dict | None = None
 
     def __post_init__(self) -> None:
@@ -112,28 +121,35 @@ class CompileOptions:
             raise ConfigError(f"direct_calls: must be a bool, got {self.direct_calls!r}")
         if not (self.cpp_wrapper is None or isinstance(self.cpp_wrapper, bool)):
             raise ConfigError(f"cpp_wrapper: must be None, True or False, got {self.cpp_wrapper!r}")
+        v = self.sample_step_fusion_min_bytes
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"sample_step_fusion_min_bytes: must be an int >= 0, got {v!r}")
         if not isinstance(self.disabled_passes, tuple):
             raise ConfigError(f"disabled_passes: must be a tuple of pass names, got {self.disabled_passes!r}")
         try:
             check_names(self.disabled_passes)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        k = self.attention_kernel_options
-        if k is not None and (not isinstance(k, dict) or not set(k) <= set(QUERY_KINDS)
-                              or any(not isinstance(v, dict) or not set(v) <= {SLIDING, FULL}
-                                     or any(not isinstance(o, dict) for o in v.values()) for v in k.values())):
-            raise ConfigError(f"attention_kernel_options: must be {{query kind in {QUERY_KINDS}: {{layer type in "
-                              f"{(SLIDING, FULL)}: dict of options}}}}, got {k!r}")
+        _check_attention_kernel_options(self.attention_kernel_options)
+        if self.attention_kernel_options is not None:  # a private copy: the caller's dicts may change later
+            object.__setattr__(self, "attention_kernel_options", copy.deepcopy(self.attention_kernel_options))
         if self.recompile_limit < 2 * len(b):
             raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")
 
 
     def attention_kernels(self) -> dict:
-        """{query kind: {layer type: FlexAttention kernel options}}: `attention_kernel_options`, None resolved."""
-        if self.attention_kernel_options is not None:
-            return self.attention_kernel_options
+        """{query kind: {layer type: FlexAttention kernel options}}: the defaults with `attention_kernel_options`
+        merged over them (a fresh copy per call)."""
         pinned = {"FORCE_USE_FLEX_ATTENTION": True}
-        return {"encoder": {SLIDING: {}, FULL: {}}, "canvas": {SLIDING: dict(pinned), FULL: dict(pinned)}}
+        out = {"encoder": {SLIDING: {}, FULL: {}}, "canvas": {SLIDING: dict(pinned), FULL: dict(pinned)}}
+        for kind, per_type in (self.attention_kernel_options or {}).items():
+            for layer_type, options in per_type.items():
+                out[kind][layer_type].update(options)
+        return out
+
+    def pass_settings(self) -> dict:
+        """{pass name: keyword arguments of its `apply`} (`passes.pipeline`)."""
+        return {"sample_step_fusion": {"min_logits_bytes": self.sample_step_fusion_min_bytes}}
 
     def commit_fusion(self, device_type: str) -> bool:
         """Whether generators on `device_type` ("cpu", "cuda", ...) fuse commits (`fuse_commit`, None resolved)."""
@@ -144,6 +160,32 @@ class CompileOptions:
         by the units' compile backend around each Inductor compile."""
         cpp_wrapper = device_type == "cpu" if self.cpp_wrapper is None else self.cpp_wrapper
         return {"cpp_wrapper": cpp_wrapper}
+
+
+def _check_attention_kernel_options(k) -> None:
+    """Raises ConfigError naming `attention_kernel_options` for a malformed value (see the field's comment)."""
+    if k is None:
+        return
+    shape = (f"{{query kind in {QUERY_KINDS}: {{layer type in {(SLIDING, FULL)}: {{FlexKernelOptions name: "
+             f"value}}}}}}")
+    if (not isinstance(k, dict) or not set(k) <= set(QUERY_KINDS)
+            or any(not isinstance(v, dict) or not set(v) <= {SLIDING, FULL}
+                   or any(not isinstance(o, dict) for o in v.values()) for v in k.values())):
+        raise ConfigError(f"attention_kernel_options: must be {shape}, got {k!r}")
+    from torch.nn.attention import flex_attention
+
+    known = getattr(flex_attention, "FlexKernelOptions", None)
+    names = set(known.__annotations__) if known is not None else None
+    for kind, per_type in k.items():
+        for layer_type, options in per_type.items():
+            bad = [n for n in options if not isinstance(n, str) or (names is not None and n not in names)]
+            if bad:
+                raise ConfigError(f"attention_kernel_options[{kind!r}][{layer_type!r}]: unknown option(s) {bad}; "
+                                  f"FlexAttention's kernel options are {sorted(names or ())}")
+            if kind == "canvas" and (options.get("FORCE_USE_FLEX_ATTENTION", True) is not True
+                                     or "DECODE" in str(options.get("BACKEND", "")).upper()):
+                raise ConfigError(f"attention_kernel_options['canvas'][{layer_type!r}]: canvas queries stay pinned to "
+                                  "the main FlexAttention template (FORCE_USE_FLEX_ATTENTION=True), never flex-decoding")
 
 
 @contextlib.contextmanager

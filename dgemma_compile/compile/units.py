@@ -297,7 +297,7 @@ class CompiledUnit:
 @dataclass(frozen=True)
 class PassMatches:
     """The graph passes' matches in one unit's latest compile: `counts` {pass name: matches} (None: unknown), and
-    where they come from: "compiled" (the passes ran), "cache record" (the FX graph cache served the compile; the
+    where they come from: "compiled" (the passes ran), "cache record" (the compile caches served the compile; the
     counts recorded when its entry was made, `passes.records`) or "unknown" (served with no record)."""
 
     counts: dict[str, int] | None
@@ -305,7 +305,7 @@ class PassMatches:
 
     def text(self) -> str:
         if self.counts is None:
-            return f"passes=unknown ({self.source})"
+            return "passes=unknown (served from the compile caches with no record)"
         return "passes=" + (",".join(f"{k}:{v}" for k, v in sorted(self.counts.items())) or "none") + \
             f" ({self.source})"
 
@@ -343,18 +343,18 @@ class UnitFactory:
         def backend(gm: torch.fx.GraphModule, example_inputs):
             start = time.perf_counter()
             self.compiles[name] += 1
-            pass_config = passes.inductor_config(self.options.disabled_passes)
+            pass_config = passes.inductor_config(self.options.disabled_passes, self.options.pass_settings())
             config = {**self.options.inductor_config(self.device.type), **pass_config}
             with moe_cache_key(), passes.cache_key(pass_config), torch._inductor.config.patch(config), \
                     passes.recording() as counts:
+                key = records.record_key(gm, example_inputs, pass_config)  # before compile_fx changes gm
                 out = compile_fx(gm, example_inputs, decompositions=moe_decompositions(gm))
-                key = records.record_key(gm, example_inputs, pass_config)
             if not pass_config:
                 self.pass_matches[name] = PassMatches({}, "no pass enabled")
             elif counts:  # the passes ran: Inductor compiled this graph
                 records.save(key, counts)
                 self.pass_matches[name] = PassMatches(dict(counts), "compiled")
-            else:  # served by the FX graph cache: the counts recorded when the entry was made, if any
+            else:  # served by the compile caches: the counts recorded when the entry was made, if any
                 saved = records.load(key)
                 self.pass_matches[name] = PassMatches(saved, "cache record" if saved is not None else "unknown")
             self.compile_seconds += time.perf_counter() - start

@@ -33,7 +33,7 @@ logits at B = 8 (bench/passes.py memory)."""
 def position_chunk(vocab_size: int) -> int:
     """Positions per slice of the CPU implementation: as many float32 vocabulary rows as fit in `CHUNK_BYTES`
     (at least one)."""
-    return max(1, CHUNK_BYTES // (4 * vocab_size))
+    return max(1, CHUNK_BYTES // (4 * max(vocab_size, 1)))
 
 
 def _check(logits, temperature, greedy, uniform) -> None:
@@ -93,15 +93,22 @@ def triton_sample_step(launch, logits, temperature, greedy, uniform, softcap=Non
     over the whole [B, C, V] logits, or with `softcap`, one launch per slice of `position_chunk(V)` positions over
     their soft-capped float32 logits (so those never exist whole). Returns the op's 4 outputs."""
     sc_dtype = sc_dtype or torch.float32
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the kernel reads rows with unit stride
     if softcap is None:
         return tuple(launch(logits, temperature, greedy, uniform, sc_dtype=sc_dtype))
     B, C, V = logits.shape
+    dev = logits.device
+    outs = (torch.empty(B * C, dtype=torch.int64, device=dev), torch.empty(B * C, dtype=torch.int64, device=dev),
+            torch.empty(B * C, dtype=torch.float32, device=dev), torch.empty(B * C, 1, V, dtype=sc_dtype, device=dev))
     rows = logits.reshape(B * C, 1, V)
     T, g, u = temperature.repeat_interleave(C), greedy.repeat_interleave(C), uniform.reshape(B * C, 1)
     P = position_chunk(V)
-    outs = [launch(_prologue(rows[s:s + P], softcap), T[s:s + P], g[s:s + P], u[s:s + P], sc_dtype=sc_dtype)
-            for s in range(0, B * C, P)]
-    return tuple(torch.cat([o[i] for o in outs]).view(B, C, *([V] if i == 3 else [])) for i in range(4))
+    for s in range(0, B * C, P):
+        part = launch(_prologue(rows[s:s + P], softcap), T[s:s + P], g[s:s + P], u[s:s + P], sc_dtype=sc_dtype)
+        for out, piece in zip(outs, part):
+            out[s:s + P] = piece.reshape(out[s:s + P].shape)
+    return outs[0].view(B, C), outs[1].view(B, C), outs[2].view(B, C), outs[3].view(B, C, V)
 
 
 @sample_step.register_kernel("cuda")

@@ -2,16 +2,19 @@
 
 `PASSES` is the one ordered registry: (name, module) pairs; each module has `NAME`, `STAGE` (the Inductor hook it
 runs at: "joint_custom_pre_pass", "post_grad_custom_pre_pass" or "post_grad_custom_post_pass") and
-`apply(graph) -> int` (its match count). `inductor_config(disabled)` returns the Inductor settings that install the
-enabled passes, one `PassPipeline` per stage used.
+`apply(graph, **settings) -> dict[str, int]` (its counts: its matches under its own name, and any details under
+"name.detail"; its settings come from `CompileOptions.pass_settings()`).
+`inductor_config(disabled, settings)` returns the Inductor settings that install the enabled passes, one
+`PassPipeline` per stage used.
 
-Cache safety: Inductor's FX graph cache puts each custom pass's `uuid()` in its key. A `PassPipeline`'s uuid hashes
-the source files of this package, of the ops its passes insert and of the sampler its pattern is traced from, plus
-the names of the enabled passes: editing a pass, or turning one off, can never be served a stale rewrite.
+Cache safety: the compile caches (AOTAutograd's and Inductor's FX graph cache) put each custom pass's `uuid()` in
+their keys. A `PassPipeline`'s uuid hashes the source files of this package, of the ops its passes insert and of the
+sampler its pattern is traced from, plus the enabled passes' names and settings: editing a pass, turning one off or
+changing a setting can never be served a stale rewrite.
 
-Counting: a pass runs only when Inductor really compiles (not on an FX-graph-cache hit; `torch._dynamo.explain`
-never reaches Inductor), so each run reports its matches to the innermost `recording()` block; `records.py` keeps
-them beside the cache for the compiles the cache serves.
+Counting: a pass runs only when the graph is really compiled (not when AOTAutograd's cache serves it;
+`torch._dynamo.explain` never reaches Inductor), so each run reports its matches to the innermost `recording()`
+block; `records.py` keeps them beside the cache for the compiles the cache serves.
 """
 
 from __future__ import annotations
@@ -63,19 +66,21 @@ def sources_hash() -> str:
 class PassPipeline(CustomGraphPass):
     """The enabled passes of one stage, run in `PASSES` order on the graph Inductor hands over."""
 
-    def __init__(self, stage: str, names: tuple[str, ...]):
+    def __init__(self, stage: str, names: tuple[str, ...], settings: dict | None = None):
         self.stage, self.names = stage, names
+        self.settings = {name: dict((settings or {}).get(name, {})) for name in names}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for name, module in PASSES:
             if name in self.names:
-                n = module.apply(graph)
+                found = module.apply(graph, **self.settings[name])
                 for counts in _recorders[-1:]:
-                    counts[name] += n
+                    counts.update(found)
         graph.lint()
 
     def uuid(self) -> str:
-        return f"dgemma-passes:{self.stage}:{','.join(self.names)}:{sources_hash()}"
+        settings = ";".join(f"{n}:{sorted(self.settings[n].items())!r}" for n in self.names)
+        return f"dgemma-passes:{self.stage}:{','.join(self.names)}:{settings}:{sources_hash()}"
 
 
 def check_names(names, field: str = "disabled_passes") -> None:
@@ -85,23 +90,23 @@ def check_names(names, field: str = "disabled_passes") -> None:
         raise ValueError(f"{field}: unknown pass(es) {unknown}; the passes are {list(PASS_NAMES)}")
 
 
-def inductor_config(disabled: tuple[str, ...] = ()) -> dict:
-    """Inductor config entries installing every pass not in `disabled`, one `PassPipeline` per stage that has one.
-    Raises ValueError for an unknown name in `disabled`."""
+def inductor_config(disabled: tuple[str, ...] = (), settings: dict | None = None) -> dict:
+    """Inductor config entries installing every pass not in `disabled`, one `PassPipeline` per stage that has one;
+    `settings`: {pass name: keyword arguments of its `apply`}. Raises ValueError for an unknown name in `disabled`."""
     check_names(disabled)
     out = {}
     for stage in STAGES:
         names = tuple(name for name, m in PASSES if m.STAGE == stage and name not in disabled)
         if names:
-            out[stage] = PassPipeline(stage, names)
+            out[stage] = PassPipeline(stage, names, settings)
     return out
 
 
 @contextlib.contextmanager
 def cache_key(pass_config: dict):
     """Around a compile with `pass_config` installed: appends the pipelines' uuids (hashed) to
-    `torch.compiler.config.cache_key_tag`, so AOTAutograd's cache, whose key does not cover custom passes, can never
-    serve a graph compiled with other passes (the FX graph cache covers them itself)."""
+    `torch.compiler.config.cache_key_tag`. torch 2.13's cache keys already cover custom passes' uuids; the tag keeps
+    that true whatever the torch version (the project supports 2.11 to 2.13), at the cost of a string."""
     digest = hashlib.sha256("|".join(f"{s}={p.uuid()}" for s, p in sorted(pass_config.items())).encode())
     ours = "dgemma-passes-" + digest.hexdigest()[:16]
     tag = torch.compiler.config.cache_key_tag

@@ -1,4 +1,4 @@
-"""Pass match counts kept beside Inductor's on-disk cache, so that a compile the FX graph cache serves (where no pass
+"""Pass match counts kept beside Inductor's on-disk cache, so that a compile the caches serve (where no pass
 runs) still reports what the passes matched when the entry was made.
 
 A record's key is a hash of what decides the passes' input and behaviour: the Dynamo graph's code (with its

@@ -47,9 +47,20 @@ def _replace(logits, temperature, greedy, uniform):
     return torch.ops.dgemma.sample_step(logits, temperature, greedy, uniform)
 
 
+def _large_enough(min_logits_bytes: int):
+    """The match filter: the region's logits, counted as float32, span at least `min_logits_bytes`."""
+
+    def check(match) -> bool:
+        val = match.kwargs["logits"].meta.get("val")
+        return isinstance(val, torch.Tensor) and 4 * val.numel() >= min_logits_bytes
+
+    return check
+
+
 @functools.cache
-def _patterns():
-    """The PatternMatcherPass holding one traced pattern per structural variant (built once per process)."""
+def _patterns(min_logits_bytes: int):
+    """The PatternMatcherPass holding one traced pattern per structural variant (built once per process and
+    threshold), each filtered by `_large_enough`."""
     from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 
     matcher = PatternMatcherPass(pass_name=NAME)
@@ -58,7 +69,8 @@ def _patterns():
         for V in (11, sampler.SAMPLE_CHUNK + 11):  # one chunk, no pad / several chunks, the last one padded
             example = [torch.randn(B, C, V, dtype=dtype), torch.rand(B), torch.zeros(B, dtype=torch.bool),
                        torch.rand(B, C)]
-            register_replacement(_search, _replace, example, fwd_only, [matcher])
+            register_replacement(_search, _replace, example, fwd_only, [matcher],
+                                 extra_check=_large_enough(min_logits_bytes))
     return matcher
 
 
@@ -72,15 +84,16 @@ def _call(node, target, nargs: int) -> bool:
 
 def _softcap_input(node: torch.fx.Node) -> tuple[torch.fx.Node, float] | None:
     """(x, cap) if `node` is mul(tanh(div(x, cap)), cap) with one user at each step, else None."""
-    if not (_call(node, _aten.mul.Tensor, 2) and isinstance(node.args[1], float)):
+    cap = node.args[1] if _call(node, _aten.mul.Tensor, 2) else None
+    if not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0:  # a config may hold an int cap
         return None
     tanh = node.args[0]
     if not (_call(tanh, _aten.tanh.default, 1) and len(tanh.users) == 1):
         return None
     div = tanh.args[0]
-    if not (_call(div, _aten.div.Tensor, 2) and div.args[1] == node.args[1] and len(div.users) == 1):
+    if not (_call(div, _aten.div.Tensor, 2) and div.args[1] == cap and len(div.users) == 1):
         return None
-    return div.args[0], node.args[1]
+    return div.args[0], float(cap)
 
 
 def _float32_input(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -90,48 +103,65 @@ def _float32_input(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-def _fold(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+SC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes the op writes self-conditioning probabilities in (its CUDA kernel's too)."""
+
+
+def _fold(graph: torch.fx.Graph, node: torch.fx.Node) -> dict[str, int]:
     """Fold the logits' cast and softcap, and the self-conditioning output's cast, into one op call (see the module
-    docstring); then recompute the op's and its outputs' fake values."""
+    docstring); then recompute the op's and its outputs' fake values. Returns which folds happened (0 or 1 each)."""
     logits, kwargs = node.args[0], dict(node.kwargs)
+    folded: list[torch.fx.Node] = []  # producers no longer read once the op reads their input
     val = logits.meta.get("val")
     # a softcap computed in float32 only (as the model's): one in a 16-bit dtype rounds after each op, the op would not
     if (len(logits.users) == 1 and isinstance(val, torch.Tensor) and val.dtype == torch.float32
             and (capped := _softcap_input(logits)) is not None):
+        folded += [logits, logits.args[0], logits.args[0].args[0]]  # mul, tanh, div
         logits, kwargs["softcap"] = capped
-    logits = _float32_input(logits) or logits
+    if (uncast := _float32_input(logits)) is not None:
+        folded.append(logits)
+        logits = uncast
     sc_reads = [u for u in node.users if u.target is operator.getitem and u.args[1] == 3]
     cast = None
     if len(sc_reads) == 1 and len(sc_reads[0].users) == 1:
         (user,) = sc_reads[0].users
-        if _call(user, _prims.convert_element_type.default, 2):
+        if _call(user, _prims.convert_element_type.default, 2) and user.args[1] in SC_DTYPES:
             cast, kwargs["sc_dtype"] = user, user.args[1]
         elif _call(user, _aten.copy.default, 2) and user.args[1] is sc_reads[0]:
             # copy_ into the state buffer converts on the way (round to nearest, as a cast does): write the
             # destination's dtype directly
             dst = user.args[0].meta.get("val")
-            if isinstance(dst, torch.Tensor) and dst.dtype != torch.float32:
+            if isinstance(dst, torch.Tensor) and dst.dtype in SC_DTYPES and dst.dtype != torch.float32:
                 kwargs["sc_dtype"] = dst.dtype
     node.args = (logits, *node.args[1:])
     node.kwargs = kwargs
     if cast is not None:
         cast.replace_all_uses_with(sc_reads[0])
         graph.erase_node(cast)
-    graph.eliminate_dead_code()
-    vals = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]
-    fake_mode = torch._guards.detect_fake_mode(vals)
-    if fake_mode is not None:
-        with fake_mode:
-            out = node.target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args], **kwargs)
-        node.meta["val"] = out
-        for u in node.users:
-            if u.target is operator.getitem:
-                u.meta["val"] = out[u.args[1]]
+    for producer in folded:  # outermost first: each is unread once its reader is gone
+        graph.erase_node(producer)
+    args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+    fake_mode = torch._guards.detect_fake_mode([a for a in args if isinstance(a, torch.Tensor)])
+    assert fake_mode is not None, "sample_step_fusion: the joint graph's nodes carry no fake values"
+    with fake_mode:
+        out = node.target(*args, **kwargs)
+    node.meta["val"] = out
+    for u in node.users:
+        if u.target is operator.getitem:
+            u.meta["val"] = out[u.args[1]]
+    return {SOFTCAP_FOLDED: int("softcap" in kwargs), SC_DTYPE_FOLDED: int("sc_dtype" in kwargs)}
 
 
-def apply(graph: torch.fx.Graph) -> int:
-    """Rewrite every match in `graph`, folding casts and the softcap into each op; returns the number of matches."""
-    n = _patterns().apply(graph)
+SOFTCAP_FOLDED = f"{NAME}.softcap_folded"
+SC_DTYPE_FOLDED = f"{NAME}.sc_dtype_folded"
+
+
+def apply(graph: torch.fx.Graph, min_logits_bytes: int = 0) -> dict[str, int]:
+    """Rewrite every match in `graph` whose logits span at least `min_logits_bytes` as float32, folding casts and the
+    softcap into each op. Returns counts: `NAME` the rewrites, `SOFTCAP_FOLDED` / `SC_DTYPE_FOLDED` the ops that
+    took the softcap / the self-conditioning dtype in."""
+    counts = {NAME: _patterns(min_logits_bytes).apply(graph), SOFTCAP_FOLDED: 0, SC_DTYPE_FOLDED: 0}
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.dgemma.sample_step.default)):
-        _fold(graph, node)
-    return n
+        for k, v in _fold(graph, node).items():
+            counts[k] += v
+    return counts
