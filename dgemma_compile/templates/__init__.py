@@ -1,4 +1,4 @@
-"""Triton kernels, each tested against its CPU oracle under TRITON_INTERPRET=1 (`tests/test_triton_kernels.py`).
+"""Triton kernels, each tested against its CPU oracle under TRITON_INTERPRET=1 (`tests/test_triton_*.py`).
 
 - `sample_step.py`: the CUDA implementation of `dgemma::sample_step` (`sample_step_triton`, oracle
   `sampler.sample_step`) and Philox4x32-10 as a Triton device function (`philox4x32_triton`, `philox_uniform`,
