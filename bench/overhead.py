@@ -53,6 +53,19 @@ VARIANTS = (("Dynamo, guards evaluated", False, False), ("Dynamo, guards skipped
             ("direct calls (default)", True, True))
 
 
+def mid_request(gen, model, prompt_len: int = PROMPT_LEN):
+    """The B=1 bucket of compiled generator `gen`, set up as one request under the model's own generation config
+    would leave it: a `prompt_len`-token prompt encoded by the bucket's encoder unit, block 0 begun."""
+    bucket = gen.bucket(1)
+    cfg = model.generation_config.resolved(model.config)
+    runner = bucket.steps([cfg], [0], SpanTimer(model.device, None))
+    ids = torch.tensor([[model.config.bos_token_id] + [3 + i % 20 for i in range(prompt_len - 1)]])
+    with torch.no_grad():
+        prefill(runner, ids, torch.tensor([prompt_len]))
+        runner.begin_block(0, torch.zeros(1, dtype=torch.bool))
+    return bucket
+
+
 class Variant:
     """One compiled generator on the demo model and its B=1 bucket, set up mid-request."""
 
@@ -61,13 +74,7 @@ class Variant:
         self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, direct_calls=direct_calls,
                                                   skip_guards=skip_guards))
         self.compile_s = self.gen.warmup(1)
-        self.bucket = self.gen.bucket(1)
-        cfg = model.generation_config.resolved(model.config)
-        runner = self.bucket.steps([cfg], [0], SpanTimer(model.device, None))
-        ids = torch.tensor([[model.config.bos_token_id] + [3 + i % 20 for i in range(PROMPT_LEN - 1)]])
-        with torch.no_grad():
-            prefill(runner, ids, torch.tensor([PROMPT_LEN]))
-            runner.begin_block(0, torch.zeros(1, dtype=torch.bool))
+        self.bucket = mid_request(self.gen, model)
         self.wall: list[float] = []
 
     def call(self) -> None:

@@ -43,9 +43,6 @@ from dgemma_compile.passes import PASS_NAMES
 
 from . import environment
 
-PROMPT_LEN = 64
-
-
 def _describe() -> str:
     return "\n".join([f"- commit {environment.git_commit()}; device: {environment.device_name('cpu')}; torch threads "
                       f"{torch.get_num_threads()}",
@@ -64,20 +61,13 @@ class Variant:
     """One compiled generator on the demo model (passes on or off) and its B=1 bucket, set up mid-request."""
 
     def __init__(self, model, label: str, disabled: tuple[str, ...], **options):
-        from dgemma_compile.observe import SpanTimer
-        from dgemma_compile.steps import prefill
+        from .overhead import mid_request
 
         self.label = label
         self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, disabled_passes=disabled,
                                                   **options))
         self.compile_s = self.gen.warmup(1)
-        self.bucket = self.gen.bucket(1)
-        cfg = model.generation_config.resolved(model.config)
-        runner = self.bucket.steps([cfg], [0], SpanTimer(model.device, None))
-        ids = torch.tensor([[model.config.bos_token_id] + [3 + i % 20 for i in range(PROMPT_LEN - 1)]])
-        with torch.no_grad():
-            prefill(runner, ids, torch.tensor([PROMPT_LEN]))
-            runner.begin_block(0, torch.zeros(1, dtype=torch.bool))
+        self.bucket = mid_request(self.gen, model)
         self.wall: list[float] = []
 
     def time_calls(self, n: int) -> None:
