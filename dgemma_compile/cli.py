@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .demo import DEMO_MODEL
+from .quant.schemes import SCHEMES as QUANT_SCHEMES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BATCH_SIZE = 8
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop string (repeatable): the output ends before its first occurrence, across blocks too")
     g.add_argument("--seed", type=int, default=0, help="seed of the request's random stream (of each line without one)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: the checkpoint's)")
+    g.add_argument("--quant", choices=QUANT_SCHEMES, default=None,
+                   help="quantize the weights on load with torchao (the [quant] extra): fp8 (dynamic per-row "
+                        "activations, per-row weights), fp8-weight-only, nvfp4-w4a16; nvfp4 (W4A4) needs sm100")
     g.add_argument("--eager", action="store_true", help="run the eager reference generator instead of the compiled one")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op CPU threads (default: OMP_NUM_THREADS if set, else dgemma_compile.threads."
@@ -73,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
                                        "fused commit where on)")
     e.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
     e.add_argument("--batch-size", type=int, default=1, help="report the bucket serving this many requests")
+    e.add_argument("--quant", choices=QUANT_SCHEMES, default=None, help="quantize the weights first (as generate)")
     e.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
@@ -197,6 +202,15 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
     return gen.generate, f" compile_s={gen.warmup(rows, config):.1f}"
 
 
+def _quantize(model, scheme: str | None) -> None:
+    """`--quant`: quantize the loaded model; the report (what was quantized, what was left out and why) on stderr."""
+    if scheme is None:
+        return
+    from .quant import quantize
+
+    print(quantize(model, scheme).text(), file=sys.stderr)
+
+
 def generate_command(args: argparse.Namespace) -> int:
     from . import load, load_tokenizer
     from .config import ConfigError
@@ -217,6 +231,7 @@ def generate_command(args: argparse.Namespace) -> int:
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir, dtype=DTYPES[args.dtype] if args.dtype else None)
+    _quantize(model, args.quant)
     tokenizer = load_tokenizer(model_dir)
     changes = {}
     if args.max_new_tokens is not None:
@@ -262,7 +277,8 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     print(f"tokens={st.num_tokens} blocks={st.blocks} mean_steps_per_block={st.decoder_passes / max(st.blocks, 1):.2f} "
           f"tokens_per_forward={st.tokens_per_forward:.2f} tok/s={st.num_tokens / elapsed:.1f} "
           f"finish={st.finish_reason}{one_time} ttfb_s={ttfb:.3f} threads={threads} scheme={out.scheme} "
-          f"moe={out.moe_impl} commit={'fused' if out.fuse_commit else 'separate'}", file=sys.stderr)
+          f"moe={out.moe_impl} commit={'fused' if out.fuse_commit else 'separate'} quant={args.quant or 'none'}",
+          file=sys.stderr)
     return 0
 
 
@@ -368,6 +384,7 @@ def explain_command(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ConfigError(f"batch_size: must be a positive integer, got {args.batch_size}")
     model = load(args.model if args.model is not None else DEMO_MODEL)
+    _quantize(model, args.quant)
     # one bucket that also serves the default workload's two-row batch; 256 slots as `dgemma generate` uses for a
     # short request, so both commands share Inductor's on-disk cache
     reports = build(model, CompileOptions(batch_buckets=(max(2, args.batch_size),), max_seq_len=SLOT_ROUNDING)

@@ -374,3 +374,22 @@ def test_explain_json_reports_no_graph_breaks(tiny_dir):
     assert all(r["graph_count"] == 1 and r["graph_break_count"] == 0 and r["recompiles_in_workload"] == 0
                for r in reports)
     assert all(r["pass_matches"]["sample_step_fusion"] == 0 for r in reports)  # the tiny region: below the threshold
+
+
+def test_quant_refusal_names_the_scheme_and_the_way_out():
+    pytest.importorskip("torchao")
+    res = run_main("generate", "--quant", "nvfp4", "--eager", "sort 3 1 2=")
+    assert res.returncode != 0 and "'nvfp4'" in res.stderr and "nvfp4-w4a16" in res.stderr and res.stdout == ""
+
+
+@pytest.mark.slow
+def test_quant_flag_quantizes_on_load_and_names_the_scheme():
+    """`--quant fp8-weight-only` on the demo model: the report of what was quantized and left out, the answer, and the
+    scheme in the stats line; no torchao import noise on stderr."""
+    pytest.importorskip("torchao")
+    res = run_cli("generate", "--quant", "fp8-weight-only", "--dtype", "bfloat16", "--eager", "sort 3 1 2 9 5=")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "1 2 3 5 9\n"
+    assert "quant fp8-weight-only: 29 linear layers quantized" in res.stderr
+    assert "excluded layers.*.experts" in res.stderr and "quant=fp8-weight-only" in res.stderr
+    assert "Failed to load" not in res.stderr and "Warning" not in res.stderr
