@@ -193,6 +193,11 @@ def main(argv=None):
                     help="compiled generators: leave out one of our graph passes (CompileOptions.disabled_passes), "
                     "e.g. --disable-pass sample_step_fusion")
     ap.add_argument("--show", action="store_true", help="print a few sample completions")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="dgemma generators: load the weights in this dtype (default: the checkpoint's)")
+    ap.add_argument("--quant", default=None, metavar="SCHEME",
+                    help="dgemma generators: quantize the weights after loading (dg.quantize: fp8, fp8-weight-only, "
+                    "nvfp4-w4a16)")
     ap.add_argument("--dump", metavar="FILE", help="write the generated ids of every prompt (JSON list) to FILE, e.g. "
                     "to compare two generators token for token")
     args = ap.parse_args(argv)
@@ -202,7 +207,11 @@ def main(argv=None):
     if args.generator.startswith("dgemma"):
         import dgemma_compile as dg
 
-        ours = dg.load(args.model_dir)
+        ours = dg.load(args.model_dir, dtype=getattr(torch, args.dtype) if args.dtype else None)
+        if args.quant:
+            from dgemma_compile.quant import quantize
+
+            print(quantize(ours, args.quant).text().splitlines()[0], file=sys.stderr)
         tokenizer = dg.load_tokenizer(args.model_dir)
         if args.generator == "dgemma-eager":
             model = _EagerRunner(ours)
