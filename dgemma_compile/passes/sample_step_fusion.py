@@ -1,24 +1,27 @@
 """Pass `sample_step_fusion`: the vocabulary-wide region of the denoise step -> one `dgemma::sample_step` call.
 
 What it matches: the graph of `sampler.sample_step` (shift by the row max, scale by 1/T, argmax, chunked inverse-CDF
-sample, entropy, self-conditioning logits) over any producer of the logits, with any temperature / greedy / uniform
+sample, entropy, self-conditioning probabilities) over any producer of the logits, with any temperature / greedy / uniform
 inputs. The pattern is not written by hand: it is `sampler.sample_step` itself, traced by Inductor's `fwd_only` into
 the same decomposed aten ops the captured step contains (integers, floats, dtypes and devices in it match any value,
 so one pattern serves every B, C and V), in each of its structural variants: logits already float32 or cast from a
 16-bit dtype, and a vocabulary that is or is not a whole number of sampler chunks (the padded last chunk adds a pad).
+A match is rewritten only when its logits, counted as float32, span at least `min_logits_bytes`
+(`CompileOptions.sample_step_fusion_min_bytes`): below that Inductor's fused loops are faster than the op's eager
+CPU implementation and the op saves no memory worth having.
 
 Why the rewrite is legal: the op computes `sampler.sample_step` itself (`ops.sample`), position by position, and a
 match requires that no node inside the region is read outside it (the pattern matcher's rule for multi-output
-patterns), so nothing else depended on an intermediate. Values are equal up to float reduction order (Inductor's
-fused loops vs the op's ATen kernels); tokens are checked equal with the pass on and off (tests/test_passes.py, the
+patterns), so nothing else depended on an intermediate. Values are equal up to float reduction order and the
+last bits of exp/tanh (Inductor's fused loops vs the op's ATen kernels); tokens are checked equal with the pass on and off (tests/test_passes.py, the
 demo test set).
 
 Then, per inserted op, two folds that keep the vocabulary-wide tensors out of the step (what bounds its transient
 memory to about the model-dtype logits plus the model-dtype self-conditioning output): the op's logits input, when
 it is the model's own float32 cast and softcap (cap * tanh(x / cap), `DiffusionGemma.logits`) read by nothing else,
 is replaced by the cast's input with the cap as the op's `softcap`; and the self-conditioning output, when its only
-reader is a cast (to the model dtype, for the step's state), is written in that dtype by the op (`sc_dtype`). Both
-compute the same values in the same order, slice by slice (`ops.sample`).
+reader is a cast or the copy into the step's state buffer (to the model dtype), is written in that dtype by the op
+(`sc_dtype`). Both compute the same values in the same order, slice by slice (`ops.sample`).
 
 Stage: the joint-graph pre pass (`joint_custom_pre_pass`), before Inductor's own joint-graph rewrites: those rewrite
 `x * c - amax(x * c)` (its softmax-scale pattern) when the logits come from a multiply such as the final softcap,
