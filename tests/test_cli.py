@@ -22,7 +22,7 @@ from test_text import TEMPLATE_NO_BOS, write_byte_bpe
 
 STATS = (r"tokens=\d+ blocks=\d+ mean_steps_per_block=[\d.]+ tokens_per_forward=[\d.]+ tok/s=[\d.]+ "
          r"finish=(eos|length|stop) {one_time}=[\d.]+ ttfb_s=[\d.]+ threads={threads} scheme=\S+ moe=\w+ "
-         r"commit=(fused|separate)")
+         r"commit=(fused|separate) quant=[\w-]+")
 
 
 def run_cli(*args, timeout=300, stdin=None, env=None, text=True):
