@@ -12,9 +12,9 @@ from dgemma_compile.config import ConfigError  # noqa: E402
 from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
 from dgemma_compile.quant import EXCLUDED_PARTS, quantize  # noqa: E402
 
-# SQNR floors (dB) of a quantized projection's output against the bfloat16 one, measured on the demo's layers with
-# random inputs: fp8 e4m3 has 3 mantissa bits (~25-30 dB), NVFP4 1 (~15-20 dB). The floors are ~5 dB below the worst.
-SQNR_FLOOR = {"fp8": 20.0, "fp8-weight-only": 20.0, "nvfp4-w4a16": 10.0}
+# SQNR floors (dB) of a quantized projection's output against the bfloat16 one on the demo's layers with random
+# inputs. Measured worst layer (64 rows): fp8 28.1, fp8-weight-only 31.0, nvfp4-w4a16 19.7 dB; floors ~4 dB below.
+SQNR_FLOOR = {"fp8": 24.0, "fp8-weight-only": 27.0, "nvfp4-w4a16": 15.5}
 
 
 def _demo_bf16():

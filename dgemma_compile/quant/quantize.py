@@ -98,19 +98,19 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
         else:
             chosen.append(name)
     report.excluded += list(EXCLUDED_PARTS)
-    config = torchao_config(scheme, device)
-    if config is not None:
-        from torchao.quantization import quantize_
+    with _quiet_torchao():
+        config = torchao_config(scheme, device)
+        if config is not None:
+            from torchao.quantization import quantize_
 
-        wanted = set(chosen)
-        with _quiet_torchao():
+            wanted = set(chosen)
             quantize_(model, config, filter_fn=lambda m, fqn: fqn in wanted)
-    else:
-        build = direct_weight(scheme)
-        modules = dict(model.named_modules())
-        for name in chosen:
-            lin = modules[name]
-            lin.weight = nn.Parameter(build(lin.weight.detach()), requires_grad=False)
+        else:
+            build = direct_weight(scheme)
+            modules = dict(model.named_modules())
+            for name in chosen:
+                lin = modules[name]
+                lin.weight = nn.Parameter(build(lin.weight.detach()), requires_grad=False)
     report.quantized = chosen
     report.bytes_after = weight_bytes(model)
     model.quant_scheme = scheme
