@@ -2,7 +2,7 @@
 runs) still reports what the passes matched when the entry was made.
 
 A record's key is a hash of what decides the passes' input and behaviour: the Dynamo graph's code (with its
-subgraphs'), its inputs' dtypes, shapes and strides, the installed pipelines' uuids (pass sources and enabled names),
+subgraphs', comments left out: they name source files, so a fresh clone would miss every record), its inputs' dtypes, shapes and strides, the installed pipelines' uuids (pass sources and enabled names),
 the compile's `cache_key_tag` (our decompositions' hash) and the torch version. Records live in
 `<Inductor cache dir>/dgemma_pass_counts/<key>.json`; a lost record only means "unknown", never a wrong count.
 """
@@ -21,8 +21,9 @@ def record_key(gm: torch.fx.GraphModule, example_inputs, pass_config: dict) -> s
     """sha256 hex of the graph, its inputs' metadata, the pipelines' uuids, the cache tag and the torch version."""
     h = hashlib.sha256()
     for name, module in gm.named_modules():
-        if isinstance(module, torch.fx.GraphModule):
-            h.update(f"{name}\n{module.code}\n".encode())
+        if isinstance(module, torch.fx.GraphModule):  # comments name source files: the same graph in another clone
+            code = "\n".join(ln for ln in module.code.splitlines() if not ln.lstrip().startswith("#"))
+            h.update(f"{name}\n{code}\n".encode())
     for x in example_inputs:
         meta = (x.dtype, tuple(x.shape), x.stride(), x.device.type) if isinstance(x, torch.Tensor) else repr(x)
         h.update(repr(meta).encode())
