@@ -69,34 +69,20 @@ def sample_step(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     Raises: ValueError naming the tensor whose dtype or shape is wrong.
     """
     _check(logits, temperature, greedy, uniform)
-    B, C, V = logits.shape
-    dev = logits.device
-    argmax = torch.empty(B * C, dtype=torch.int64, device=dev)
-    sampled = torch.empty(B * C, dtype=torch.int64, device=dev)
-    ent = torch.empty(B * C, dtype=torch.float32, device=dev)
-    sc = torch.empty(B * C, 1, V, dtype=sc_dtype or torch.float32, device=dev)
-    # one "row" per position: [B*C, 1, V] with the row's parameters repeated per position
-    rows = logits.reshape(B * C, 1, V)
-    T, g, u = temperature.repeat_interleave(C), greedy.repeat_interleave(C), uniform.reshape(B * C, 1)
-    P = position_chunk(V)
-    for s in range(0, B * C, P):
-        out = sampler.sample_step(_prologue(rows[s:s + P], softcap), T[s:s + P], g[s:s + P], u[s:s + P])
-        argmax[s:s + P] = out.argmax[:, 0]
-        sampled[s:s + P] = out.sampled[:, 0]
-        ent[s:s + P] = out.entropy[:, 0]
-        sc[s:s + P] = out.sc_probs
-    return argmax.view(B, C), sampled.view(B, C), ent.view(B, C), sc.view(B, C, V)
-
-
-def triton_sample_step(launch, logits, temperature, greedy, uniform, softcap=None, sc_dtype=None):
-    """The op through a Triton launcher `launch` (`templates.sample_step.sample_step_triton`'s signature): one launch
-    over the whole [B, C, V] logits, or with `softcap`, one launch per slice of `position_chunk(V)` positions over
-    their soft-capped float32 logits (so those never exist whole). Returns the op's 4 outputs."""
     sc_dtype = sc_dtype or torch.float32
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()  # the kernel reads rows with unit stride
-    if softcap is None:
-        return tuple(launch(logits, temperature, greedy, uniform, sc_dtype=sc_dtype))
+
+    def reference(x, T, g, u):
+        out = sampler.sample_step(x, T, g, u)
+        return out.argmax, out.sampled, out.entropy, out.sc_probs.to(sc_dtype)
+
+    return in_slices(reference, logits, temperature, greedy, uniform, softcap, sc_dtype)
+
+
+def in_slices(step, logits, temperature, greedy, uniform, softcap, sc_dtype):
+    """The op over slices of `position_chunk(V)` positions: each slice's logits as [P, 1, V] rows (one per position,
+    its row's temperature, greedy flag and uniform repeated), taken through `_prologue`, given to `step(x, T, g, u)`
+    (the four outputs of a [P, 1, V] call, probabilities in `sc_dtype`), written into preallocated outputs. Returns
+    them as [B, C] / [B, C, V]."""
     B, C, V = logits.shape
     dev = logits.device
     outs = (torch.empty(B * C, dtype=torch.int64, device=dev), torch.empty(B * C, dtype=torch.int64, device=dev),
@@ -105,10 +91,23 @@ def triton_sample_step(launch, logits, temperature, greedy, uniform, softcap=Non
     T, g, u = temperature.repeat_interleave(C), greedy.repeat_interleave(C), uniform.reshape(B * C, 1)
     P = position_chunk(V)
     for s in range(0, B * C, P):
-        part = launch(_prologue(rows[s:s + P], softcap), T[s:s + P], g[s:s + P], u[s:s + P], sc_dtype=sc_dtype)
+        part = step(_prologue(rows[s:s + P], softcap), T[s:s + P], g[s:s + P], u[s:s + P])
         for out, piece in zip(outs, part):
             out[s:s + P] = piece.reshape(out[s:s + P].shape)
     return outs[0].view(B, C), outs[1].view(B, C), outs[2].view(B, C), outs[3].view(B, C, V)
+
+
+def triton_sample_step(launch, logits, temperature, greedy, uniform, softcap=None, sc_dtype=None):
+    """The op through a Triton launcher `launch` (`templates.sample_step.sample_step_triton`'s signature): one launch
+    over the whole [B, C, V] logits, or with `softcap`, one launch per slice (`in_slices`) over the slice's
+    soft-capped float32 logits (so those never exist whole). Returns the op's 4 outputs."""
+    sc_dtype = sc_dtype or torch.float32
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the kernel reads rows with unit stride
+    if softcap is None:
+        return tuple(launch(logits, temperature, greedy, uniform, sc_dtype=sc_dtype))
+    return in_slices(lambda x, T, g, u: launch(x, T, g, u, sc_dtype=sc_dtype), logits, temperature, greedy, uniform,
+                     softcap, sc_dtype)
 
 
 @sample_step.register_kernel("cuda")
