@@ -43,7 +43,7 @@ class ARBaseline:
         self.units = UnitFactory(self.options, dev)
         cfg = model.config  # the experts as our compiled generator runs them
         self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=model.dtype, num_experts=cfg.num_experts,
-                                         top_k=cfg.top_k_experts, compiled=True)
+                                         top_k=cfg.top_k_experts, compiled=True, quant=model.expert_quant)
         owners = (model, self.cache, self)  # every tensor the units read (direct calls, as ours-compiled's units)
         self.prefill_unit = self.units.unit("ar_prefill_chunk", self._prefill, owners)
         self.step = self.units.unit("ar_step", self._step, owners)

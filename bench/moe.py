@@ -49,7 +49,7 @@ def _inputs(N, D, E, K, I, dtype, seed=0):
 
 def _fn(impl: str, compiled: bool):
     def f(x, w, idx, gate_up, down):
-        return torch.ops.dgemma.moe_experts(x, w, idx, gate_up, None, down, None, impl)
+        return torch.ops.dgemma.moe_experts(x, w, idx, gate_up, [], down, [], impl, "none")
     if not compiled:
         return f
     return torch.compile(f, fullgraph=True, dynamic=False, isolate_recompiles=True,

@@ -202,13 +202,16 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
     return gen.generate, f" compile_s={gen.warmup(rows, config):.1f}"
 
 
-def _quantize(model, scheme: str | None) -> None:
-    """`--quant`: quantize the loaded model; the report (what was quantized, what was left out and why) on stderr."""
-    if scheme is None:
-        return
-    from .quant import quantize
+def _quantize(model, scheme: str | None) -> str | None:
+    """`--quant`: quantize the loaded model; the report (what was quantized, what was left out and why) on stderr,
+    also for a quantized checkpoint (the loader's report). Returns the model's scheme (None: not quantized)."""
+    if scheme is not None:
+        from .quant import quantize
 
-    print(quantize(model, scheme).text(), file=sys.stderr)
+        print(quantize(model, scheme).text(), file=sys.stderr)
+    elif getattr(model, "quant_report", None) is not None:
+        print(model.quant_report.text(), file=sys.stderr)
+    return getattr(model, "quant_scheme", None)
 
 
 def generate_command(args: argparse.Namespace) -> int:
@@ -231,7 +234,7 @@ def generate_command(args: argparse.Namespace) -> int:
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir, dtype=DTYPES[args.dtype] if args.dtype else None)
-    _quantize(model, args.quant)
+    args.quant = _quantize(model, args.quant)
     tokenizer = load_tokenizer(model_dir)
     changes = {}
     if args.max_new_tokens is not None:
@@ -404,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    # AOTAutograd's cache skips graphs holding torchao tensors (Float8Tensor has no stable hash): a known cost of
+    # quantized compiles (README), not a user-facing problem
+    warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
     logging.basicConfig(level=logging.INFO, format="dgemma: %(message)s")
     logging.getLogger("dgemma_compile").setLevel(logging.INFO)
     try:

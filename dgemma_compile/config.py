@@ -91,6 +91,9 @@ class ModelConfig:
     pad_token_id: int = 0
     bos_token_id: int = 2
     eos_token_ids: tuple[int, ...] = (1,)
+    tie_word_embeddings: bool = True
+    """False: the checkpoint has its own `lm_head.weight` (the logits); the self-conditioning product still reads the
+    input embeddings (transformers' DiffusionGemma). Released checkpoints are tied."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
@@ -146,8 +149,6 @@ class ModelConfig:
         get = lambda k, d=None: d if t.get(k) is None else t[k]  # noqa: E731 - absent or null -> transformers default
         _require(get("use_bidirectional_attention") in (None, "vision"), "use_bidirectional_attention",
                  f"only null or 'vision' (causal text encoder) is supported, got {t.get('use_bidirectional_attention')!r}")
-        _require(bool(get("tie_word_embeddings", True)) and bool(cfg.get("tie_word_embeddings", True)),
-                 "tie_word_embeddings", "DiffusionGemma ties lm_head to the embeddings; untied heads are not supported")
         n = get("num_hidden_layers", 30)
         layer_types = list(get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
         if layer_types and layer_types[-1] != FULL:  # transformers forces the last layer to full attention
@@ -193,6 +194,7 @@ class ModelConfig:
             max_position_embeddings=get("max_position_embeddings", 131_072),
             pad_token_id=get("pad_token_id", 0), bos_token_id=get("bos_token_id", 2),
             eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )
 
 

@@ -211,7 +211,7 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
     if not isinstance(fuse_commit, bool):
         raise ConfigError(f"fuse_commit: must be a bool, got {fuse_commit!r}")
     impl = resolve_moe_impl(moe_impl, dtype=model.dtype, num_experts=model.config.num_experts,
-                            top_k=model.config.top_k_experts, compiled=False)
+                            top_k=model.config.top_k_experts, compiled=False, quant=model.expert_quant)
     runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl, fuse_commit)
     out = run_block_diffusion(model, runner, prompts, cfgs, on_block=on_block, stop=stop,
                               timer=SpanTimer(model.device, observer))

@@ -148,19 +148,76 @@ class Router(nn.Module):
         return w_NK * self.per_expert_scale[idx_NK], idx_NK
 
 
+class ExpertProjection(nn.Module):
+    """One projection of every routed expert, [E, N, K] (N outputs, K inputs), in the format `quant` names
+    (`ops.moe.EXPERT_QUANTS`), handed to `dgemma::moe_experts` as (weight, scales) -- plain tensors, never a tensor
+    subclass (a torchao tensor passed into a custom op raises):
+
+    | quant              | weight                      | weight_scale                   | weight_global_scale   |
+    |--------------------|-----------------------------|--------------------------------|-----------------------|
+    | "none"             | model dtype [E, N, K]       | None                           | None                  |
+    | "fp8", "fp8-weight-only" | float8_e4m3fn [E, N, K] | float32 [E, N, 1] (per row)  | None                  |
+    | "nvfp4-w4a16"      | uint8 [E, N, K/2] (two e2m1 codes, even column in the low nibble) | float8_e4m3fn [E, N, K/16] | float32 [E, N, 1] |
+
+    Dequantized: fp8 `weight * weight_scale`; NVFP4 `e2m1(code) * weight_scale / weight_global_scale` (the
+    compressed-tensors formula; the global scale is stored per row so that gate and up rows may differ)."""
+
+    def __init__(self, num_experts: int, out_dim: int, in_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_dim, in_dim))
+        self.register_buffer("weight_scale", None)
+        self.register_buffer("weight_global_scale", None)
+        self.quant = "none"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K): the dequantized weight's shape."""
+        E, N, K = self.weight.shape
+        return E, N, K * 2 if self.quant == "nvfp4-w4a16" else K
+
+    def scales(self) -> list[torch.Tensor]:
+        """The scale tensors `dgemma::moe_experts` takes beside `weight`: [], [weight_scale] or [weight_scale,
+        weight_global_scale]."""
+        return [t for t in (self.weight_scale, self.weight_global_scale) if t is not None]
+
+    def set_quantized(self, quant: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      weight_global_scale: torch.Tensor | None = None) -> None:
+        """Replace the weight by its quantized form (layouts in the class docstring; shapes checked against the
+        current (E, N, K)). Raises ValueError naming the tensor for an unknown `quant`, a wrong shape or dtype;
+        nothing changes then."""
+        from .ops.moe import check_expert_weight
+
+        E, N, K = self.shape
+        check_expert_weight(quant, (E, N, K), weight, [weight_scale] + ([] if weight_global_scale is None
+                                                                         else [weight_global_scale]))
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("weight_global_scale", weight_global_scale)
+        self.quant = quant
+
+    def extra_repr(self) -> str:
+        return f"shape={list(self.shape)}, quant={self.quant}"
+
+
 class Experts(nn.Module):
-    """E gated experts stored as 3-D tensors: gate_up_proj [E, 2I, D], down_proj [E, D, I], run by one custom op
-    (`ops.moe_experts`) whose `impl` names the implementation: "loop" (transformers' order, the reference),
-    "grouped", "dense" or "gathered" (see `ops/moe.py`)."""
+    """E gated experts: gate_up_proj [E, 2I, D] (gate rows first), down_proj [E, D, I], each an `ExpertProjection`,
+    run by one custom op (`ops.moe_experts`) whose `impl` names the implementation: "loop" (transformers' order, the
+    reference), "grouped", "dense" or "gathered" (see `ops/moe.py`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
-        self.down_proj = nn.Parameter(torch.empty(E, D, I))
+        self.gate_up_proj = ExpertProjection(E, 2 * I, D)
+        self.down_proj = ExpertProjection(E, D, I)
+
+    @property
+    def quant(self) -> str:
+        return self.gate_up_proj.quant
 
     def forward(self, x_ND, w_NK, idx_NK, impl: str):
-        return torch.ops.dgemma.moe_experts(x_ND, w_NK, idx_NK, self.gate_up_proj, None, self.down_proj, None, impl)
+        gu, down = self.gate_up_proj, self.down_proj
+        return torch.ops.dgemma.moe_experts(x_ND, w_NK, idx_NK, gu.weight, gu.scales(), down.weight, down.scales(),
+                                            impl, gu.quant)
 
 
 class Layer(nn.Module):
@@ -239,6 +296,9 @@ class DiffusionGemma(nn.Module):
         self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+        self.sc_embedding: nn.Linear | None = None  # `quant.quantize`: the embeddings as a [V -> D] projection
         self.init_buffers(self.embed_tokens.weight.device)
 
     def init_buffers(self, device: torch.device | str) -> None:
@@ -254,6 +314,11 @@ class DiffusionGemma(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    @property
+    def expert_quant(self) -> str:
+        """The routed experts' weight format (`ops.moe.EXPERT_QUANTS`): "none" unless quantized."""
+        return self.layers[0].experts.quant
 
     @property
     def device(self) -> torch.device:
@@ -395,8 +460,10 @@ class DiffusionGemma(nn.Module):
         return rope_cos_sin(getattr(self, f"inv_freq_{layer_type}"), positions_BT, self.dtype)
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Tied lm_head, then float32 soft-capping cap * tanh(logits / cap)."""
-        logits = (hidden_BTD @ self.embed_tokens.weight.T).float()
+        """The lm_head (the tied embeddings, or `lm_head` when the checkpoint has its own or `quant.quantize` made a
+        quantized copy), then float32 soft-capping cap * tanh(logits / cap)."""
+        head = hidden_BTD @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(hidden_BTD)
+        logits = head.float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -413,7 +480,8 @@ class DiffusionGemma(nn.Module):
             return torch.zeros_like(embeds_BTD)
         else:
             probs = torch.softmax(logits_BTV, dim=-1, dtype=torch.float32).to(weight.dtype)
-        soft = (probs @ weight) * self.embed_scale.to(embeds_BTD.dtype)
+        product = probs @ weight if self.sc_embedding is None else self.sc_embedding(probs)
+        soft = product * self.embed_scale.to(embeds_BTD.dtype)
         if mask_B is not None:
             soft = torch.where(mask_B[:, None, None], soft, torch.zeros_like(soft))
         return soft

@@ -376,6 +376,20 @@ def test_explain_json_reports_no_graph_breaks(tiny_dir):
     assert all(r["pass_matches"]["sample_step_fusion"] == 0 for r in reports)  # the tiny region: below the threshold
 
 
+@pytest.mark.slow
+def test_explain_on_a_quantized_model_reports_no_graph_breaks(tiny_dir):
+    """`dgemma explain --quant fp8` on the tiny checkpoint (vocabulary 48: the tied lm_head and the self-conditioning
+    copy are quantized too, so every kind of quantized weight is in the graphs): one graph per unit, no breaks."""
+    pytest.importorskip("torchao")
+    res = run_cli("explain", "--json", "--quant", "fp8", "--model", str(tiny_dir), timeout=900)
+    assert res.returncode == 0, res.stderr
+    assert "excluded lm_head" not in res.stderr and "excluded sc_embedding" not in res.stderr
+    reports = json.loads(res.stdout)
+    assert [r["unit"].split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
+    assert all(r["graph_count"] == 1 and r["graph_break_count"] == 0 and r["recompiles_in_workload"] == 0
+               for r in reports)
+
+
 def test_quant_refusal_names_the_scheme_and_the_way_out():
     pytest.importorskip("torchao")
     res = run_main("generate", "--quant", "nvfp4", "--eager", "sort 3 1 2=")
@@ -390,6 +404,6 @@ def test_quant_flag_quantizes_on_load_and_names_the_scheme():
     res = run_cli("generate", "--quant", "fp8-weight-only", "--dtype", "bfloat16", "--eager", "sort 3 1 2 9 5=")
     assert res.returncode == 0, res.stderr
     assert res.stdout == "1 2 3 5 9\n"
-    assert "quant fp8-weight-only: 29 linear layers quantized" in res.stderr
-    assert "excluded layers.*.experts" in res.stderr and "quant=fp8-weight-only" in res.stderr
+    assert "quant fp8-weight-only: 37 projections quantized" in res.stderr  # 29 linears, 8 expert projections
+    assert "excluded lm_head (the tied embeddings' logits)" in res.stderr and "quant=fp8-weight-only" in res.stderr
     assert "Failed to load" not in res.stderr and "Warning" not in res.stderr

@@ -46,7 +46,7 @@ def experts(N, E, K, *, routing="random", seed=0, dtype=torch.float32):
 
 
 def call(impl, x, w, idx, gate_up, down):
-    return moe(x, w, idx, gate_up, None, down, None, impl)
+    return moe(x, w, idx, gate_up, [], down, [], impl, "none")
 
 
 def assert_matches_loop(out, ref):
@@ -88,7 +88,7 @@ def test_eager_bfloat16_within_bound(impl, routing):
 # ----- compiled through the units' backend (few compiles: one per (impl, dtype), reused across routings) ----------
 @functools.cache
 def compiled(impl):
-    fn = lambda x, w, idx, gate_up, down: moe(x, w, idx, gate_up, None, down, None, impl) * 2  # noqa: E731
+    fn = lambda x, w, idx, gate_up, down: moe(x, w, idx, gate_up, [], down, [], impl, "none") * 2  # noqa: E731
     return torch.compile(fn, backend=UnitFactory(CompileOptions(), "cpu").backend("t"), fullgraph=True)
 
 
@@ -117,7 +117,7 @@ def test_compiled_matches_loop_and_decomposes(impl, dtype):
 def test_decompositions_per_graph():
     def graph(*impls):
         def f(x, w, idx, gate_up, down):
-            return sum(moe(x, w, idx, gate_up, None, down, None, impl) for impl in impls)
+            return sum(moe(x, w, idx, gate_up, [], down, [], impl, "none") for impl in impls)
         return torch.fx.symbolic_trace(f)
 
     key = torch.ops.dgemma.moe_experts.default
@@ -167,13 +167,20 @@ def test_resolve_moe_impl_refuses(requested, dtype):
         ops.resolve_moe_impl(requested, dtype=dtype, num_experts=8, top_k=2, compiled=True)
 
 
-@pytest.mark.parametrize("impl", ops.MOE_IMPLS)
-@pytest.mark.parametrize("which", ["gate_up", "down"])
-def test_scale_is_not_supported_yet(impl, which):
+@pytest.mark.parametrize("quant", ["fp8", "fp8-weight-only", "nvfp4-w4a16", "int4"])
+def test_grouped_and_unknown_formats_are_refused(quant):
+    """"grouped" takes unquantized experts only; an unknown format is refused by every implementation; both name
+    moe_impl and the format (never a silent dequantize to another path)."""
     x, w, idx, gate_up, down = experts(4, 8, 2)
-    scale = torch.ones(8)
-    with pytest.raises(NotImplementedError, match=f"moe_impl='{impl}'.*quantized experts"):
-        moe(x, w, idx, gate_up, scale if which == "gate_up" else None, down, scale if which == "down" else None, impl)
+    impls = ["grouped"] if quant != "int4" else list(ops.MOE_IMPLS)
+    for impl in impls:
+        with pytest.raises(ValueError, match=f"moe_impl='{impl}' does not take '{quant}'"):
+            moe(x, w, idx, gate_up, [], down, [], impl, quant)
+    if quant != "int4":
+        with pytest.raises(ValueError, match="moe_impl='grouped'"):
+            ops.resolve_moe_impl("grouped", dtype=torch.bfloat16, num_experts=8, top_k=2, compiled=True, quant=quant)
+        assert ops.resolve_moe_impl("auto", dtype=torch.bfloat16, num_experts=64, top_k=2, compiled=True,
+                                    quant=quant) == "gathered"
 
 
 def test_bad_impl():
@@ -226,7 +233,7 @@ def test_units_backend_compiles_through_inductors_fx_graph_cache():
     from torch._dynamo.utils import counters
 
     def fn(x, w, idx, gate_up, down):
-        return moe(x, w, idx, gate_up, None, down, None, "gathered") + 1
+        return moe(x, w, idx, gate_up, [], down, [], "gathered", "none") + 1
 
     args = experts(8, 4, 2, routing="random", dtype=torch.float32)
     before = dict(counters["inductor"])

@@ -31,17 +31,49 @@ def test_each_covered_projection_against_bf16_and_the_report(scheme):
     model, original = _demo_bf16(), _demo_bf16()
     report = quantize(model, scheme)
     linears = {n for n, m in original.named_modules() if isinstance(m, torch.nn.Linear) and ".router." not in f".{n}."}
-    assert set(report.quantized) == linears and len(linears) == 29
+    experts = {f"layers.{i}.experts.{p}" for i in range(4) for p in ("gate_up_proj", "down_proj")}
+    assert set(report.quantized) == linears | experts and len(linears) == 29
+    # the demo's 27-row vocabulary: neither tied copy can be made (dims), each listed with its reason
+    assert [n for n, _ in report.excluded[:2]] == ["lm_head (the tied embeddings' logits)",
+                                                   "sc_embedding (the self-conditioning product probs @ embeddings)"]
+    assert "27" in report.excluded[0][1] and model.lm_head is None and model.sc_embedding is None
     assert report.excluded[-len(EXCLUDED_PARTS):] == list(EXCLUDED_PARTS)
     assert report.bytes_after < report.bytes_before and model.quant_scheme == scheme
+    assert model.expert_quant == scheme
     g = torch.Generator().manual_seed(0)
     mods, refs = dict(model.named_modules()), dict(original.named_modules())
-    worst = min(_sqnr(refs[n](x), mods[n](x)) for n in linears
-                for x in [torch.randn(16, refs[n].in_features, generator=g).to(torch.bfloat16)])
-    assert worst >= SQNR_FLOOR[scheme], f"{scheme}: worst layer SQNR {worst:.1f} dB"
+    sqnr = {n: _sqnr(refs[n](x), mods[n](x)) for n in linears
+            for x in [torch.randn(16, refs[n].in_features, generator=g).to(torch.bfloat16)]}
+    for i in range(4):  # the routed experts through the reference loop, every expert used
+        x = torch.randn(64, model.config.hidden_size, generator=g).to(torch.bfloat16)
+        w = torch.rand(64, 2, generator=g)
+        idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(64)])
+        sqnr[f"layers.{i}.experts"] = _sqnr(original.layers[i].experts(x, w, idx, "loop"),
+                                            model.layers[i].experts(x, w, idx, "loop"))
+    worst = min(sqnr, key=sqnr.get)
+    assert sqnr[worst] >= SQNR_FLOOR[scheme], f"{scheme}: worst SQNR {sqnr[worst]:.1f} dB ({worst})"
     # what the model never quantizes stays as it was
     assert type(model.embed_tokens.weight) is torch.nn.Parameter
-    assert type(model.layers[0].experts.gate_up_proj) is torch.nn.Parameter
+    assert torch.equal(model.embed_tokens.weight, original.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("scheme", sorted(SQNR_FLOOR))
+def test_tied_embeddings_logits_and_self_conditioning_copies(scheme, tiny_dir):
+    """A tied model whose vocabulary (48) and width (32) the schemes take: the logits and the self-conditioning product
+    read quantized copies of the table (`lm_head`, `sc_embedding`), the lookup keeps the table."""
+    model, original = dg.load(tiny_dir, dtype=torch.bfloat16), dg.load(tiny_dir, dtype=torch.bfloat16)
+    report = quantize(model, scheme)
+    assert {"lm_head", "sc_embedding"} <= set(report.quantized)
+    assert type(model.lm_head.weight) is not torch.nn.Parameter  # a torchao tensor
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 8, 32, generator=g).to(torch.bfloat16)
+    assert _sqnr(original.logits(hidden), model.logits(hidden)) >= SQNR_FLOOR[scheme]
+    embeds = original._embed(torch.randint(0, 48, (2, 8), generator=g))
+    assert torch.equal(model._embed(torch.zeros(2, 8, dtype=torch.long)),
+                       original._embed(torch.zeros(2, 8, dtype=torch.long)))
+    probs = torch.softmax(torch.randn(2, 8, 48, generator=g) * 3, -1).to(torch.bfloat16)
+    ref = original._soft_embedding(embeds, None, None, probs)
+    assert _sqnr(ref, model._soft_embedding(embeds, None, None, probs)) >= SQNR_FLOOR[scheme]
 
 
 @pytest.mark.parametrize("scheme", sorted(SQNR_FLOOR))

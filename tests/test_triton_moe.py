@@ -223,7 +223,7 @@ def test_moe_lowering_is_explicit_and_leaves_cpu_graphs_unchanged(monkeypatch):
         monkeypatch.setitem(user_lowerings, op, lambda *a, **k: seen.append(installed(*a, **k)))
         args = moe_args(5, 16, 8, 4, 2, seed=7)
         f = lambda x, w, idx, gate_up, down: torch.ops.dgemma.moe_experts(  # noqa: E731
-            x * 2, w, idx, gate_up, None, down, None, "grouped") + 1
+            x * 2, w, idx, gate_up, [], down, [], "grouped", "none") + 1
         torch._dynamo.reset()
         # no cache hit: its key does not cover user lowerings, and a hit would skip lowering altogether
         with torch._inductor.config.patch(fx_graph_cache=False), \

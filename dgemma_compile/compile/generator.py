@@ -107,7 +107,7 @@ class CompiledGenerator:
         # the routed experts' implementation in every compiled unit (`ops.moe.resolve_moe_impl`); the eager generator
         # reproduces these numerics with `generate(..., moe_impl=gen.moe_impl)`
         self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=self.model.dtype, num_experts=cfg.num_experts,
-                                         top_k=cfg.top_k_experts, compiled=True)
+                                         top_k=cfg.top_k_experts, compiled=True, quant=self.model.expert_quant)
         cuda = self.model.device.type == "cuda"
         self._copy = PinnedCopy() if cuda else None  # the deferred stop check's copy (CPU: a plain read)
 

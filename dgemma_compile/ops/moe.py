@@ -21,37 +21,118 @@ table the compile backend passes to Inductor), "grouped", "dense" and "gathered"
 so Inductor sees plain aten ops and no opaque call remains; "loop" stays an opaque call (it cannot be traced).
 `resolve_moe_impl` is the rule that picks one.
 
-Weights come as (data, scale | None) per projection so that quantized experts can reach the op without
-tensor-subclass dispatch; a scale is refused for now (NotImplementedError), never dequantized silently.
+Weights come as (weight, scales) per projection, plain tensors in the format the `quant` argument names
+(`EXPERT_QUANTS`; layouts in `model.ExpertProjection`), so that quantized experts reach the op without tensor-subclass
+dispatch. Each implementation states the formats it takes (`IMPL_QUANTS`): "loop", "dense" and "gathered" read the
+stored bytes and dequantize the rows they multiply (for "gathered", Inductor fuses the unpacking into the weight loop;
+the weights are never stored dequantized); "grouped" takes unquantized weights only. An unsupported pair is a
+ValueError naming moe_impl and the format, never a silent dequantize to another path.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 MOE_IMPLS = ("loop", "grouped", "dense", "gathered")
+EXPERT_QUANTS = ("none", "fp8", "fp8-weight-only", "nvfp4-w4a16")
+"""Formats of the expert weights (the `quant` argument): the model dtype; float8_e4m3fn with per-row scales, with
+("fp8") or without ("fp8-weight-only") dynamic per-row fp8 activations; NVFP4 weights with 16-bit activations."""
+IMPL_QUANTS = {"loop": EXPERT_QUANTS, "dense": EXPERT_QUANTS, "gathered": EXPERT_QUANTS, "grouped": ("none",)}
+"""The formats each implementation takes. `torch._grouped_mm` multiplies 16-bit operands only (its fp8 sibling,
+`torch._scaled_grouped_mm`, needs sm90 and per-row scales of both operands; not wired yet)."""
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+ACTIVATION_AMAX_FLOOR = 1e-12
+"""Lower bound of a dynamic activation row's amax (as `quant.schemes.ACTIVATION_AMAX_FLOOR`): a zero row stays zero."""
+NVFP4_BLOCK = 16
 
 
-def moe_experts_loop(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI):
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """FP4 E2M1 codes (uint8 in [0, 16): sign bit 3, exponent bits 2-1, mantissa bit 0) -> float32 values
+    {0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign. Elementwise arithmetic (no table), so Inductor fuses it into its reader."""
+    mag = (codes & 7).to(torch.int32)
+    exp, man = mag >> 1, (mag & 1).to(torch.float32)
+    val = torch.where(exp == 0, man * 0.5, torch.exp2((exp - 1).to(torch.float32)) * (1.0 + man * 0.5))
+    return torch.where(codes >= 8, -val, val)
+
+
+def dequantize_expert(weight: torch.Tensor, scales: list[torch.Tensor], quant: str, dtype: torch.dtype) -> torch.Tensor:
+    """The [..., N, K] weights in `dtype` from their stored format (any leading dims: all experts, one expert, or
+    gathered rows). fp8: weight * scale; NVFP4: e2m1(code) * block scale / global scale (compressed-tensors' formula,
+    in this order: the product of an e2m1 value and an fp8 scale is exact in float32, so one rounding)."""
+    if quant == "none":
+        return weight
+    if quant in ("fp8", "fp8-weight-only"):
+        return (weight.to(torch.float32) * scales[0]).to(dtype)
+    block, global_scale = scales
+    codes = torch.stack([weight & 15, weight >> 4], dim=-1).flatten(-2)  # even column in the low nibble
+    vals = e2m1_values(codes).unflatten(-1, (-1, NVFP4_BLOCK)) * block.to(torch.float32)[..., None]
+    return (vals / global_scale[..., None]).flatten(-2).to(dtype)
+
+
+def fp8_fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] through float8_e4m3fn with one dynamic scale per row, max(amax, ACTIVATION_AMAX_FLOOR) / 448
+    (torchao's per-row activation quantization), back in x's dtype: what an fp8 GEMM sees of its input."""
+    scale = x.abs().amax(-1, keepdim=True).to(torch.float32).clamp(min=ACTIVATION_AMAX_FLOOR) / FP8_MAX
+    q = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * scale).to(x.dtype)
+
+
+class ExpertWeight(NamedTuple):
+    """One projection of every expert as the op receives it: stored `weight`, its `scales`, the format `quant` and
+    the `dtype` its products run in (the activations')."""
+
+    weight: torch.Tensor
+    scales: list[torch.Tensor]
+    quant: str
+    dtype: torch.dtype
+
+    def rows(self, index: torch.Tensor | int | slice) -> torch.Tensor:
+        """Dequantized weights of the experts (or, with a tuple-free slice, rows) `index` selects."""
+        return dequantize_expert(self.weight[index], [s[index] for s in self.scales], self.quant, self.dtype)
+
+    def part(self, rows: slice) -> "ExpertWeight":
+        """The output rows `rows` of every expert (gate or up half of gate_up), still in the stored format."""
+        return self._replace(weight=self.weight[:, rows], scales=[s[:, rows] for s in self.scales])
+
+    def all(self) -> torch.Tensor:
+        return dequantize_expert(self.weight, self.scales, self.quant, self.dtype)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as this format's GEMM sees it: fp8 per row for "fp8", unchanged otherwise."""
+        return fp8_fake_quant_rows(x) if self.quant == "fp8" else x
+
+
+def _as_weight(weight: "torch.Tensor | ExpertWeight", x: torch.Tensor) -> ExpertWeight:
+    """The implementations take an `ExpertWeight` or, unquantized, the plain [E, N, K] tensor."""
+    return weight if isinstance(weight, ExpertWeight) else ExpertWeight(weight, [], "none", x.dtype)
+
+
+def moe_experts_loop(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWeight):
     """transformers' loop: the experts that received tokens in increasing id order, each token's contributions
     accumulated into zeros in that order (bit-identical to transformers' eager MoE)."""
+    gate_up, down = _as_weight(gate_up, x_ND), _as_weight(down, x_ND)
     out = torch.zeros_like(x_ND)
+    x_in = gate_up.activation(x_ND)
     for e in torch.unique(idx_NK).tolist():
         token, slot = torch.where(idx_NK == e)
-        gate, up = F.linear(x_ND[token], gate_up_EID[e]).chunk(2, dim=-1)
-        y = F.linear(F.gelu(gate, approximate="tanh") * up, down_EDI[e]) * w_NK[token, slot, None]
+        gate, up = F.linear(x_in[token], gate_up.rows(e)).chunk(2, dim=-1)
+        h = F.gelu(gate, approximate="tanh") * up
+        y = F.linear(down.activation(h), down.rows(e)) * w_NK[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
 
 
-def moe_experts_grouped(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI):
+def moe_experts_grouped(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWeight):
     """Sync-free experts: assignments sorted by expert (stable, so each token's contributions are accumulated in
     increasing expert id, as in the loop), one grouped GEMM per projection, static shapes. Functional ops only (it
-    is also traced as a decomposition, below functionalization)."""
+    is also traced as a decomposition, below functionalization). Unquantized weights only (`IMPL_QUANTS`)."""
+    gate_up, down = _as_weight(gate_up, x_ND), _as_weight(down, x_ND)
+    gate_up_EID, down_EDI = gate_up.weight, down.weight
     K = idx_NK.shape[1]
     E = gate_up_EID.shape[0]
     flat_M = idx_NK.reshape(-1)
@@ -66,31 +147,36 @@ def moe_experts_grouped(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI):
     return torch.zeros_like(x_ND).index_add(0, token_M, y_MD.to(x_ND.dtype))
 
 
-def moe_experts_dense(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI):
+def moe_experts_dense(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWeight):
     """Sync-free experts: every expert on every token, combined with the routing weights (zero where unrouted)."""
-    N, E = x_ND.shape[0], gate_up_EID.shape[0]
+    gate_up, down = _as_weight(gate_up, x_ND), _as_weight(down, x_ND)
+    N, E = x_ND.shape[0], gate_up.weight.shape[0]
     combine_EN = torch.zeros(N, E, dtype=w_NK.dtype, device=x_ND.device).scatter(1, idx_NK, w_NK).T
-    gate, up = torch.einsum("nd,eid->eni", x_ND, gate_up_EID).chunk(2, dim=-1)
-    y_END = torch.einsum("eni,edi->end", F.gelu(gate, approximate="tanh") * up, down_EDI)
+    gate, up = torch.einsum("nd,eid->eni", gate_up.activation(x_ND), gate_up.all()).chunk(2, dim=-1)
+    h = F.gelu(gate, approximate="tanh") * up
+    y_END = torch.einsum("eni,edi->end", down.activation(h), down.all())
     return (y_END * combine_EN[..., None]).sum(0).to(x_ND.dtype)
 
 
-def moe_experts_gathered(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI):
+def moe_experts_gathered(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWeight):
     """Sync-free experts, routed FLOPs only: for each of the M = N*K assignments (token n, slot k), its expert's
-    weights gathered by index and applied as a matrix-vector product (multiply + sum over the input dim, which
-    Inductor fuses with the gather into one loop nest); each token's K terms summed in slot order.
+    weights gathered by index (and dequantized as they are read) and applied as a matrix-vector product (multiply +
+    sum over the input dim, which Inductor fuses with the gather into one loop nest); each token's K terms summed in
+    slot order.
 
     The gate and up products are two expressions that each read `x`: with two readers Inductor stores `x` once
     (its reuse heuristic) instead of recomputing x's producer (e.g. the pre-MoE RMSNorm) inside the weight loop for
     every one of the 2I output rows -- measured 2x slower for the demo's whole step when inlined."""
+    gate_up, down = _as_weight(gate_up, x_ND), _as_weight(down, x_ND)
     N, K = idx_NK.shape
-    D, I = x_ND.shape[1], down_EDI.shape[2]
+    D = x_ND.shape[1]
+    I = gate_up.weight.shape[1] // 2
     idx_M = idx_NK.reshape(-1)
-    x_M1D = x_ND[:, None, :].expand(N, K, D).reshape(N * K, 1, D)
-    gate = (gate_up_EID[:, :I][idx_M] * x_M1D).sum(-1)
-    up = (gate_up_EID[:, I:][idx_M] * x_M1D).sum(-1)
-    h_M1I = (F.gelu(gate, approximate="tanh") * up)[:, None, :]
-    y_MD = (down_EDI[idx_M] * h_M1I).sum(-1)
+    x_M1D = gate_up.activation(x_ND)[:, None, :].expand(N, K, D).reshape(N * K, 1, D)
+    gate = (gate_up.part(slice(None, I)).rows(idx_M) * x_M1D).sum(-1)
+    up = (gate_up.part(slice(I, None)).rows(idx_M) * x_M1D).sum(-1)
+    h_M1I = down.activation(F.gelu(gate, approximate="tanh") * up)[:, None, :]
+    y_MD = (down.rows(idx_M) * h_M1I).sum(-1)
     return (y_MD.view(N, K, D) * w_NK[..., None]).sum(1).to(x_ND.dtype)
 
 
@@ -99,44 +185,78 @@ _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "gathered": moe_experts_gathered}
 
 
-def _check(impl: str, gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None) -> None:
+def check_expert_weight(quant: str, shape: tuple[int, int, int], weight: torch.Tensor,
+                        scales: list[torch.Tensor]) -> None:
+    """Checks one projection's stored tensors against the layout of `quant` (`model.ExpertProjection`) for a
+    dequantized shape (E, N, K). Raises ValueError naming the tensor and what was expected."""
+    E, N, K = shape
+    if quant not in EXPERT_QUANTS:
+        raise ValueError(f"expert weights: quant must be one of {EXPERT_QUANTS}, got {quant!r}")
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    if quant == "none":
+        want = [("weight", None, (E, N, K))]
+    elif quant in ("fp8", "fp8-weight-only"):
+        want = [("weight", f8, (E, N, K)), ("weight_scale", f32, (E, N, 1))]
+    else:
+        if K % NVFP4_BLOCK:
+            raise ValueError(f"expert weights: nvfp4-w4a16 needs an input dim that is a multiple of {NVFP4_BLOCK}, "
+                             f"got {K}")
+        want = [("weight", torch.uint8, (E, N, K // 2)), ("weight_scale", f8, (E, N, K // NVFP4_BLOCK)),
+                ("weight_global_scale", f32, (E, N, 1))]
+    got = [weight] + list(scales)
+    if len(got) != len(want):
+        raise ValueError(f"expert weights ({quant}): expected {[w[0] for w in want]}, got {len(got)} tensors")
+    for (name, dtype, shp), t in zip(want, got):
+        if tuple(t.shape) != shp or (dtype is not None and t.dtype != dtype):
+            raise ValueError(f"expert weights ({quant}): {name} must be {dtype or 'the model dtype'} {list(shp)}, "
+                             f"got {t.dtype} {list(t.shape)}")
+
+
+def _check(impl: str, quant: str) -> None:
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
-    if gate_up_scale is not None or down_scale is not None:
-        raise NotImplementedError(f"dgemma::moe_experts (moe_impl={impl!r}): quantized experts (a weight scale) are "
-                                  "not supported yet")
+    if quant not in IMPL_QUANTS[impl]:
+        raise ValueError(f"moe_impl={impl!r} does not take {quant!r} expert weights (it takes {IMPL_QUANTS[impl]}); "
+                         f"use one of {[i for i in MOE_IMPLS if quant in IMPL_QUANTS[i]]}")
+
+
+def _run(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant) -> torch.Tensor:
+    gate_up = ExpertWeight(gate_up_EID, list(gate_up_scales), quant, x_ND.dtype)
+    down = ExpertWeight(down_EDI, list(down_scales), quant, x_ND.dtype)
+    return _IMPLEMENTATIONS[impl](x_ND, w_NK, idx_NK, gate_up, down)
 
 
 @torch.library.custom_op("dgemma::moe_experts", mutates_args=())
 def moe_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_EID: torch.Tensor,
-                gate_up_scale: torch.Tensor | None, down_EDI: torch.Tensor, down_scale: torch.Tensor | None,
-                impl: str) -> torch.Tensor:
+                gate_up_scales: list[torch.Tensor], down_EDI: torch.Tensor, down_scales: list[torch.Tensor],
+                impl: str, quant: str) -> torch.Tensor:
     """sum_k w[n, k] * down[e] @ (gelu_tanh(gate[e] @ x[n]) * (up[e] @ x[n])), e = idx[n, k].
 
     Args: x [N, D] (model dtype), w [N, K] float32 routing weights, idx [N, K] int64 expert ids (distinct per row),
-    gate_up [E, 2I, D] (gate rows first), down [E, D, I], each projection's scale None (quantized weights are not
-    supported yet), impl one of `MOE_IMPLS`. Returns [N, D] in x's dtype.
+    gate_up [E, 2I, D] (gate rows first) and down [E, D, I] as stored in the format `quant` (`EXPERT_QUANTS`,
+    layouts in `model.ExpertProjection`; packed NVFP4 halves the last dim), each with its list of scale tensors
+    ([] unquantized), impl one of `MOE_IMPLS`. Returns [N, D] in x's dtype.
 
-    Raises: ValueError for an unknown impl (naming moe_impl); NotImplementedError for a non-None scale.
+    Raises: ValueError for an unknown impl (naming moe_impl) or a format the implementation does not take.
     """
-    _check(impl, gate_up_scale, down_scale)
-    return _IMPLEMENTATIONS[impl](x_ND, w_NK, idx_NK, gate_up_EID, down_EDI)
+    _check(impl, quant)
+    return _run(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant)
 
 
 @moe_experts.register_fake
-def _(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scale, down_EDI, down_scale, impl):
-    _check(impl, gate_up_scale, down_scale)
+def _(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant):
+    _check(impl, quant)
     return torch.empty_like(x_ND)
 
 
-def _decompose_moe_experts(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scale, down_EDI, down_scale, impl):
+def _decompose_moe_experts(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant):
     """Inductor decomposition of the op: the traced implementation for "grouped", "dense" and "gathered". "loop" returns
     NotImplemented (proxy_tensor.maybe_handle_decomp then keeps the op); `moe_decompositions` never adds this entry
     for a graph that calls "loop", so this is a guard, not a path."""
-    _check(impl, gate_up_scale, down_scale)
+    _check(impl, quant)
     if impl == "loop":
         return NotImplemented
-    return _IMPLEMENTATIONS[impl](x_ND, w_NK, idx_NK, gate_up_EID, down_EDI)
+    return _run(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant)
 
 
 def graph_moe_impls(gm: torch.fx.GraphModule) -> set[str]:
@@ -209,7 +329,8 @@ def moe_cache_key():
         yield
 
 
-def resolve_moe_impl(requested: str, *, dtype: torch.dtype, num_experts: int, top_k: int, compiled: bool) -> str:
+def resolve_moe_impl(requested: str, *, dtype: torch.dtype, num_experts: int, top_k: int, compiled: bool,
+                     quant: str = "none") -> str:
     """The MoE implementation to run: `requested` if explicit, else (for "auto") the rule below.
 
     - eager: "loop", transformers' summation order, so eager runs follow transformers (what the parity tests
@@ -219,9 +340,11 @@ def resolve_moe_impl(requested: str, *, dtype: torch.dtype, num_experts: int, to
       check accepts only bfloat16, so a grouped graph in float32 or float16 cannot be traced. Measured against
       "dense" on this 2-core CPU, one thread, compiled (bench/results/moe_cpu_*.md): float32 2.2x faster at the
       demo's shapes (16 and 128 tokens, E=8, K=2) and 6.1x at the scaled model's (256 tokens, E=64, K=4).
+    - quantized experts (`quant` != "none"): never "grouped" (`IMPL_QUANTS`), so "gathered" when compiled.
 
-    Raises: ValueError (naming moe_impl) for an unknown name, or for "grouped" when compiled in a dtype other than
-    bfloat16 (an explicit choice that cannot compile is refused, never replaced).
+    Raises: ValueError (naming moe_impl) for an unknown name, for "grouped" when compiled in a dtype other than
+    bfloat16, or for an implementation that does not take the experts' format `quant` (an explicit choice that
+    cannot run is refused, never replaced).
     """
     if requested != "auto" and requested not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be 'auto' or one of {MOE_IMPLS}, got {requested!r}")
@@ -229,9 +352,10 @@ def resolve_moe_impl(requested: str, *, dtype: torch.dtype, num_experts: int, to
         raise ValueError(f"moe_impl='grouped' cannot be compiled in {dtype}: torch._grouped_mm traces only in "
                          "bfloat16; use 'gathered', 'dense' or 'auto'")
     if requested != "auto":
+        _check(requested, quant)
         return requested
     if not compiled:
         return "loop"
-    if dtype == torch.bfloat16 and num_experts > 4 * top_k:
+    if dtype == torch.bfloat16 and num_experts > 4 * top_k and quant == "none":
         return "grouped"
     return "gathered"

@@ -2,9 +2,12 @@
 quantized and what was left out and why (nothing is skipped quietly).
 
 Covered: every `nn.Linear` of attention (q, k, v, o), of the dense MLP (gate, up, down) and of the self-conditioning
-MLP, whose dims the scheme takes. Left out, each with its reason in the report: the routers, the norms and scalars,
-the tied embedding (its lookup, the logits and the self-conditioning product) and the routed experts (not yet: see
-`EXCLUDED_PARTS`).
+MLP whose dims the scheme takes (torchao tensors); the routed experts (each `model.ExpertProjection` in the plain
+(weight, scales) layout `dgemma::moe_experts` reads, built with torchao's quantization primitives); the lm_head, and
+the tied embeddings' two products: the logits (`model.lm_head`, a quantized copy of the table) and the
+self-conditioning product probs @ table (`model.sc_embedding`, the transposed table as a [V -> D] projection).
+Left out, each with its reason in the report: the embedding lookup, the routers, the norms and scalars
+(`EXCLUDED_PARTS`), and any weight whose dims the scheme cannot take.
 """
 
 from __future__ import annotations
@@ -16,15 +19,14 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .schemes import check_scheme, direct_weight, torchao_config, unsupported_dims
+from ..ops.moe import NVFP4_BLOCK
+from .schemes import check_scheme, direct_weight, expert_weights, torchao_config, unsupported_dims
 
 log = logging.getLogger("dgemma_compile")
 
 EXCLUDED_PARTS = (
-    ("embed_tokens", "tied embedding (lookup, logits, self-conditioning product): not quantized yet; it is used "
-                     "outside any nn.Linear"),
-    ("layers.*.experts", "routed experts (3-D [E, N, K] weights): not quantized yet; dgemma::moe_experts takes "
-                         "(data, scale) per projection but no moe_impl implements a quantized format"),
+    ("embed_tokens (lookup)", "the lookup gathers one row per token: kept in the model dtype (the logits and the "
+                              "self-conditioning product read the quantized copies lm_head / sc_embedding)"),
     ("layers.*.router", "routers: routing decisions stay in the model dtype"),
     ("*norm*, *scalar*", "RMSNorm weights and layer scalars: vectors, kept in the model dtype"),
 )
@@ -33,6 +35,41 @@ EXCLUDED_PARTS = (
 
 def _is_router(name: str) -> bool:
     return ".router." in f".{name}."
+
+
+def unsupported_expert_dims(scheme: str, shape: tuple[int, int, int]) -> str | None:
+    """Why `scheme` cannot take an expert projection of dequantized shape (E, N, K) (None: it can): NVFP4 blocks the
+    input dim by 16; the fp8 formats take any dims (`dgemma::moe_experts` reads them without `torch._scaled_mm`)."""
+    if scheme.startswith("nvfp4") and shape[2] % NVFP4_BLOCK:
+        return f"input dim {shape[2]} is not a multiple of {NVFP4_BLOCK}"
+    return None
+
+
+def _parts(name: str, proj: nn.Module) -> int:
+    """How many separately scaled halves a projection's rows hold: gate_up's gate and up rows get their own NVFP4
+    global scales (as llmcompressor writes them), down one."""
+    return 2 if name.endswith("gate_up_proj") else 1
+
+
+def _tied_copies(model: nn.Module, scheme: str, report: "QuantReport") -> None:
+    """The embeddings' two products as `nn.Linear`s for the scheme to quantize: `lm_head` (the logits; only for tied
+    models: an untied lm_head is an `nn.Linear` already) and `sc_embedding` (the self-conditioning product
+    probs [.., V] @ table [V, D], i.e. a projection with weight table.T [D, V]). A copy whose dims the scheme cannot
+    take is not made (listed in the report instead)."""
+    table = model.embed_tokens.weight.detach()
+    copies = []
+    if model.lm_head is None:
+        copies.append(("lm_head", "lm_head (the tied embeddings' logits)", table.clone()))
+    copies.append(("sc_embedding", "sc_embedding (the self-conditioning product probs @ embeddings)",
+                   table.T.contiguous()))
+    for attr, what, weight in copies:
+        why = unsupported_dims(scheme, weight)
+        if why is not None:
+            report.excluded.append((what, why))
+            continue
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        setattr(model, attr, linear)
 
 
 @dataclass
@@ -47,7 +84,7 @@ class QuantReport:
     bytes_after: int = 0
 
     def text(self) -> str:
-        lines = [f"quant {self.scheme}: {len(self.quantized)} linear layers quantized; weights "
+        lines = [f"quant {self.scheme}: {len(self.quantized)} projections quantized; weights "
                  f"{self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB"]
         lines += [f"  excluded {name}: {reason}" for name, reason in self.excluded]
         return "\n".join(lines)
@@ -86,6 +123,9 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
     except ImportError as e:
         raise ConfigError(f"quant scheme {scheme!r} needs torchao: pip install 'dgemma-compile[quant]' ({e})") from None
     report = QuantReport(scheme=scheme, bytes_before=weight_bytes(model))
+    experts = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "ExpertProjection"]
+    expert_why = {name: unsupported_expert_dims(scheme, m.shape) for name, m in experts}
+    _tied_copies(model, scheme, report)
     chosen = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -106,11 +146,17 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             wanted = set(chosen)
             quantize_(model, config, filter_fn=lambda m, fqn: fqn in wanted)
         else:
-            build = direct_weight(scheme)
+            build = direct_weight(scheme, device)
             modules = dict(model.named_modules())
             for name in chosen:
                 lin = modules[name]
                 lin.weight = nn.Parameter(build(lin.weight.detach()), requires_grad=False)
+        for name, proj in experts:
+            if expert_why[name] is not None:
+                report.excluded.append((name, expert_why[name]))
+                continue
+            proj.set_quantized(scheme, *expert_weights(scheme, proj.weight.detach(), parts=_parts(name, proj)))
+            chosen.append(name)
     report.quantized = chosen
     report.bytes_after = weight_bytes(model)
     model.quant_scheme = scheme

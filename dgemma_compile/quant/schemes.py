@@ -3,14 +3,17 @@ lazily: it is the optional `[quant]` extra).
 
 | scheme           | weights                              | activations                          | torchao                          |
 |------------------|--------------------------------------|--------------------------------------|----------------------------------|
-| `fp8`            | float8_e4m3fn, one scale per row     | float8_e4m3fn, dynamic, per row      | Float8DynamicActivationFloat8WeightConfig (CUDA sm89+); elsewhere `Float8Tensor.from_hp` with the same settings (KernelPreference.TORCH) |
-| `fp8-weight-only`| float8_e4m3fn, one scale per row     | the model dtype                      | Float8WeightOnlyConfig            |
+| `fp8`            | float8_e4m3fn, one scale per row     | float8_e4m3fn, dynamic, per row      | `Float8Tensor.from_hp`: Float8DynamicActivationFloat8WeightConfig's settings plus the weight amax floor |
+| `fp8-weight-only`| float8_e4m3fn, one scale per row     | the model dtype                      | `Float8Tensor.from_hp`: Float8WeightOnlyConfig's settings plus the weight amax floor |
 | `nvfp4-w4a16`    | NVFP4 (fp4 e2m1, fp8 scale per 16, per-tensor scale) | the model dtype      | NVFP4WeightOnlyConfig             |
 | `nvfp4`          | NVFP4                                | NVFP4 (W4A4: sm100 tensor cores)     | refused on every device we have   |
 
 Dynamic activation scales take max(|row|, `ACTIVATION_AMAX_FLOOR`): torchao's default divides by the row's amax, so an
 all-zero row (the self-conditioning input of a block's first step, frozen rows of a bucket) became NaN (measured on
-this CPU with torchao 0.18); with the floor a zero row stays exactly zero.
+this CPU with torchao 0.18); with the floor a zero row stays exactly zero. Weight scales take the same floor: torchao's
+fp8 configs pass none, and a weight row of zeros (an expert or output channel that is all zero) became a row of NaN
+(measured); so both fp8 schemes build their `Float8Tensor`s with `Float8Tensor.from_hp` directly, with the configs'
+settings (per-row granularity, `KernelPreference.AUTO` on CUDA, `TORCH` elsewhere) plus `hp_value_lb`.
 """
 
 from __future__ import annotations
@@ -48,45 +51,72 @@ def unsupported_dims(scheme: str, weight: torch.Tensor) -> str | None:
     return None
 
 
-def _fp8_direct() -> "object":
-    """A torchao config-like callable building the `fp8` scheme's weight where torchao's config refuses (CPU, CUDA
-    below sm89): `Float8Tensor.from_hp` with per-row weights, dynamic per-row activations, the amax floor, and
-    KernelPreference.TORCH (plain torch ops: `torch._scaled_mm` where it runs, dequantize + matmul otherwise)."""
+def _fp8_direct(device: torch.device | None = None, activations: bool = True):
+    """weight -> `Float8Tensor` for the fp8 schemes: per-row weights with the amax floor and, with `activations`,
+    dynamic per-row activations with the same floor; `KernelPreference.AUTO` on CUDA (torchao picks its kernel),
+    `TORCH` elsewhere (plain torch ops: `torch._scaled_mm` where it runs, dequantize + matmul otherwise)."""
     from torchao.float8.inference import Float8MMConfig
     from torchao.quantization import PerRow
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
     from torchao.quantization.quantize_.workflows.float8.float8_tensor import (Float8Tensor,
                                                                                 QuantizeTensorToFloat8Kwargs)
 
+    kernel = KernelPreference.AUTO if device is not None and device.type == "cuda" else KernelPreference.TORCH
     mm = Float8MMConfig(use_fast_accum=False)
     act = QuantizeTensorToFloat8Kwargs(granularity=PerRow(), mm_config=mm, hp_value_lb=ACTIVATION_AMAX_FLOOR,
-                                       kernel_preference=KernelPreference.TORCH)
-    return lambda w: Float8Tensor.from_hp(w, granularity=PerRow(), mm_config=mm, act_quant_kwargs=act,
-                                          kernel_preference=KernelPreference.TORCH)
+                                       kernel_preference=kernel) if activations else None
+    return lambda w: Float8Tensor.from_hp(w, granularity=PerRow(), mm_config=mm if activations else None,
+                                          hp_value_lb=ACTIVATION_AMAX_FLOOR, act_quant_kwargs=act,
+                                          kernel_preference=kernel)
 
 
 def torchao_config(scheme: str, device: torch.device):
-    """The torchao config applying `scheme` through `quantize_` (`set_inductor_config=False`: every Inductor setting
-    is `CompileOptions`'), or None for `fp8` where torchao's config refuses the device (then `direct_weight` builds
-    the weights with the same settings)."""
-    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig, PerRow)
-
-    if scheme == "fp8-weight-only":
-        return Float8WeightOnlyConfig(set_inductor_config=False)
+    """The torchao config applying `scheme` through `quantize_`, or None where `direct_weight` builds the weights
+    (both fp8 schemes: see the module docstring)."""
+    if scheme in ("fp8", "fp8-weight-only"):
+        return None
     if scheme == "nvfp4-w4a16":
         from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
 
         return NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=True)
-    if scheme == "fp8":
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
-            return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False,
-                                                             activation_value_lb=ACTIVATION_AMAX_FLOOR)
-        return None
     raise ConfigError(f"quant scheme: {scheme!r} has no torchao config here")
 
 
-def direct_weight(scheme: str):
-    """For `fp8` where torchao's config refuses the device: a function weight -> Float8Tensor (`_fp8_direct`)."""
-    if scheme != "fp8":
+def direct_weight(scheme: str, device: torch.device | None = None):
+    """For the fp8 schemes: a function weight -> Float8Tensor (`_fp8_direct`)."""
+    if scheme not in ("fp8", "fp8-weight-only"):
         raise ConfigError(f"quant scheme: {scheme!r} is applied through torchao's config only")
-    return _fp8_direct()
+    return _fp8_direct(device, activations=scheme == "fp8")
+
+
+def expert_weights(scheme: str, weight: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, ...]:
+    """The routed experts' [E, N, K] weight in the plain layout `dgemma::moe_experts` reads for `scheme`
+    (`model.ExpertProjection`), built with torchao's quantization primitives:
+
+    - fp8, fp8-weight-only: (float8_e4m3fn [E, N, K], float32 scales [E, N, 1]): `Float8Tensor.from_hp` with per-row
+      granularity and the amax floor, as the linears (the activation side is the op's: `quant` "fp8" quantizes its inputs per row);
+    - nvfp4-w4a16: (uint8 [E, N, K/2], float8_e4m3fn block scales [E, N, K/16], float32 global scales [E, N, 1]):
+      torchao's `nvfp4_quantize` with one per-tensor scale per expert and per part (`parts` equal row ranges:
+      gate_up's gate and up rows are scaled apart, as llmcompressor writes them); global = 1 / torchao's per-tensor
+      scale, the compressed-tensors convention (dequantized = e2m1 * block / global).
+    """
+    if scheme in ("fp8", "fp8-weight-only"):
+        from torchao.quantization import PerRow
+        from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+        q = Float8Tensor.from_hp(weight, granularity=PerRow(), hp_value_lb=ACTIVATION_AMAX_FLOOR)
+        return q.qdata, q.scale.to(torch.float32)
+    if scheme == "nvfp4-w4a16":
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+        E, N, K = weight.shape
+        packed, blocks, globals_ = [], [], []
+        for rows in weight.float().chunk(parts, dim=1):
+            amax = rows.abs().amax(dim=(1, 2), keepdim=True).clamp(min=ACTIVATION_AMAX_FLOOR)  # an all-zero expert
+            per_tensor = per_tensor_amax_to_scale(amax)  # [E, 1, 1]
+            scale, data = nvfp4_quantize(rows.contiguous(), NVFP4_BLOCK, per_tensor)
+            packed.append(data.view(torch.uint8).reshape(E, rows.shape[1], K // 2))
+            blocks.append(scale.reshape(E, rows.shape[1], K // NVFP4_BLOCK))
+            globals_.append((1.0 / per_tensor).expand(E, rows.shape[1], 1))
+        return torch.cat(packed, 1), torch.cat(blocks, 1), torch.cat(globals_, 1).contiguous()
+    raise ConfigError(f"quant scheme: {scheme!r} has no expert format")

@@ -72,11 +72,12 @@ def _fallback_op() -> torch._ops.OpOverload:
 
 
 def _call_args(args, kwargs):
-    """(tensors x, w, idx, gate_up, down; impl) of a `dgemma::moe_experts` call as the lowering receives it."""
+    """(tensors x, w, idx, gate_up, down; impl; expert weight format) of a `dgemma::moe_experts` call as the lowering
+    receives it."""
     names = [a.name for a in torch.ops.dgemma.moe_experts.default._schema.arguments]
     bound = dict(zip(names, args)) | kwargs
     tensors = [bound[n] for n in ("x_ND", "w_NK", "idx_NK", "gate_up_EID", "down_EDI")]
-    return tensors, bound["impl"], (bound["gate_up_scale"], bound["down_scale"])
+    return tensors, bound["impl"], bound["quant"]
 
 
 def register_moe_lowering(impls: tuple[str, ...] = ("grouped",),
@@ -108,8 +109,8 @@ def register_moe_lowering(impls: tuple[str, ...] = ("grouped",),
     decompositions = [_grouped_choice] + [_triton_choice] * len(block_configs)
 
     def lowering(*args, **kwargs):
-        tensors, impl, scales = _call_args(args, kwargs)
-        if impl not in impls or any(s is not None for s in scales) or tensors[0].get_device().type != "cuda":
+        tensors, impl, quant = _call_args(args, kwargs)
+        if impl not in impls or quant != "none" or tensors[0].get_device().type != "cuda":
             return None  # Inductor's usual lowering (its fallback kernel for this op)
         result, _choice = autotune_custom_op(name="dgemma_moe_experts", decompositions=decompositions,
                                              inputs=tensors, non_tensor_args=kwargs_list, op_overload=fallback)
