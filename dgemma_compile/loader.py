@@ -7,20 +7,31 @@ failure raises one `CheckpointError` naming the file and the tensor, and nothing
 
 Key mapping (transformers' `DiffusionGemmaForBlockDiffusion` names): the encoder and decoder share every weight, so
 a shared weight may be stored under either `model.decoder.` or `model.encoder.language_model.` (save_pretrained
-keeps the decoder copy); the two `layer_scalar` buffers are kept apart; the vision tower is ignored (text-only).
+keeps the decoder copy); the two `layer_scalar` buffers are kept apart; the routed experts' `weight` is stored as
+`experts.gate_up_proj` / `experts.down_proj`; an untied head is the top-level `lm_head.weight`; the vision tower is
+ignored (text-only).
+
+Quantized checkpoints (compressed-tensors, `quantization_config` in config.json): read by `quant/checkpoint.py`
+into the torchao tensors `quant.quantize` builds for the scheme they run as (the stored data as they are, never
+cast); `model.quant_scheme` and `model.quant_report` say what was loaded quantized and what the checkpoint left in
+float. Needs torchao (the `[quant]` extra).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from .config import ConfigError, GenerationConfig, ModelConfig, read_json
-from .model import DiffusionGemma
+from .model import DiffusionGemma, ExpertProjection
+from .quant import checkpoint
+from .quant.quantize import QuantReport, _quiet_torchao, weight_bytes
 
 log = logging.getLogger("dgemma_compile")
 
@@ -42,6 +53,11 @@ def hf_names(name: str) -> list[str]:
         return [f"{prefix}layers.{m.group(1)}.layer_scalar"]
     if name.startswith("self_conditioning."):
         return [DECODER + name]
+    if name.startswith("lm_head."):
+        return [name]
+    m = re.fullmatch(r"(layers\.\d+\.experts\.(?:gate_up|down)_proj)\.weight", name)
+    if m:
+        name = m.group(1)
     return [DECODER + name, ENCODER + name]
 
 
@@ -99,10 +115,14 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
         device: where the weights go.
         window_kind, attention: see `DiffusionGemma` ("anchored"/"symmetric" windows; "flex"/"dense" attention).
     Returns:
-        The model in eval mode, with `.generation_config` (a `GenerationConfig`) and `.checkpoint_dir` set.
+        The model in eval mode, with `.generation_config` (a `GenerationConfig`) and `.checkpoint_dir` set; for a
+        quantized checkpoint also `.quant_scheme` (the `quant.SCHEMES` name it runs as) and `.quant_report` (a
+        `quant.QuantReport`). Quantized data keep their stored dtypes (fp8 weight scales become float32, losslessly);
+        `dtype` applies to every other tensor and is the quantized weights' dequantized dtype.
     Raises:
         CheckpointError: missing/corrupt/truncated files, missing or unexpected tensors, wrong shapes or dtypes,
-            or a config that is not DiffusionGemma's.
+            a config that is not DiffusionGemma's, a quantization format or scheme that is not supported, a missing
+            or mis-shaped scale, or a quantized checkpoint without torchao installed.
     """
     directory = Path(path)
     if dtype is not None and dtype not in FLOAT_DTYPES.values():
@@ -112,6 +132,7 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
     except (RuntimeError, TypeError) as e:
         raise CheckpointError(f"device: {device!r} is not a torch device ({e})") from None
     cfg, gen = load_configs(directory)
+    fmt = _stored_format(directory)
     files = _index(directory)
     headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
     for f in sorted(set(files.values())):
@@ -119,52 +140,157 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
     for key, f in files.items():
         if key not in headers[f]:
             raise CheckpointError(f"{f}: tensor {key} listed in the index is not in the file")
+    header = {k: headers[f][k] for k, f in files.items()}
 
     with torch.device("meta"):
         model = DiffusionGemma(cfg, window_kind=window_kind, attention=attention)
     expected = model.state_dict()
+    kinds = _quantizable(model) if fmt is not None else {}
+    quantized: dict[str, checkpoint.StoredWeight] = {}
     sources: dict[str, str] = {}
     for name, ref in expected.items():
+        if name in kinds:
+            try:
+                stored = checkpoint.locate(name, tuple(ref.shape), hf_names(name), fmt, header,
+                                           lambda k: str(files[k]), experts=kinds[name] == "experts")
+            except checkpoint.FormatError as e:
+                raise CheckpointError(str(e)) from None
+            if stored is not None:
+                quantized[name] = stored
+                continue
         key = next((k for k in hf_names(name) if k in files), None)
         if key is None:
             raise CheckpointError(f"{directory}: tensor {hf_names(name)[0]} is missing from the checkpoint")
-        dt, shape = headers[files[key]][key]
+        dt, shape = header[key]
         if shape != tuple(ref.shape):
             raise CheckpointError(f"{files[key]}: tensor {key} has shape {list(shape)}, expected {list(ref.shape)}")
         if dt not in FLOAT_DTYPES:
             raise CheckpointError(f"{files[key]}: tensor {key} has dtype {dt}, expected one of {sorted(FLOAT_DTYPES)}")
         sources[name] = key
-    used = set(sources.values())
+    used = set(sources.values()) | {k for s in quantized.values() for k in s.all_keys()}
     ignored = [k for k in files if k.startswith(IGNORED_PREFIXES)]
     for key in files:
-        if key in used or key in ignored or key == "lm_head.weight" or _is_shared_duplicate(key, used):
+        tied_head = key == "lm_head.weight" and model.lm_head is None
+        if key in used or key in ignored or tied_head or _is_shared_duplicate(key, used):
             continue
         raise CheckpointError(f"{files[key]}: unexpected tensor {key} (not part of DiffusionGemma's text model)")
     if ignored:
         log.info("ignoring %d vision-tower tensors in %s (text-only model)", len(ignored), directory)
 
-    ckpt_dtypes = {headers[files[k]][k][0] for k in used if not k.endswith("layer_scalar")}
+    ckpt_dtypes = {header[k][0] for k in sources.values() if not k.endswith("layer_scalar")}
     target = dtype or (FLOAT_DTYPES[ckpt_dtypes.pop()] if len(ckpt_dtypes) == 1 else torch.float32)
-    state = {}
-    by_file: dict[Path, list[str]] = {}
+    state, stored_data = {}, {}
+    by_file: dict[Path, tuple[list[str], list[str]]] = {}
     for name, key in sources.items():
-        by_file.setdefault(files[key], []).append(name)
-    for f, names in by_file.items():
+        by_file.setdefault(files[key], ([], []))[0].append(name)
+    for key in sorted({k for s in quantized.values() for k in s.all_keys()}):
+        by_file.setdefault(files[key], ([], []))[1].append(key)
+    for f, (names, keys) in by_file.items():
         try:
             with safe_open(f, framework="pt", device="cpu") as fh:
                 for name in names:
                     state[name] = fh.get_tensor(sources[name]).to(device=device, dtype=target)
+                for key in keys:
+                    stored_data[key] = fh.get_tensor(key)  # as stored: quantized data are never cast
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{f}: could not read tensor data ({e})") from None
-    if "lm_head.weight" in files:
+    if "lm_head.weight" in files and model.lm_head is None:
         _check_tied(files["lm_head.weight"], state["embed_tokens.weight"])
 
-    model.load_state_dict(state, strict=True, assign=True)
+    _assign(model, state, quantized, stored_data, fmt, target, device, files)
     model.init_buffers(device)
     model.generation_config = gen
     model.checkpoint_dir = directory
     model.requires_grad_(False)
+    if fmt is not None:
+        model.quant_scheme = fmt.scheme
+        model.quant_report = _quant_report(model, fmt, quantized, kinds, target)
     return model.eval()
+
+
+def _assign(model: DiffusionGemma, state: dict[str, torch.Tensor], quantized: dict, stored_data: dict,
+            fmt: "checkpoint.StoredFormat | None", dtype: torch.dtype, device: torch.device,
+            files: dict[str, Path]) -> None:
+    """Load `state` (float tensors) and the quantized weights built from `stored_data` into the meta-built model:
+    linears as torchao tensors (their dequantized dtype `dtype`), experts through `ExpertProjection.set_quantized`."""
+    experts = {}
+    if quantized:
+        like = checkpoint.template(fmt.scheme, device)
+        for name, stored in quantized.items():
+            if stored.experts:
+                experts[name] = checkpoint.build_experts(stored, stored_data, device)
+            else:
+                weight = checkpoint.build_linear(stored, stored_data, like, dtype, device)
+                state[name] = nn.Parameter(weight, requires_grad=False)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if set(result.missing_keys) != set(experts) or result.unexpected_keys:  # every key was checked before
+        raise RuntimeError(f"loader: tensors left unloaded {result.missing_keys}, unexpected {result.unexpected_keys}")
+    for name, args in experts.items():
+        try:
+            model.get_submodule(name.removesuffix(".weight")).set_quantized(fmt.scheme, *args)
+        except ValueError as e:
+            key = quantized[name].all_keys()[0]
+            raise CheckpointError(f"{files[key]}: tensor {quantized[name].module}: {e}") from None
+
+
+def _stored_format(directory: Path) -> "checkpoint.StoredFormat | None":
+    """config.json's `quantization_config` (None: a float checkpoint); torchao must be importable for one."""
+    path = directory / "config.json"
+    try:
+        fmt = checkpoint.read_format(read_json(path), str(path))
+    except checkpoint.FormatError as e:
+        raise CheckpointError(str(e)) from None
+    if fmt is None:
+        return None
+    try:
+        with _quiet_torchao():
+            import torchao  # noqa: F401
+    except ImportError as e:
+        raise CheckpointError(f"{path}: a quantized checkpoint ({fmt.family.upper()}, runs as {fmt.scheme}) needs "
+                              f"torchao: pip install 'dgemma-compile[quant]' ({e})") from None
+    if fmt.w4a4:
+        log.warning("%s: NVFP4 W4A4 checkpoint (NVFP4 weights and activations); running it as nvfp4-w4a16 (NVFP4 "
+                    "weights, 16-bit activations): W4A4 needs sm100 tensor cores; its input_global_scale tensors are "
+                    "not used", path)
+    return fmt
+
+
+def _quantizable(model: DiffusionGemma) -> dict[str, str]:
+    """Parameters a checkpoint may store quantized: each `nn.Linear`'s weight ("linear") and each routed-expert
+    projection's ("experts")."""
+    kinds = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            kinds[f"{name}.weight"] = "linear"
+        elif isinstance(module, ExpertProjection):
+            kinds[f"{name}.weight"] = "experts"
+    return kinds
+
+
+def _quant_report(model: DiffusionGemma, fmt: checkpoint.StoredFormat, quantized: dict, kinds: dict[str, str],
+                  dtype: torch.dtype) -> QuantReport:
+    """What the checkpoint stores quantized, and what it leaves in float with the reason (its ignore list, a float
+    tensor, or a part no Linear holds); bytes_before: the same model with every weight in the model dtype."""
+    report = QuantReport(scheme=fmt.scheme, quantized=[n.removesuffix(".weight") for n in quantized])
+    ignore = set(fmt.ignore)
+    for name in kinds:
+        if name not in quantized:
+            module = name.removesuffix(".weight")
+            listed = any(k.removesuffix(".weight") in ignore for k in hf_names(name))
+            report.excluded.append((module, "in the checkpoint's quantization_config ignore list" if listed
+                                    else "stored unquantized in the checkpoint"))
+    uses = "lookup, logits and self-conditioning product" if model.lm_head is None else \
+        "lookup and self-conditioning product"
+    report.excluded += [("embed_tokens", f"embedding ({uses}): not a Linear, stored in the model dtype"),
+                        ("*norm*, *scalar*", "RMSNorm weights and layer scalars: vectors, kept in the model dtype")]
+    report.bytes_after = weight_bytes(model)
+    modules = dict(model.named_modules())
+    report.bytes_before = report.bytes_after
+    for name in quantized:  # each a Linear (no bias) or an ExpertProjection: its own bytes are the stored family's
+        owner = modules[name.removesuffix(".weight")]
+        shape = owner.shape if isinstance(owner, ExpertProjection) else owner.weight.shape
+        report.bytes_before += math.prod(shape) * dtype.itemsize - weight_bytes(owner)
+    return report
 
 
 def _is_shared_duplicate(key: str, used: set[str]) -> bool:
@@ -179,7 +305,8 @@ def _check_tied(path: Path, embed: torch.Tensor) -> None:
     with safe_open(path, framework="pt", device="cpu") as fh:
         head = fh.get_tensor("lm_head.weight")
     if head.shape != embed.shape or not torch.equal(head.to(embed.dtype), embed.cpu()):
-        raise CheckpointError(f"{path}: tensor lm_head.weight differs from the embeddings; untied heads are not supported")
+        raise CheckpointError(f"{path}: tensor lm_head.weight differs from the embeddings, but config.json ties them "
+                              f"(tie_word_embeddings is true)")
 
 
 def load_tokenizer(path: str | Path):
