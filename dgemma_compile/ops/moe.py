@@ -47,8 +47,9 @@ IMPL_QUANTS = {"loop": EXPERT_QUANTS, "dense": EXPERT_QUANTS, "gathered": EXPERT
 `torch._scaled_grouped_mm`, needs sm90 and per-row scales of both operands; not wired yet)."""
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 ACTIVATION_AMAX_FLOOR = 1e-12
-"""Lower bound of a dynamic activation row's amax (as `quant.schemes.ACTIVATION_AMAX_FLOOR`): a zero row stays zero."""
+"""Lower bound of every fp8 amax, activation rows and weight rows (`quant.schemes`): a zero row stays zero."""
 NVFP4_BLOCK = 16
+"""NVFP4 scales one fp8 factor per 16 consecutive input elements: the input dim must be a multiple of it."""
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:

@@ -37,13 +37,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..ops.moe import NVFP4_BLOCK as BLOCK
 from .quantize import _quiet_torchao
 from .schemes import direct_weight, torchao_config
 
 FLOAT = ("F32", "BF16", "F16")
 FP8, NVFP4 = "fp8", "nvfp4"
-BLOCK = 16
-"""NVFP4's block: one fp8 scale per 16 consecutive input elements."""
 ROLES = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
 """The tensors of one stored projection `m`, each named `m.<role>`."""
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..ops.moe import NVFP4_BLOCK
-from .schemes import check_scheme, direct_weight, expert_weights, torchao_config, unsupported_dims
+from .schemes import NUMERICS, check_scheme, direct_weight, expert_weights, torchao_config, unsupported_dims
 
 log = logging.getLogger("dgemma_compile")
 
@@ -84,7 +84,7 @@ class QuantReport:
     bytes_after: int = 0
 
     def text(self) -> str:
-        lines = [f"quant {self.scheme}: {len(self.quantized)} projections quantized; weights "
+        lines = [f"quant {self.scheme} (numerics {NUMERICS}): {len(self.quantized)} projections quantized; weights "
                  f"{self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB"]
         lines += [f"  excluded {name}: {reason}" for name, reason in self.excluded]
         return "\n".join(lines)

@@ -21,12 +21,13 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError
+from ..ops.moe import ACTIVATION_AMAX_FLOOR, NVFP4_BLOCK  # noqa: F401 (re-exported: the floor and block of every scheme)
 
 SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")
-ACTIVATION_AMAX_FLOOR = 1e-12
-"""Lower bound of a dynamic activation row's amax (the `fp8` scheme): keeps all-zero rows finite."""
-NVFP4_BLOCK = 16
-"""NVFP4 scales one fp8 factor per 16 consecutive input elements: the input dim must be a multiple of it."""
+NUMERICS = "v2"
+"""What the schemes cover and how, versioned like `sampler.SCHEME` (a change can change tokens): v1 (2026-11-30) the
+linears; v2 (2026-12-01) + the routed experts, the lm_head and the tied embeddings' two products, and the weight amax
+floor. Named in `QuantReport.text()`."""
 
 
 def check_scheme(scheme: str, device: torch.device) -> None:
