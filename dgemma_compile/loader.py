@@ -20,7 +20,6 @@ float. Needs torchao (the `[quant]` extra).
 from __future__ import annotations
 
 import logging
-import math
 import re
 from pathlib import Path
 
@@ -29,9 +28,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .config import ConfigError, GenerationConfig, ModelConfig, read_json
-from .model import DiffusionGemma, ExpertProjection
+from .model import DiffusionGemma
 from .quant import checkpoint
-from .quant.quantize import QuantReport, _quiet_torchao, weight_bytes
+from .quant.quantize import quiet_torchao
 
 log = logging.getLogger("dgemma_compile")
 
@@ -145,7 +144,7 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
     with torch.device("meta"):
         model = DiffusionGemma(cfg, window_kind=window_kind, attention=attention)
     expected = model.state_dict()
-    kinds = _quantizable(model) if fmt is not None else {}
+    kinds = checkpoint.quantizable(model) if fmt is not None else {}
     quantized: dict[str, checkpoint.StoredWeight] = {}
     sources: dict[str, str] = {}
     for name, ref in expected.items():
@@ -204,7 +203,7 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
     model.requires_grad_(False)
     if fmt is not None:
         model.quant_scheme = fmt.scheme
-        model.quant_report = _quant_report(model, fmt, quantized, kinds, target)
+        model.quant_report = checkpoint.report(model, fmt, quantized, kinds, target, hf_names)
     return model.eval()
 
 
@@ -243,7 +242,7 @@ def _stored_format(directory: Path) -> "checkpoint.StoredFormat | None":
     if fmt is None:
         return None
     try:
-        with _quiet_torchao():
+        with quiet_torchao():
             import torchao  # noqa: F401
     except ImportError as e:
         raise CheckpointError(f"{path}: a quantized checkpoint ({fmt.family.upper()}, runs as {fmt.scheme}) needs "
@@ -253,44 +252,6 @@ def _stored_format(directory: Path) -> "checkpoint.StoredFormat | None":
                     "weights, 16-bit activations): W4A4 needs sm100 tensor cores; its input_global_scale tensors are "
                     "not used", path)
     return fmt
-
-
-def _quantizable(model: DiffusionGemma) -> dict[str, str]:
-    """Parameters a checkpoint may store quantized: each `nn.Linear`'s weight ("linear") and each routed-expert
-    projection's ("experts")."""
-    kinds = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            kinds[f"{name}.weight"] = "linear"
-        elif isinstance(module, ExpertProjection):
-            kinds[f"{name}.weight"] = "experts"
-    return kinds
-
-
-def _quant_report(model: DiffusionGemma, fmt: checkpoint.StoredFormat, quantized: dict, kinds: dict[str, str],
-                  dtype: torch.dtype) -> QuantReport:
-    """What the checkpoint stores quantized, and what it leaves in float with the reason (its ignore list, a float
-    tensor, or a part no Linear holds); bytes_before: the same model with every weight in the model dtype."""
-    report = QuantReport(scheme=fmt.scheme, quantized=[n.removesuffix(".weight") for n in quantized])
-    ignore = set(fmt.ignore)
-    for name in kinds:
-        if name not in quantized:
-            module = name.removesuffix(".weight")
-            listed = any(k.removesuffix(".weight") in ignore for k in hf_names(name))
-            report.excluded.append((module, "in the checkpoint's quantization_config ignore list" if listed
-                                    else "stored unquantized in the checkpoint"))
-    uses = "lookup, logits and self-conditioning product" if model.lm_head is None else \
-        "lookup and self-conditioning product"
-    report.excluded += [("embed_tokens", f"embedding ({uses}): not a Linear, stored in the model dtype"),
-                        ("*norm*, *scalar*", "RMSNorm weights and layer scalars: vectors, kept in the model dtype")]
-    report.bytes_after = weight_bytes(model)
-    modules = dict(model.named_modules())
-    report.bytes_before = report.bytes_after
-    for name in quantized:  # each a Linear (no bias) or an ExpertProjection: its own bytes are the stored family's
-        owner = modules[name.removesuffix(".weight")]
-        shape = owner.shape if isinstance(owner, ExpertProjection) else owner.weight.shape
-        report.bytes_before += math.prod(shape) * dtype.itemsize - weight_bytes(owner)
-    return report
 
 
 def _is_shared_duplicate(key: str, used: set[str]) -> bool:

@@ -31,14 +31,16 @@ dequantized weight is `e2m1 * (weight_scale * (1 / weight_global_scale))`, withi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ..model import ExpertProjection
 from ..ops.moe import NVFP4_BLOCK as BLOCK
-from .quantize import _quiet_torchao
+from .quantize import QuantReport, quiet_torchao, weight_bytes
 from .schemes import direct_weight, torchao_config
 
 FLOAT = ("F32", "BF16", "F16")
@@ -301,7 +303,7 @@ def template(scheme: str, device: torch.device):
     and a model quantized on load are the same kind of model on every device."""
     lin = nn.Linear(BLOCK, BLOCK, bias=False, device="meta")  # no random init: the caller's RNG stays as it was
     lin.weight = nn.Parameter(torch.ones(BLOCK, BLOCK, device=device, dtype=torch.bfloat16), requires_grad=False)
-    with _quiet_torchao():
+    with quiet_torchao():
         config = torchao_config(scheme, device)
         if config is None:
             return direct_weight(scheme, device)(lin.weight.detach())
@@ -316,7 +318,7 @@ def build_linear(stored: StoredWeight, tensors: dict[str, torch.Tensor], like, d
     """The torchao tensor of a stored [N, K] linear weight (a `Float8Tensor` or `NVFP4Tensor` with `like`'s
     settings, `dtype` its dequantized dtype), from `tensors` (key -> tensor as stored, uncast)."""
     t = {role: tensors[ks[0]].to(device) for role, ks in stored.keys.items()}
-    with _quiet_torchao():
+    with quiet_torchao():
         if "weight_packed" not in t:
             from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
 
@@ -359,3 +361,43 @@ def build_experts(stored: StoredWeight, tensors: dict[str, torch.Tensor],
         g_EG = torch.stack([tensors[k] for k in stored.keys["weight_global_scale"]]).reshape(weight.shape[0], -1)
     g_EN1 = g_EG.float()[:, :, None].expand(-1, -1, stored.rows).reshape(weight.shape[0], -1, 1).contiguous()
     return weight.to(device), scale.to(device), g_EN1.to(device)
+
+
+# ----- the loaded model's report ------------------------------------------------------------------------------------
+def quantizable(model: nn.Module) -> dict[str, str]:
+    """Parameters a checkpoint may store quantized: each `nn.Linear`'s weight ("linear") and each routed-expert
+    projection's ("experts")."""
+    kinds = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            kinds[f"{name}.weight"] = "linear"
+        elif isinstance(module, ExpertProjection):
+            kinds[f"{name}.weight"] = "experts"
+    return kinds
+
+
+def report(model: nn.Module, fmt: StoredFormat, quantized: dict, kinds: dict[str, str], dtype: torch.dtype,
+           candidates: Callable[[str], list[str]]) -> QuantReport:
+    """What the checkpoint stores quantized, and what it leaves in float with the reason (its ignore list, a float
+    tensor, or a part no Linear holds); bytes_before: the same model with every weight in the model dtype.
+    `candidates`: our parameter name -> the checkpoint keys that may hold it (`loader.hf_names`)."""
+    report = QuantReport(scheme=fmt.scheme, quantized=[n.removesuffix(".weight") for n in quantized])
+    ignore = set(fmt.ignore)
+    for name in kinds:
+        if name not in quantized:
+            module = name.removesuffix(".weight")
+            listed = any(k.removesuffix(".weight") in ignore for k in candidates(name))
+            report.excluded.append((module, "in the checkpoint's quantization_config ignore list" if listed
+                                    else "stored unquantized in the checkpoint"))
+    uses = "lookup, logits and self-conditioning product" if model.lm_head is None else \
+        "lookup and self-conditioning product"
+    report.excluded += [("embed_tokens", f"embedding ({uses}): not a Linear, stored in the model dtype"),
+                        ("*norm*, *scalar*", "RMSNorm weights and layer scalars: vectors, kept in the model dtype")]
+    report.bytes_after = weight_bytes(model)
+    modules = dict(model.named_modules())
+    report.bytes_before = report.bytes_after
+    for name in quantized:  # each a Linear (no bias) or an ExpertProjection: its own bytes are the stored family's
+        owner = modules[name.removesuffix(".weight")]
+        shape = owner.shape if isinstance(owner, ExpertProjection) else owner.weight.shape
+        report.bytes_before += math.prod(shape) * dtype.itemsize - weight_bytes(owner)
+    return report

@@ -118,7 +118,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
     if getattr(model, "quant_scheme", None) is not None:
         raise ConfigError(f"quant scheme: the model is already quantized ({model.quant_scheme}); load it again")
     try:
-        with _quiet_torchao():
+        with quiet_torchao():
             import torchao  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"quant scheme {scheme!r} needs torchao: pip install 'dgemma-compile[quant]' ({e})") from None
@@ -138,7 +138,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
         else:
             chosen.append(name)
     report.excluded += list(EXCLUDED_PARTS)
-    with _quiet_torchao():
+    with quiet_torchao():
         config = torchao_config(scheme, device)
         if config is not None:
             from torchao.quantization import quantize_
@@ -164,7 +164,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
     return report
 
 
-class _quiet_torchao:
+class quiet_torchao:
     """torchao logs and warns at import and on first use (deprecations, missing optional kernels): kept out of the
     CLI's output, as the issue asks; they stay available at DEBUG level."""
 
