@@ -242,7 +242,6 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
         input_ids[r, :len(p)] = torch.tensor(p, device=dev)
     prefill(runner, input_ids, lengths)
 
-    eos = torch.tensor(cfgs[0].eos_token_ids, dtype=torch.long, device=dev)
     done = torch.zeros(R, dtype=torch.bool, device=dev)
     for block in range(num_blocks):
         runner.begin_block(block, done)
@@ -256,7 +255,7 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
         live = (~done).tolist()
         out.forwards_per_block.append(stop_check.steps)
         out.wasted_forwards.append(stop_check.steps - int(block_steps.max()))
-        new_tokens = _finalize_block(argmax, done, eos, cfgs, sequences, stats, block_steps)
+        new_tokens = _finalize_block(argmax, done, cfgs, sequences, stats, block_steps)
         timer.flush(block)
         if on_block is not None:
             on_block(block, new_tokens)
@@ -273,27 +272,38 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
     return out
 
 
-def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, eos: torch.Tensor, cfgs: list[GenerationConfig],
+def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, cfgs: list[GenerationConfig],
                     sequences: list[list[int]], stats: list[RequestStats], steps_B: torch.Tensor) -> list[list[int]]:
     """Append each live row's block up to its first eos and its token budget; mark rows done (in place)."""
     new_tokens: list[list[int]] = []
-    is_eos = torch.isin(argmax_BC, eos)
     for b in range(argmax_BC.shape[0]):
         if bool(done_B[b]):
             new_tokens.append([])
             continue
-        row = argmax_BC[b].tolist()
-        st, cfg = stats[b], cfgs[b]
-        st.steps_per_block.append(int(steps_B[b]))
-        eos_at = int(is_eos[b].float().argmax()) if bool(is_eos[b].any()) else None
-        keep = row[:eos_at + 1] if eos_at is not None else row
-        room = cfg.max_new_tokens - len(sequences[b])
-        keep = keep[:room]
-        sequences[b].extend(keep)
-        st.num_tokens += sum(t != cfg.pad_token_id for t in keep)
-        if eos_at is not None and eos_at < room:
-            st.finish_reason, done_B[b] = "eos", True
-        elif len(sequences[b]) >= cfg.max_new_tokens:
-            st.finish_reason, done_B[b] = "length", True
+        keep, done = finalize_row(argmax_BC[b].tolist(), cfgs[b], sequences[b], stats[b], int(steps_B[b]))
+        if done:
+            done_B[b] = True
         new_tokens.append(keep)
     return new_tokens
+
+
+def finalize_row(row: list[int], cfg: GenerationConfig, sequence: list[int], stats: RequestStats,
+                 steps: int) -> tuple[list[int], bool]:
+    """One live request's finished block: append `row` (its argmax canvas, C token ids) to `sequence` up to the first
+    eos (included) and the request's token budget, record `steps` (its decoder passes in the block) and the non-pad
+    tokens in `stats`, set `stats.finish_reason` ("eos" or "length") when the request is done. Returns (the tokens
+    appended, done). `cfg` is resolved (eos and pad ids set). Shared by the block loop and the serving engine."""
+    stats.steps_per_block.append(steps)
+    eos_at = next((i for i, t in enumerate(row) if t in cfg.eos_token_ids), None)
+    keep = row[:eos_at + 1] if eos_at is not None else row
+    room = cfg.max_new_tokens - len(sequence)
+    keep = keep[:room]
+    sequence.extend(keep)
+    stats.num_tokens += sum(t != cfg.pad_token_id for t in keep)
+    if eos_at is not None and eos_at < room:
+        stats.finish_reason = "eos"
+        return keep, True
+    if len(sequence) >= cfg.max_new_tokens:
+        stats.finish_reason = "length"
+        return keep, True
+    return keep, False

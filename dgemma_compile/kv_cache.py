@@ -56,6 +56,12 @@ class KVCache:
         for t in (*self.keys, *self.values):
             t.zero_()
 
+    def reset_row(self, row: int) -> None:
+        """`reset()` for one row (a serving engine reuses a row for the next request while the others run)."""
+        self.lengths[row] = 0
+        for t in (*self.keys, *self.values):
+            t[row].zero_()
+
     def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor | None) -> None:
         """Store a block's keys/values in the block slots and, with `slots_BT` (int64 [B, T], a `ForwardPlan`'s
         `slots`: `commit_slots` for the static cache), each token's also at its slot: committed tokens land in the

@@ -103,6 +103,16 @@ class DenoiseState:
         self.steps.zero_()
         self.has_sc.zero_()
 
+    def begin_row(self, row: int, canvas_C: torch.Tensor) -> None:
+        """Reset one row in place for a new block from `canvas_C` (int64 [C]), live; the other rows are untouched
+        (a serving engine starts rows' blocks at different times)."""
+        self.canvas[row] = canvas_C
+        self.argmax[row] = canvas_C
+        self.history[:, row] = -1
+        self.finished[row] = False
+        self.steps[row] = 0
+        self.has_sc[row] = False
+
 
 @dataclass
 class StepInputs:
@@ -154,6 +164,18 @@ class StepInputs:
         self.entropy_bound[:R] = torch.tensor([c.entropy_bound for c in cfgs], dtype=torch.float32, device=dev)
         self.confidence.zero_()
         self.confidence[:R] = torch.tensor([c.confidence_threshold for c in cfgs], dtype=torch.float32, device=dev)
+
+    def set_row(self, row: int, cfg: GenerationConfig, seed: int) -> None:
+        """Fill one row from a resolved config and seed, leaving the other rows as they are (a serving engine admits
+        requests into free rows while the others run). Raises ValueError as `set_requests`."""
+        dev = self.seeds.device
+        T, greedy = temperature_table([(cfg.t_min, cfg.t_max, cfg.max_denoising_steps)], self.temperature.shape[1])
+        self.seeds[row] = rng.seed_tensor([seed], device=dev)[0]
+        self.temperature[row] = T[0].to(dev)
+        self.greedy[row] = greedy[0].to(dev)
+        self.budget[row] = cfg.max_denoising_steps
+        self.entropy_bound[row] = cfg.entropy_bound
+        self.confidence[row] = cfg.confidence_threshold
 
 
 def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs,

@@ -1,0 +1,420 @@
+"""The serving engine: continuous batching of requests over the rows of one bucket.
+
+An `Engine` owns one bucket of B rows (a compiled `compile.Bucket` from `gen.bucket(B)`, or an `EagerBucket`): its
+KV cache, `steps.DenoiseState`, `steps.StepInputs` and denoise plan, all preallocated. Each row is FREE or serves
+one request in one phase: PREFILL (prompt chunks left to encode), DENOISE (a block in flight) or COMMIT (its block
+finished and must be written to the cache before the next block). Every iteration (`step`):
+
+1. retires cancelled requests and admits queued ones into free rows (their per-row inputs, `StepInputs.set_row`;
+   their cache row reset, `KVCache.reset_row`); nothing is recompiled, every value is written into the bucket's
+   static buffers;
+2. runs the bucket's encoder unit once if any row needs an encoder pass (its next prefill chunk, or its commit: the
+   argmax canvas copied on the device), rows with nothing to encode taking part with 0 real tokens (they write no
+   committed slot and keep their length); rows whose prefill or commit completed begin their next block
+   (`DenoiseState.begin_row`, the start canvas from the request's own stream);
+3. runs the bucket's denoise unit once if any row is denoising; every other row is frozen (`finished`), so the step
+   leaves it untouched;
+4. reads `state.finished` (bool [B]) once -- the iteration's one host read of flags -- and, only for rows whose
+   block finished in this iteration, their argmax canvas and step count (one more read); finalises those blocks
+   exactly as the eager block loop does (`generate.finalize_row`: eos, exact token budget), runs stop strings
+   (`text.StopStrings`: never shown, also across a block boundary), emits one `BlockEvent` per finished block, and
+   retires done requests or marks the others for commit.
+
+Design: two compiled units per iteration (encoder pass, then denoise step), not yet one mixed-phase forward
+(`plan.PlanBuffers(mixed=True)`): the existing units are per-row deterministic within a bucket, so each request's
+tokens equal its solo `gen.generate` run whatever its batch mates and phases, with no new compile unit. An iteration
+that needs both passes costs two forwards (the one-forward design is issue 15's next step). Commit fusion is not
+supported (its forward treats every row as starting a block); buckets with it are refused.
+
+Requests are validated at `submit` (`check_request`), so a bad request never reaches the rows. `submit` and `cancel`
+are thread-safe; `step` and `run` belong to one engine thread. Events are delivered by calling the request's
+`on_event` from the engine thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import rng
+from ..config import ConfigError, GenerationConfig
+from ..generate import STRUCTURAL, RequestStats, check_slots, finalize_row, plan
+from ..model import DiffusionGemma
+from ..plan import PlanBuffers
+from ..steps import DenoiseState, StepInputs, denoise_step, encode_chunk
+from ..text import StopStrings
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.IntEnum):
+    FREE = 0
+    PREFILL = 1
+    DENOISE = 2
+    COMMIT = 3
+
+
+class QueueFullError(RuntimeError):
+    """`Engine.submit` with `max_queue` requests already waiting."""
+
+
+@dataclass
+class BlockEvent:
+    """One finished block of one request (or the end of a request that produced no block: cancelled, error).
+
+    tokens: the token ids the request gained (prompt excluded, cut at eos and at the budget); text: the text to show
+    now (stop strings held back or cut); finish_reason: None while the request runs, else "eos", "length", "stop"
+    (a stop string), "cancelled" or "error"; completion_tokens: tokens behind the text returned so far (the whole
+    sequence, or at a stop string the shortest prefix whose text covers what was shown)."""
+
+    request: "Request"
+    tokens: list[int]
+    text: str
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """A request to the engine: prompt token ids, a resolved config (`GenerationConfig.resolved`), its seed
+    ([0, 2**64)), stop strings and the callback that receives its `BlockEvent`s (called from the engine thread)."""
+
+    prompt: list[int]
+    config: GenerationConfig
+    seed: int
+    stops: tuple[str, ...] = ()
+    on_event: Callable[[BlockEvent], None] = lambda e: None
+    id: int = 0
+    cancelled: bool = False
+    sequence: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    submitted: float = 0.0
+    matcher: StopStrings | None = None
+
+
+@dataclass
+class _Row:
+    request: Request | None = None
+    phase: Phase = Phase.FREE
+    prefilled: int = 0  # prompt tokens encoded so far
+    block: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started. forwards: denoise-unit calls (one serves every denoising row);
+    row_passes: decoder passes summed over rows (the denominator of tokens per forward, as `RequestStats`);
+    flag_read_s: seconds spent in the per-iteration read of the finished flags."""
+
+    iterations: int = 0
+    encoder_forwards: int = 0
+    forwards: int = 0
+    row_passes: int = 0
+    tokens: int = 0
+    blocks: int = 0
+    requests: Counter = field(default_factory=Counter)
+    flag_reads: int = 0
+    flag_read_s: float = 0.0
+
+
+class EagerBucket:
+    """The eager counterpart of `compile.Bucket` for the engine: the same buffers (KV cache of `max_seq_len`
+    committed slots, `DenoiseState`, `StepInputs` with a temperature table of `max_denoising_steps`, the denoise plan)
+    and `steps.denoise_step` / `steps.encode_chunk` called eagerly. `moe_impl` "dense" keeps rows batch-invariant
+    (`tests/test_batch_invariance.py`); "loop" does not."""
+
+    commit_denoise = None
+    units: tuple = ()
+
+    def __init__(self, model: DiffusionGemma, rows: int, *, max_seq_len: int, max_denoising_steps: int,
+                 config: GenerationConfig | None = None, moe_impl: str = "dense"):
+        cfg = (config or model.generation_config).resolved(model.config)
+        C = model.config.canvas_length
+        self.rows = rows
+        self.cache = cache = model.new_cache(rows, max_seq_len, block_size=C)
+        self.state = state = DenoiseState.allocate(model, rows, cfg.stability_threshold if cfg.stop_early else 0)
+        self.inputs = inputs = StepInputs.allocate(model, rows, C, max_denoising_steps)
+        self.plan = plan_ = PlanBuffers(model, cache, C)
+        self.encode = lambda: encode_chunk(model, cache, inputs, plan_, moe_impl=moe_impl)
+        self.denoise = lambda: denoise_step(model, cache, state, inputs, plan_, stop_early=cfg.stop_early,
+                                            moe_impl=moe_impl)
+
+
+class Engine:
+    """Continuous batching over one bucket (see the module docstring).
+
+    Args:
+        model: the model the bucket's units run.
+        bucket: a `compile.Bucket` (compiled; warm it first, `gen.warmup`) or an `EagerBucket`; its rows are the
+            engine's B.
+        config: the structural config every request must share (`generate.STRUCTURAL`); default the model's.
+        tokenizer: detokenizes events (`BlockEvent.text`) and matches stop strings; None: no text.
+        max_queue: requests waiting for a row at most; more raise `QueueFullError`.
+        compiles: returns the compile counter of the bucket's generator (`CompiledGenerator.compiles`), read by
+            `recompiles` to assert admission never recompiles.
+        metrics: receives per-iteration and per-block observations (`runtime.metrics.ServeMetrics`), optional.
+    Raises:
+        ConfigError: a bucket with commit fusion.
+    """
+
+    def __init__(self, model: DiffusionGemma, bucket, *, config: GenerationConfig | None = None, tokenizer=None,
+                 max_queue: int = 256, compiles: Callable[[], Counter] | None = None, metrics=None):
+        if getattr(bucket, "commit_denoise", None) is not None:
+            raise ConfigError("fuse_commit: the engine runs commits as encoder passes; build the generator with "
+                              "CompileOptions(fuse_commit=False)")
+        self.model, self.bucket, self.tokenizer = model, bucket, tokenizer
+        self.config = (config or model.generation_config).resolved(model.config)
+        self.structural = {f: getattr(self.config, f) for f in STRUCTURAL}
+        self.rows = [_Row() for _ in range(bucket.rows)]
+        self.max_queue = max_queue
+        self.compiles = compiles
+        self.metrics = metrics
+        self.stats = EngineStats()
+        self.C = model.config.canvas_length
+        self.T = bucket.inputs.ids.shape[1]
+        self._queue: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count(1)
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._baseline = Counter(compiles()) if compiles is not None else Counter()
+        for unit in getattr(bucket, "units", ()):
+            unit.check_owners()
+        bucket.cache.reset()
+        bucket.state.finished.fill_(True)  # every row frozen until a request begins a block in it
+
+    # ----- requests ------------------------------------------------------------------------------------------------
+    @property
+    def max_seq_len(self) -> int:
+        return self.bucket.cache.max_seq_len
+
+    def check_request(self, prompt: Sequence[int], config: GenerationConfig, seed: int) -> GenerationConfig:
+        """Validate one request against the model and this engine's bucket; returns the resolved config.
+
+        Raises:
+            ConfigError: as `generate.plan` (empty prompt, ids outside the vocabulary, prompt + max_new_tokens beyond
+                the model's context, bad seed); committed slots beyond the cache (`max_seq_len`); more denoise steps
+                than the temperature table; a structural field different from the engine's.
+        """
+        cfgs, _, _, needed = plan(self.model, [list(prompt)], config, seed)
+        cfg = cfgs[0]
+        check_slots(needed, self.max_seq_len, "the server's max_seq_len")
+        width = self.bucket.inputs.temperature.shape[1]
+        if cfg.max_denoising_steps > width:
+            raise ConfigError(f"max_denoising_steps: {cfg.max_denoising_steps} is more than this server allows "
+                              f"({width})")
+        for name, value in self.structural.items():
+            if getattr(cfg, name) != value:
+                raise ConfigError(f"{name}: this server runs {value!r}, got {getattr(cfg, name)!r}")
+        return cfg
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request (validated first). Thread-safe. Raises ConfigError (`check_request`) or QueueFullError."""
+        request.config = self.check_request(request.prompt, request.config, request.seed)
+        request.prompt = list(request.prompt)
+        if self.tokenizer is not None:
+            request.matcher = StopStrings(self.tokenizer, request.stops)
+        with self._wake:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
+            request.id = next(self._ids)
+            request.submitted = time.perf_counter()
+            self._queue.append(request)
+            self._wake.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Ask the engine to drop `request` (thread-safe): a queued request is dropped at admission, a running one
+        frees its row at the next iteration; either gets a final event with finish_reason "cancelled"."""
+        request.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return sum(r.phase != Phase.FREE for r in self.rows)
+
+    def idle(self) -> bool:
+        return not self._queue and self.running == 0
+
+    def recompiles(self) -> Counter:
+        """Compiles of the bucket's units since the engine started ({} when nothing recompiled)."""
+        if self.compiles is None:
+            return Counter()
+        return Counter(self.compiles()) - self._baseline
+
+    # ----- the loop ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run `run` in a daemon thread."""
+        self._thread = threading.Thread(target=self.run, name="dgemma-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine thread after its current iteration; running and queued requests get "cancelled"."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for row in self.rows:
+            if row.request is not None:
+                self._retire(row, "cancelled")
+        while self._queue:
+            self._finish(self._queue.popleft(), "cancelled", [], "")
+
+    @torch.no_grad()
+    def run(self) -> None:
+        """Iterate while there is work; sleep on a condition otherwise; return after `shutdown`."""
+        while True:
+            with self._wake:
+                while not self._stop and self.idle():
+                    self._wake.wait()
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - a failed iteration ends its requests, never the server
+                log.exception("engine iteration failed; ending the running requests")
+                for row in self.rows:
+                    if row.request is not None:
+                        self._retire(row, "error")
+                self.bucket.state.finished.fill_(True)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One iteration (see the module docstring). Runs on the engine thread only."""
+        st, state, inputs = self.stats, self.bucket.state, self.bucket.inputs
+        st.iterations += 1
+        self._admit()
+        # encoder pass: prefill chunks and commits
+        encoding = [(b, row) for b, row in enumerate(self.rows) if row.phase in (Phase.PREFILL, Phase.COMMIT)]
+        if encoding:
+            inputs.ids.zero_()
+            inputs.n_new.zero_()
+            for b, row in encoding:
+                if row.phase == Phase.PREFILL:
+                    chunk = row.request.prompt[row.prefilled:row.prefilled + self.T]
+                    inputs.ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+                    inputs.n_new[b] = len(chunk)
+                    row.prefilled += len(chunk)
+                else:
+                    inputs.ids[b, :self.C] = state.argmax[b]
+                    inputs.n_new[b] = self.C
+            self.bucket.encode()
+            st.encoder_forwards += 1
+            for b, row in encoding:
+                if row.phase == Phase.COMMIT:
+                    row.block += 1
+                if row.phase == Phase.COMMIT or row.prefilled >= len(row.request.prompt):
+                    self._begin_block(b, row)
+        denoising = [b for b, row in enumerate(self.rows) if row.phase == Phase.DENOISE]
+        if denoising:
+            self.bucket.denoise()
+            st.forwards += 1
+            t0 = time.perf_counter()
+            finished = state.finished.tolist()  # the iteration's one host read of flags
+            st.flag_read_s += time.perf_counter() - t0
+            st.flag_reads += 1
+            done = [b for b in denoising if finished[b]]
+            if done:
+                idx = torch.tensor(done)
+                host = torch.cat([state.steps[idx, None], state.argmax[idx]], dim=1).tolist()
+                for b, (steps, *argmax) in zip(done, host):
+                    self._end_block(self.rows[b], argmax, steps)
+        if self.metrics is not None:
+            self.metrics.iteration(self.queue_depth, self.running, len(denoising))
+
+    def _admit(self) -> None:
+        for row in self.rows:
+            if row.request is not None and row.request.cancelled:
+                self._retire(row, "cancelled")
+        free = [b for b, row in enumerate(self.rows) if row.phase == Phase.FREE]
+        while free:
+            with self._lock:
+                if not self._queue:
+                    return
+                req = self._queue.popleft()
+            if req.cancelled:
+                self._finish(req, "cancelled", [], "")
+                continue
+            b = free.pop(0)
+            self.bucket.inputs.set_row(b, req.config, req.seed)
+            self.bucket.cache.reset_row(b)
+            self.rows[b] = _Row(request=req, phase=Phase.PREFILL)
+
+    def _begin_block(self, b: int, row: _Row) -> None:
+        inputs = self.bucket.inputs
+        inputs.block[b] = row.block
+        canvas = rng.start_canvas(inputs.seeds[b:b + 1], inputs.block[b:b + 1], self.C, self.model.config.vocab_size)
+        self.bucket.state.begin_row(b, canvas[0])
+        row.phase = Phase.DENOISE
+
+    def _end_block(self, row: _Row, argmax: list[int], steps: int) -> None:
+        req, st = row.request, self.stats
+        before = req.stats.num_tokens
+        keep, done = finalize_row(argmax, req.config, req.sequence, req.stats, steps)
+        st.blocks += 1
+        st.row_passes += steps
+        st.tokens += req.stats.num_tokens - before
+        if self.metrics is not None:
+            self.metrics.block(req.stats.num_tokens - before, steps)
+        text = req.matcher.push(keep) if req.matcher is not None else ""
+        if req.matcher is not None and req.matcher.stopped:
+            req.stats.finish_reason, done = "stop", True
+        if req.cancelled:
+            self._retire(row, "cancelled")
+        elif done:
+            self._retire(row, req.stats.finish_reason, keep, text)
+        else:
+            row.phase = Phase.COMMIT
+            self._emit(req, BlockEvent(req, keep, text, None, len(req.sequence)))
+
+    def _retire(self, row: _Row, reason: str, tokens: list[int] | None = None, text: str = "") -> None:
+        """Free the row (frozen: the denoise step leaves it untouched) and end its request."""
+        req = row.request
+        b = self.rows.index(row)
+        self.bucket.state.finished[b] = True
+        self.rows[b] = _Row()
+        self._finish(req, reason, tokens or [], text)
+
+    def _finish(self, req: Request, reason: str, tokens: list[int], text: str) -> None:
+        m = req.matcher
+        if m is not None and reason in ("eos", "length"):
+            text += m.finish()
+        self.stats.requests[reason] += 1
+        if self.metrics is not None:
+            self.metrics.request_done(reason)
+        self._emit(req, BlockEvent(req, tokens, text, reason, self._completion_tokens(req, reason)))
+
+    def _completion_tokens(self, req: Request, reason: str) -> int:
+        """Tokens behind the returned text: the whole sequence, or at a stop string the shortest prefix of it whose
+        text covers what was shown."""
+        if reason != "stop" or req.matcher is None:
+            return len(req.sequence)
+        shown = len(req.matcher.text)
+        for k in range(len(req.sequence) + 1):
+            text = self.tokenizer.decode(req.sequence[:k], skip_special_tokens=True,
+                                         clean_up_tokenization_spaces=False)
+            if len(text) >= shown:
+                return k
+        return len(req.sequence)
+
+    def _emit(self, req: Request, event: BlockEvent) -> None:
+        try:
+            req.on_event(event)
+        except Exception:  # noqa: BLE001 - a failing consumer ends only its own request
+            log.exception("request %d: on_event failed; cancelling it", req.id)
+            req.cancelled = True
