@@ -1,4 +1,5 @@
-"""`dgemma generate | explain`: block-diffusion generation and compile reports from the command line.
+"""`dgemma generate | explain | serve`: block-diffusion generation, compile reports and the OpenAI-compatible server
+(`runtime/`) from the command line.
 
 `dgemma generate PROMPT` prints each block's text on stdout as soon as the block is committed (through
 `text.Detokenizer`: never a broken character, never a repeat), then one stats line on stderr.
@@ -79,6 +80,23 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=1, help="report the bucket serving this many requests")
     e.add_argument("--quant", choices=QUANT_SCHEMES, default=None, help="quantize the weights first (as generate)")
     e.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the [serve] extra): /v1/completions, "
+                                     "/v1/chat/completions, /v1/models, /health, /metrics")
+    s.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="rows of the engine's one compiled bucket: requests running at once (default 8)")
+    s.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests waiting for a row at most; more get HTTP 429 (default 256)")
+    s.add_argument("--max-seq-len", type=int, default=None, metavar="S",
+                   help="committed KV slots per row: prompt + generated tokens (default: the model's context, at "
+                        "most 1024)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients use (default: dgemma-demo for the "
+                                                             "demo model, else the checkpoint directory's name)")
+    s.add_argument("--eager", action="store_true", help="eager steps instead of the compiled bucket (no compile)")
+    s.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op CPU threads (as generate)")
+    s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     return p
 
 
@@ -400,6 +418,48 @@ def explain_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_command(args: argparse.Namespace) -> int:
+    """`dgemma serve`: load, build and warm the engine (compiles its bucket), then serve until interrupted."""
+    from .config import ConfigError
+
+    try:
+        import uvicorn
+
+        from .runtime.metrics import ServeMetrics
+        from .runtime.server import create_app
+    except ImportError as e:
+        raise ConfigError(f"serve: needs the [serve] extra (pip install 'dgemma-compile[serve]'): {e}") from None
+    from . import load, load_tokenizer
+    from .runtime import build_engine
+
+    for name in ("max_batch", "max_queue", "max_seq_len", "threads"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"{name}: must be a positive integer, got {v}")
+    model_dir = args.model if args.model is not None else DEMO_MODEL
+    model = load(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    threads = _apply_threads(args, model)
+    metrics = ServeMetrics()
+    start = time.perf_counter()
+    if not args.eager:
+        print("dgemma: compiling the engine's bucket (a minute or so on a CPU the first time)...", file=sys.stderr,
+              flush=True)
+    engine = build_engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, eager=args.eager,
+                          tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics)
+    name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
+    app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics)
+    engine.start()
+    print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
+          f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "
+          f"setup_s={time.perf_counter() - start:.1f} threads={threads}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .kv_cache import CacheFullError
@@ -417,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
             return generate_command(args)
         if args.command == "explain":
             return explain_command(args)
+        if args.command == "serve":
+            return serve_command(args)
     except (CheckpointError, ConfigError, CacheFullError) as e:
         print(f"dgemma: error: {e}", file=sys.stderr)
         return 2

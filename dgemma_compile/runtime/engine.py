@@ -418,3 +418,28 @@ class Engine:
         except Exception:  # noqa: BLE001 - a failing consumer ends only its own request
             log.exception("request %d: on_event failed; cancelling it", req.id)
             req.cancelled = True
+
+
+def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
+                 max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
+                 metrics=None, generator=None) -> Engine:
+    """An engine over one bucket of `max_batch` rows: compiled (a generator with that one bucket, a cache of
+    `max_seq_len` committed slots -- default the model's context, at most `config.DEFAULT_MAX_SEQ_LEN` --, no commit
+    fusion; warmed up here, which compiles) or, with `eager`, an `EagerBucket` (moe "dense"). `generator`: reuse a
+    compiled generator built with `CompileOptions(batch_buckets=(max_batch,), fuse_commit=False, ...)` (tests share
+    one with `gen.generate`). The engine is not started (`Engine.start`)."""
+    from ..compile import CompileOptions, build
+    from ..config import DEFAULT_MAX_SEQ_LEN
+
+    if max_seq_len is None:
+        max_seq_len = min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    config = model.generation_config
+    if eager:
+        bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps)
+        return Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics)
+    gen = generator or build(model, CompileOptions(batch_buckets=(max_batch,), max_seq_len=max_seq_len,
+                                                   max_denoising_steps=max_denoising_steps, fuse_commit=False))
+    gen.warmup(max_batch, config)
+    bucket = gen.bucket(max_batch, config)
+    return Engine(model, bucket, config=config, tokenizer=tokenizer, max_queue=max_queue,
+                  compiles=lambda: gen.compiles, metrics=metrics)
