@@ -199,7 +199,8 @@ def _config_error(e: ConfigError) -> P.APIError:
     """A ConfigError ("name: problem") -> 400 naming the request parameter."""
     message = str(e)
     name = message.split(":", 1)[0]
-    param = {"max_new_tokens": "max_tokens", "prompts[0]": "prompt"}.get(name, name)
+    # the engine's names -> the request's ("max_seq_len": prompt + max_tokens beyond this server's cache)
+    param = {"max_new_tokens": "max_tokens", "max_seq_len": "max_tokens", "prompts[0]": "prompt"}.get(name, name)
     code = "context_length_exceeded" if "context" in message or "max_seq_len" in message else None
     return P.APIError(400, message, param=param, code=code)
 

@@ -1,0 +1,367 @@
+"""The serving runtime (`dgemma_compile/runtime/`): the engine against the generators, and the OpenAI-compatible
+server on loopback through the official `openai` client.
+
+Fast tier: the engine over eager steps (`EagerBucket`, moe "dense": batch-invariant rows) against `dg.generate`, and
+the HTTP behaviour (refusals, queue limit, disconnect, metrics) against eager servers. Slow tier: one compiled bucket
+of 8 rows shared by the module (`demo_serve`), whose answers must equal `gen.generate`'s on the same bucket alone and
+among 12 concurrent requests, and `dgemma serve` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+import dgemma_compile as dg
+from dgemma_compile.demo import tasks
+from dgemma_compile.runtime import EagerBucket, Engine, Request, build_engine
+from dgemma_compile.text import encode_prompt
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from dgemma_compile.runtime.metrics import ServeMetrics  # noqa: E402
+from dgemma_compile.runtime.server import choice_seed, create_app  # noqa: E402
+
+MODEL = "dgemma-demo"
+SLOTS = 256
+REV = "rev 1 2 3 4 5 6 7 8 9 0 1="  # answer "1 0 9 8 7 6 5 4 3 2 1": blocks "1 0 9 8 7 6 5 4 " and "3 2 1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving `app` on a loopback port in a daemon thread, with the engine running."""
+
+    def __init__(self, engine: Engine, tokenizer, metrics: ServeMetrics | None = None):
+        self.engine, self.port = engine, _free_port()
+        app = create_app(engine, model_name=MODEL, tokenizer=tokenizer, metrics=metrics)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self.engine.start()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown()
+
+    def client(self, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", **kw)
+
+
+def _ids(tok, model, text: str) -> list[int]:
+    return encode_prompt(tok, text, bos_token_id=model.config.bos_token_id)
+
+
+def _run_engine(engine: Engine) -> None:
+    while not engine.idle():
+        engine.step()
+
+
+# ----- the engine, eager ----------------------------------------------------------------------------------------
+def test_engine_staggered_admission_equals_generate(demo):
+    """Requests admitted at different iterations into 3 rows (6 requests: rows are reused), with different budgets,
+    step limits and temperatures, give exactly `dg.generate`'s tokens of each request run alone."""
+    model, tok = demo
+    base = model.generation_config
+    specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), ("add 123+045=", base, 2),
+             ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=3), 4),
+             ("rev 4 4 1=", base.with_temperature(2.0), 5)]
+    engine = Engine(model, EagerBucket(model, 3, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    reqs = []
+    for k, (text, cfg, seed) in enumerate(specs):
+        reqs.append(engine.submit(Request(prompt=_ids(tok, model, text), config=cfg, seed=seed)))
+        for _ in range(k % 3):
+            engine.step()
+    _run_engine(engine)
+    for r, (text, cfg, seed) in zip(reqs, specs):
+        ref = dg.generate(model, [r.prompt], cfg, seed=seed, moe_impl="dense", max_seq_len=SLOTS)
+        assert r.sequence == ref.sequences[0], text
+        assert r.stats.steps_per_block == ref.stats[0].steps_per_block
+        assert r.stats.finish_reason == ref.stats[0].finish_reason
+    st = engine.stats
+    assert st.flag_reads == st.forwards and st.requests == {"eos": 5, "length": 1}
+    assert st.tokens == sum(r.stats.num_tokens for r in reqs)
+
+
+def test_engine_events_stop_cancel_and_refusals(demo):
+    """One event per finished block, text never holding a stop string across the block boundary; a cancelled
+    request frees its row at the next iteration; a bad request is refused at submit and changes nothing."""
+    model, tok = demo
+    cfg = model.generation_config
+    engine = Engine(model, EagerBucket(model, 2, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    events = []
+    stop = engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, stops=("4 3",),
+                                 on_event=events.append))
+    with pytest.raises(dg.ConfigError, match="max_seq_len"):
+        engine.submit(Request(prompt=_ids(tok, model, "sort 1 2="), config=cfg.replace(max_new_tokens=400), seed=0))
+    with pytest.raises(dg.ConfigError, match="context"):
+        engine.submit(Request(prompt=[2] + [5] * 600, config=cfg, seed=0))
+    gone = engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=1))
+    engine.step()
+    engine.cancel(gone)
+    engine.step()
+    assert gone.stats.finish_reason != "eos" and engine.running == 1
+    _run_engine(engine)
+    assert [e.text for e in events] == ["1 0 9 8 7 6 5 ", ""]
+    assert [e.finish_reason for e in events] == [None, "stop"]
+    assert events[-1].completion_tokens == len("1 0 9 8 7 6 5 ")
+    assert engine.stats.requests == {"stop": 1, "cancelled": 1}
+
+
+# ----- HTTP over eager steps --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eager_server(demo):
+    model, tok = demo
+    metrics = ServeMetrics()
+    engine = build_engine(model, max_batch=4, max_seq_len=SLOTS, eager=True, tokenizer=tok, metrics=metrics)
+    with ServerThread(engine, tok, metrics) as srv:
+        yield srv
+
+
+class SlowBucket(EagerBucket):
+    """Eager steps slowed down, so that requests are still running when a test acts on them."""
+
+    def __init__(self, *a, delay: float, **kw):
+        super().__init__(*a, **kw)
+        denoise = self.denoise
+        self.denoise = lambda: (time.sleep(delay), denoise())
+
+
+@pytest.fixture
+def slow_server(demo):
+    """One row, one queue slot, 0.3 s per denoise step."""
+    model, tok = demo
+    engine = Engine(model, SlowBucket(model, 1, max_seq_len=SLOTS, max_denoising_steps=64, delay=0.3),
+                    tokenizer=tok, max_queue=1)
+    with ServerThread(engine, tok) as srv:
+        yield srv
+
+
+def _post(srv, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(srv.url + path, content=content, headers={"content-type": "application/json"}, timeout=30, **kw)
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": "sort 1 2=", "logprobs": 1}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "1 " * 300}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "stop": ""}, 400, "stop"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "max_denoising_steps": 999}, 400, "max_denoising_steps"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "add 1+2="}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "add 1+2="}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "add 1+2="}], "logprobs": True}, 400,
+     "logprobs"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+])
+def test_refusals(eager_server, path, body, status, param):
+    """Each refusal is OpenAI-shaped, and the server keeps serving (the last request of the module checks that)."""
+    r = _post(eager_server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+    if status == 400 and path.endswith("completions") and "300" in json.dumps(body):
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_openai_client_errors_and_routes(eager_server):
+    client = eager_server.client(max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="sort 1 2=", logprobs=2)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(eager_server.url + "/health").json()["status"] == "ok"
+    out = client.completions.create(model=MODEL, prompt="sort 3 1 2 9 5=", max_tokens=16, seed=0)
+    assert out.choices[0].text == "1 2 3 5 9" and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == len("1 2 3 5 9") + 1  # + eos, a returned token without text
+    metrics = httpx.get(eager_server.url + "/metrics").text
+    for name in ("dgemma_queue_depth", "dgemma_running_rows", "dgemma_tokens_per_second", "dgemma_tokens_per_forward",
+                 "dgemma_steps_per_block", 'dgemma_requests_total{reason="eos"}'):
+        assert name in metrics
+    assert eager_server.engine.recompiles() == {}
+
+
+def test_queue_full_429_and_disconnect_frees_row(slow_server):
+    """A full queue answers 429 (and disturbs no one); a client that disconnects mid-stream has its request cancelled
+    and its row freed at the next iteration."""
+    engine = slow_server.engine
+    with httpx.stream("POST", slow_server.url + "/v1/completions", timeout=30,
+                      json={"prompt": REV, "stream": True, "seed": 0}) as r:
+        lines = r.iter_lines()
+        while engine.running == 0:
+            time.sleep(0.01)
+        queued = threading.Thread(target=_post, args=(slow_server, "/v1/completions", {"prompt": "sort 2 1=",
+                                                                                         "seed": 0}))
+        queued.start()
+        while engine.queue_depth == 0:
+            time.sleep(0.01)
+        full = slow_server.client(max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            full.completions.create(model=MODEL, prompt="sort 1 2=")
+        first = next(line for line in lines if line.startswith("data:"))
+        assert json.loads(first[5:])["choices"][0]["text"] == "1 0 9 8 7 6 5 4 "
+    # the stream is closed after its first block: the request is cancelled, the queued one then runs
+    queued.join(30)
+    deadline = time.time() + 10
+    while engine.stats.requests["cancelled"] == 0 or engine.running:
+        assert time.time() < deadline, engine.stats
+        time.sleep(0.05)
+    assert engine.stats.requests == {"cancelled": 1, "eos": 1}
+
+
+# ----- one compiled bucket ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_serve(demo):
+    """(server, gen, references): one compiled bucket of 8 rows serving the demo; `references(prompt, seed, **kw)`
+    is `gen.generate`'s text for one request alone on the same bucket, computed before the engine starts."""
+    from dgemma_compile.compile import CompileOptions, build
+    from dgemma_compile.text import Detokenizer
+
+    model, tok = demo
+    gen = build(model, CompileOptions(batch_buckets=(8,), max_seq_len=SLOTS, fuse_commit=False))
+    cases = _cases()
+    refs = {}
+    for text, seed, kw in cases:
+        cfg = _config(model, **kw)
+        out = gen.generate([_ids(tok, model, text)], cfg, seed=seed)
+        detok = Detokenizer(tok)
+        detok.push(out.sequences[0])
+        detok.finish()
+        refs[(text, seed, tuple(sorted(kw.items())))] = (detok.text, out.stats[0])
+    metrics = ServeMetrics()
+    engine = build_engine(model, max_batch=8, max_seq_len=SLOTS, tokenizer=tok, metrics=metrics, generator=gen)
+    with ServerThread(engine, tok, metrics) as srv:
+        yield srv, gen, refs
+    assert engine.recompiles() == {}
+    assert set(gen.compiles.values()) == {1}
+
+
+def _config(model, temperature=None, max_tokens=None, max_denoising_steps=None):
+    cfg = model.generation_config
+    if max_tokens is not None:
+        cfg = cfg.replace(max_new_tokens=max_tokens)
+    if max_denoising_steps is not None:
+        cfg = cfg.replace(max_denoising_steps=max_denoising_steps)
+    return cfg.with_temperature(temperature) if temperature is not None else cfg
+
+
+def _cases() -> list[tuple[str, int, dict]]:
+    prompts = [p for p, _ in tasks.make_split("heldout", 9, seed=0)] + [REV, "sort 3 1 2 9 5="]
+    variants = [{}, {"temperature": 0}, {"max_tokens": 4}, {"max_denoising_steps": 4}, {"temperature": 0.5}]
+    return [(p, 100 + i, variants[i % len(variants)]) for i, p in enumerate(prompts)] + \
+        [(p, 7, {}) for p in prompts[:1]]
+
+
+def _complete(client, text, seed, kw, **extra):
+    body = {k: v for k, v in kw.items() if k in ("temperature", "max_tokens")}
+    extra_body = {k: v for k, v in kw.items() if k == "max_denoising_steps"} or None
+    return client.completions.create(model=MODEL, prompt=text, seed=seed, extra_body=extra_body, **body, **extra)
+
+
+@pytest.mark.slow
+def test_compiled_alone_and_concurrent_equal_generate(demo_serve):
+    """Each request alone, then all 12 at once (more than the 8 rows: some wait and are admitted mid-flight), gives
+    exactly `gen.generate`'s text on the same bucket; the demo's answers are right."""
+    srv, _, refs = demo_serve
+    client = srv.client()
+    cases = _cases()
+    expected = [refs[(t, s, tuple(sorted(kw.items())))][0] for t, s, kw in cases]
+    alone = [_complete(client, t, s, kw).choices[0].text for t, s, kw in cases]
+    assert alone == expected
+    with ThreadPoolExecutor(len(cases)) as pool:
+        together = list(pool.map(lambda c: _complete(client, *c).choices[0].text, cases))
+    assert together == expected
+    for (t, _, kw), text in zip(cases, together):
+        if not kw or kw.get("temperature") == 0:
+            assert tasks.check(t, text), (t, text)
+
+
+@pytest.mark.slow
+def test_compiled_streaming_chat_n_and_stop(demo_serve):
+    srv, _, refs = demo_serve
+    client = srv.client()
+    # streaming: one event per block, the same text as the reference
+    chunks = list(client.completions.create(model=MODEL, prompt=REV, seed=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts == ["1 0 9 8 7 6 5 4 ", "3 2 1"]
+    assert chunks[-1].usage.completion_tokens == len("1 0 9 8 7 6 5 4 3 2 1") + 1
+    # a stop string across the block boundary never shows, streamed or not
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=REV, seed=0, stop=["4 3"], stream=stream)
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert text == "1 0 9 8 7 6 5 "
+    # chat through the demo's template (BOS + the messages' text)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "sort 3 1 2 9 5="}],
+                                          seed=3)
+    assert chat.choices[0].message.content == "1 2 3 5 9" and chat.choices[0].finish_reason == "stop"
+    parts = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": REV}], seed=3,
+                                                stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == "1 0 9 8 7 6 5 4 3 2 1"
+    # n > 1: each choice its own stream; the same seed repeats every choice; choice 0 is the n=1 request
+    a = client.completions.create(model=MODEL, prompt="rev 3 1 2=", n=3, seed=11, temperature=3.0, max_tokens=6)
+    b = client.completions.create(model=MODEL, prompt="rev 3 1 2=", n=3, seed=11, temperature=3.0, max_tokens=6)
+    one = client.completions.create(model=MODEL, prompt="rev 3 1 2=", seed=11, temperature=3.0, max_tokens=6)
+    ca = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert ca == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    assert ca[0] == one.choices[0].text and len(set(ca)) > 1
+    assert choice_seed(11, 0) == 11
+
+
+@pytest.mark.slow
+def test_cli_serve_subprocess(tmp_path):
+    """`dgemma serve` (eager steps: HTTP behaviour only) answers the openai client and exits on SIGINT."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma_compile.cli", "serve", "--eager", "--port", str(port),
+                             "--max-batch", "2", "--max-seq-len", str(SLOTS)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "dgemma serve did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        out = client.completions.create(model=MODEL, prompt="add 123+045=", seed=0)
+        assert out.choices[0].text == "0168"
+    finally:
+        proc.send_signal(2)
+        _, err = proc.communicate(timeout=30)
+    assert "serving dgemma-demo" in err
