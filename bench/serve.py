@@ -26,6 +26,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,9 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    log = tempfile.TemporaryFile("w+")  # the server's stderr (a pipe nobody reads could fill and block it)
     proc = subprocess.Popen([sys.executable, "-m", "dgemma_compile.cli", "serve", "--port", str(port), "--max-batch",
                              str(args.max_batch), "--max-seq-len", str(args.max_seq_len), "--max-queue", "1024"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         t0 = time.perf_counter()
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             except httpx.TransportError:
                 pass
             if proc.poll() is not None:
-                raise SystemExit(f"dgemma serve exited: {proc.stderr.read()}")
+                log.seek(0)
+                raise SystemExit(f"dgemma serve exited: {log.read()}")
             time.sleep(0.5)
         setup_s = time.perf_counter() - t0
         rows = []
@@ -167,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.send_signal(2)
         try:
-            proc.communicate(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.seek(0)
+        served = [ln for ln in log.read().splitlines() if "serving" in ln]
     offline_match = sum(tasks.check(prompts[i], t) for i, t in texts.items()) / len(texts)
     lines = [f"# dgemma serve load test: demo model, CPU ({environment.today()})", "",
              f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python -m bench.serve "
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
              f"- versions: {environment.versions()}; commit {environment.git_commit()}",
              f"- server: `dgemma serve --max-batch {args.max_batch} --max-seq-len {args.max_seq_len}` (one compiled "
              f"bucket; up and compiled in {setup_s:.1f} s, excluded); clients: asyncio + httpx, non-streaming "
-             f"/v1/completions, held-out prompt i with seed i, checkpoint config", "",
+             f"/v1/completions, held-out prompt i with seed i, checkpoint config",
+             f"- server's line: `{served[0] if served else '?'}`", "",
              "| clients | s | requests | failed | lost | tok/s | req/s | p50 s | p99 s | tok/fwd (row) | tok/fwd (bucket) "
              "| exact match | differs from offline | vs c=1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -321,12 +321,14 @@ class Engine:
                 if row.phase == Phase.COMMIT or row.prefilled >= len(row.request.prompt):
                     self._begin_block(b, row)
         denoising = [b for b, row in enumerate(self.rows) if row.phase == Phase.DENOISE]
+        read_s = 0.0
         if denoising:
             self.bucket.denoise()
             st.forwards += 1
             t0 = time.perf_counter()
             finished = state.finished.tolist()  # the iteration's one host read of flags
-            st.flag_read_s += time.perf_counter() - t0
+            read_s = time.perf_counter() - t0
+            st.flag_read_s += read_s
             st.flag_reads += 1
             done = [b for b in denoising if finished[b]]
             if done:
@@ -335,7 +337,7 @@ class Engine:
                 for b, (steps, *argmax) in zip(done, host):
                     self._end_block(self.rows[b], argmax, steps)
         if self.metrics is not None:
-            self.metrics.iteration(self.queue_depth, self.running, len(denoising))
+            self.metrics.iteration(self.queue_depth, self.running, len(denoising), read_s)
 
     def _admit(self) -> None:
         for row in self.rows:

@@ -16,6 +16,7 @@ calls `iteration`, `block` and `request_done` from its thread; prometheus-client
 | dgemma_tokens_per_second          | gauge   | generated tokens per second over the last `window_s` seconds        |
 | dgemma_tokens_per_forward         | gauge   | generated tokens / row decoder passes (the field's metric)          |
 | dgemma_steps_per_block            | gauge   | mean decoder passes per block                                       |
+| dgemma_flag_read_seconds          | counter | seconds spent reading the [B] finished flags (once per iteration)   |
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ServeMetrics:
         self.row_passes = Counter("dgemma_row_passes", "Decoder passes summed over rows", registry=r)
         self.tokens = Counter("dgemma_generated_tokens", "Generated non-pad tokens", registry=r)
         self.blocks = Counter("dgemma_blocks", "Finished blocks", registry=r)
+        self.flag_read = Counter("dgemma_flag_read_seconds", "Seconds reading the finished flags", registry=r)
         self.requests = Counter("dgemma_requests", "Ended requests by finish reason", ["reason"], registry=r)
         for reason in REASONS:
             self.requests.labels(reason)
@@ -56,8 +58,10 @@ class ServeMetrics:
         Gauge("dgemma_steps_per_block", "Mean decoder passes per block",
               registry=r).set_function(lambda: self._totals[1] / max(self._totals[2], 1))
 
-    def iteration(self, queue_depth: int, running: int, denoising: int) -> None:
-        """One engine iteration: the queue and rows after it, and whether it ran a denoise forward."""
+    def iteration(self, queue_depth: int, running: int, denoising: int, flag_read_s: float = 0.0) -> None:
+        """One engine iteration: the queue and rows after it, whether it ran a denoise forward, and the seconds its
+        read of the finished flags took."""
+        self.flag_read.inc(flag_read_s)
         self.queue_depth.set(queue_depth)
         self.running_rows.set(running)
         self.iterations.inc()
