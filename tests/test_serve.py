@@ -293,10 +293,15 @@ def _complete(client, text, seed, kw, **extra):
 
 
 @pytest.mark.slow
-def test_compiled_alone_and_concurrent_equal_generate(demo_serve):
+def test_compiled_bucket(demo_serve):
+    """Every check on the compiled bucket in one test, so that pytest-xdist never compiles it in two workers."""
+    _alone_and_concurrent_equal_generate(*demo_serve)
+    _streaming_chat_n_and_stop(*demo_serve)
+
+
+def _alone_and_concurrent_equal_generate(srv, gen, refs):
     """Each request alone, then all 12 at once (more than the 8 rows: some wait and are admitted mid-flight), gives
     exactly `gen.generate`'s text on the same bucket; the demo's answers are right."""
-    srv, _, refs = demo_serve
     client = srv.client()
     cases = _cases()
     expected = [refs[(t, s, tuple(sorted(kw.items())))][0] for t, s, kw in cases]
@@ -310,9 +315,7 @@ def test_compiled_alone_and_concurrent_equal_generate(demo_serve):
             assert tasks.check(t, text), (t, text)
 
 
-@pytest.mark.slow
-def test_compiled_streaming_chat_n_and_stop(demo_serve):
-    srv, _, refs = demo_serve
+def _streaming_chat_n_and_stop(srv, gen, refs):
     client = srv.client()
     # streaming: one event per block, the same text as the reference
     chunks = list(client.completions.create(model=MODEL, prompt=REV, seed=0, stream=True,
