@@ -14,6 +14,12 @@ probability is an exact 0, but 0 x NaN is NaN in the value product (flex and den
 reused cache would reach every output. Hence `reset()` zeroes the keys and values too, and every path that starts
 requests on a cache (the eager generator allocates one; the compiled generator's buckets reset theirs per batch of
 requests) goes through it; no path writes a committed slot at or beyond a row's new length.
+
+`PagedKVCache` keeps the same logical layout per row (S committed slots, then T_blk block slots) in pages of P slots
+drawn from one pool that rows of different lengths share; a per-row page table (a device tensor, read by the
+forward) maps logical page -> physical page. The model sees the same [B, H_kv, S + T, D_h] view either way
+(`layer_kv`), so masks, plans and numerics are the static cache's; the pool's bookkeeping (which request holds
+which page, the prefix cache) lives in `runtime/kv_pool.py`.
 """
 
 from __future__ import annotations
@@ -62,6 +68,11 @@ class KVCache:
         for t in (*self.keys, *self.values):
             t[row].zero_()
 
+    def layer_kv(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values attention reads in a forward of T block tokens: [B, H_kv, S + T, D_h] views."""
+        span = self.max_seq_len + T
+        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
+
     def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor | None) -> None:
         """Store a block's keys/values in the block slots and, with `slots_BT` (int64 [B, T], a `ForwardPlan`'s
         `slots`: `commit_slots` for the static cache), each token's also at its slot: committed tokens land in the
@@ -100,3 +111,151 @@ def new_cache(*, batch_size: int, max_seq_len: int, block_size: int, layer_shape
     values = [torch.zeros(shape(h, d), dtype=dtype, device=device) for h, d in layer_shapes]
     lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
     return KVCache(keys=keys, values=values, lengths=lengths, max_seq_len=max_seq_len, block_size=block_size)
+
+
+ZERO_PAGE = 0
+"""The physical page every unmapped logical page of a `PagedKVCache` points at: zeros, never written (writes only go
+to slots below a row's allocated length or to its block pages)."""
+
+
+@dataclass
+class PagedKVCache:
+    """`KVCache`'s interface over a shared pool of pages (see the module docstring).
+
+    Physical pages: `ZERO_PAGE` (0), then each row's private block pages (row b: pages 1 + b*nb .. (b+1)*nb, nb =
+    ceil(block_size / P); they hold the row's block slots), then the committed-data pages that `runtime.kv_pool`
+    hands out (`first_pool_page` ..). Logical page j of row b is `page_table[b, j]`; slot s lives at
+    (page_table[b, s // P], s % P).
+
+    Attributes:
+        keys, values: one tensor per layer, [N_pages, H_kv(layer), P, D_h(layer)].
+        lengths: int64 [B], committed tokens per row.
+        page_table: int64 [B, S/P + nb], physical page of each logical page (committed pages, then block pages).
+        max_seq_len: S (a multiple of P). block_size: T_blk. page_size: P.
+
+    Invariant (the static cache's, per page): every page a row's table maps holds finite values -- the zero page,
+    the row's block pages, and committed pages that were zeroed when handed out (`zero_pages`) and since written
+    only by the rows holding them. A page no table maps is never read, whatever it holds (NaN included).
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor
+    page_table: torch.Tensor
+    max_seq_len: int
+    block_size: int
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def block_pages(self) -> int:
+        """Block pages per row: ceil(block_size / P)."""
+        return -(-self.block_size // self.page_size)
+
+    @property
+    def first_pool_page(self) -> int:
+        return 1 + self.batch_size * self.block_pages
+
+    def reset(self) -> None:
+        """Every row empty and unmapped (committed pages -> `ZERO_PAGE`), every page zeroed."""
+        self.lengths.zero_()
+        for t in (*self.keys, *self.values):
+            t.zero_()
+        for b in range(self.batch_size):
+            self.unmap_row(b)
+
+    def reset_row(self, row: int) -> None:
+        """Row `row` empty: length 0, committed pages unmapped (whoever handed them out takes them back), its block
+        pages zeroed."""
+        self.lengths[row] = 0
+        self.unmap_row(row)
+        self.zero_pages(self.page_table[row, self.max_seq_len // self.page_size:].tolist())
+
+    def unmap_row(self, row: int) -> None:
+        """Point row `row`'s committed logical pages at `ZERO_PAGE` and its block pages at its own block pages."""
+        nc, nb = self.max_seq_len // self.page_size, self.block_pages
+        self.page_table[row, :nc] = ZERO_PAGE
+        first = 1 + row * nb
+        self.page_table[row, nc:] = torch.arange(first, first + nb, device=self.page_table.device)
+
+    def map_pages(self, row: int, pages: list[int]) -> None:
+        """Row `row`'s first len(pages) committed logical pages -> `pages` (physical ids)."""
+        self.page_table[row, :len(pages)] = torch.tensor(pages, dtype=torch.long, device=self.page_table.device)
+
+    def zero_pages(self, pages: list[int]) -> None:
+        """Zero the keys and values of `pages` in every layer."""
+        if pages:
+            idx = torch.tensor(pages, dtype=torch.long, device=self.page_table.device)
+            for t in (*self.keys, *self.values):
+                t.index_fill_(0, idx, 0)
+
+    def fill_pages(self, pages: list[int], value: float) -> None:
+        """Fill `pages` with `value` in every layer (tests poison free pages with NaN)."""
+        if pages:
+            idx = torch.tensor(pages, dtype=torch.long, device=self.page_table.device)
+            for t in (*self.keys, *self.values):
+                t.index_fill_(0, idx, value)
+
+    def layer_kv(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's logical slots [0, S + T) gathered through its page table: contiguous [B, H_kv, S + T, D_h]
+        (the static cache's layout and values, so attention is unchanged)."""
+        span, P = self.max_seq_len + T, self.page_size
+        n = -(-span // P)
+        table = self.page_table[:, :n]
+        out = []
+        for pool in (self.keys[layer], self.values[layer]):
+            g = pool[table]  # [B, n, H, P, D]
+            B, _, H, _, D = g.shape
+            out.append(g.transpose(1, 2).reshape(B, H, n * P, D)[:, :, :span])
+        return out[0], out[1]
+
+    def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor | None) -> None:
+        """`KVCache.write_block` through the page table: the block's keys/values to the row's block slots, then, with
+        `slots_BT` (logical slots, int64 [B, T]), each token's also at its slot."""
+        B, _, T, _ = k_BHTD.shape
+        block_BT = (self.max_seq_len + torch.arange(T, device=k_BHTD.device))[None, :].expand(B, T)
+        self._scatter(layer, block_BT, k_BHTD, v_BHTD)
+        if slots_BT is not None:
+            self._scatter(layer, slots_BT, k_BHTD, v_BHTD)
+
+    def _scatter(self, layer: int, slots_BT: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> None:
+        P = self.page_size
+        page_BT = self.page_table.gather(1, slots_BT // P)
+        off_BT = slots_BT % P
+        self.keys[layer][page_BT, :, off_BT] = k_BHTD.transpose(1, 2)  # [B, T, H, D] at (page, :, offset)
+        self.values[layer][page_BT, :, off_BT] = v_BHTD.transpose(1, 2)
+
+
+def new_paged_cache(*, batch_size: int, max_seq_len: int, block_size: int, page_size: int, pool_pages: int,
+                    layer_shapes: list[tuple[int, int]], dtype: torch.dtype,
+                    device: torch.device | str) -> PagedKVCache:
+    """Allocate a zeroed `PagedKVCache` with `pool_pages` committed-data pages (plus the zero page and the rows'
+    block pages), every row unmapped. `layer_shapes` is (num_kv_heads, head_dim) per layer.
+
+    Raises:
+        ValueError: a non-positive size, or max_seq_len not a multiple of page_size.
+    """
+    for name, v in (("batch_size", batch_size), ("max_seq_len", max_seq_len), ("block_size", block_size),
+                    ("page_size", page_size), ("pool_pages", pool_pages)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if max_seq_len % page_size:
+        raise ValueError(f"max_seq_len ({max_seq_len}) must be a multiple of page_size ({page_size})")
+    nb = -(-block_size // page_size)
+    n = 1 + batch_size * nb + pool_pages
+    keys = [torch.zeros(n, h, page_size, d, dtype=dtype, device=device) for h, d in layer_shapes]
+    values = [torch.zeros(n, h, page_size, d, dtype=dtype, device=device) for h, d in layer_shapes]
+    lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+    table = torch.zeros(batch_size, max_seq_len // page_size + nb, dtype=torch.long, device=device)
+    cache = PagedKVCache(keys=keys, values=values, lengths=lengths, page_table=table, max_seq_len=max_seq_len,
+                         block_size=block_size, page_size=page_size)
+    for b in range(batch_size):
+        cache.unmap_row(b)
+    return cache

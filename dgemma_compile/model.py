@@ -107,8 +107,7 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(k_raw), cos, sin)
         v = self.v_norm(v_raw)
         cache.write_block(layer, k.transpose(1, 2), v.transpose(1, 2), slots_BT)
-        span = cache.max_seq_len + T
-        keys, values = cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span]
+        keys, values = cache.layer_kv(layer, T)  # [B, Hkv, S+T, Dh]: the static or paged cache's view
         if isinstance(mask, torch.Tensor):  # dense reference mask [B, T, S+T]
             out = dense_attention(q.transpose(1, 2), keys, values, mask)
         else:  # FlexAttention BlockMask

@@ -26,6 +26,15 @@ tokens equal its solo `gen.generate` run whatever its batch mates and phases, wi
 that needs both passes costs two forwards (the one-forward design is issue 15's next step). Commit fusion is not
 supported (its forward treats every row as starting a block); buckets with it are refused.
 
+KV memory: over a static cache each row owns max_seq_len committed slots. Over a `kv_cache.PagedKVCache`
+(`EagerBucket(page_size=..., kv_pages=...)`) rows draw pages from one pool (`kv_pool.PagePool`): a request is
+admitted when a row is free and every page it can need (prompt + max_new_tokens, `generate.plan`'s committed slots)
+is free or evictable, takes them all at admission and gives them back when it retires, so a running request never
+waits for memory and is never evicted (queued requests wait, in order). With the prefix cache (`prefix_cache.py`,
+on by default) a request maps the cached full pages its prompt starts with and its prefill starts after them
+(`EngineStats.prefix_hit_tokens`, `prefill_tokens`); its pages are registered once their encoder pass has run.
+Only prompt pages are shared; the tokens are those of the request's solo run either way (tested).
+
 Requests are validated at `submit` (`check_request`), so a bad request never reaches the rows. `submit` and `cancel`
 are thread-safe; `step` and `run` belong to one engine thread. Events are delivered by calling the request's
 `on_event` from the engine thread.
@@ -48,9 +57,12 @@ from .. import rng
 from ..config import ConfigError, GenerationConfig
 from ..generate import STRUCTURAL, RequestStats, check_slots, finalize_row, plan
 from ..model import DiffusionGemma
+from ..kv_cache import PagedKVCache, new_paged_cache
 from ..plan import PlanBuffers
 from ..steps import DenoiseState, StepInputs, denoise_step, encode_chunk
 from ..text import StopStrings
+from .kv_pool import PagePool
+from .prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +110,25 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     submitted: float = 0.0
     matcher: StopStrings | None = None
+    slots: int = 0  # committed slots it can need (`generate.plan`)
 
 
 @dataclass
 class _Row:
     request: Request | None = None
     phase: Phase = Phase.FREE
-    prefilled: int = 0  # prompt tokens encoded so far
+    prefilled: int = 0  # prompt tokens encoded so far (or mapped from the prefix cache)
     block: int = 0
+    page_keys: list = field(default_factory=list)  # prefix-cache keys of its full prompt pages
+    cached_pages: int = 0  # of those, pages found in or registered with the prefix cache
 
 
 @dataclass
 class EngineStats:
     """Counters since the engine started. forwards: denoise-unit calls (one serves every denoising row);
     row_passes: decoder passes summed over rows (the denominator of tokens per forward, as `RequestStats`);
-    flag_read_s: seconds spent in the per-iteration read of the finished flags."""
+    flag_read_s: seconds spent in the per-iteration read of the finished flags; prefill_tokens: prompt tokens run
+    through the encoder; prefix_hit_tokens: prompt tokens mapped from the prefix cache instead."""
 
     iterations: int = 0
     encoder_forwards: int = 0
@@ -123,29 +139,52 @@ class EngineStats:
     requests: Counter = field(default_factory=Counter)
     flag_reads: int = 0
     flag_read_s: float = 0.0
+    prefill_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class EagerBucket:
     """The eager counterpart of `compile.Bucket` for the engine: the same buffers (KV cache of `max_seq_len`
     committed slots, `DenoiseState`, `StepInputs` with a temperature table of `max_denoising_steps`, the denoise plan)
     and `steps.denoise_step` / `steps.encode_chunk` called eagerly. `moe_impl` "dense" keeps rows batch-invariant
-    (`tests/test_batch_invariance.py`); "loop" does not."""
+    (`tests/test_batch_invariance.py`); "loop" does not. With `page_size`, the cache is a `kv_cache.PagedKVCache`
+    of `kv_pages` committed-data pages of `page_size` slots (default: rows * max_seq_len / page_size, the static
+    cache's memory) shared by the rows.
+
+    Raises:
+        ValueError: `new_paged_cache`'s (max_seq_len not a multiple of page_size, a non-positive size).
+    """
 
     commit_denoise = None
     units: tuple = ()
 
     def __init__(self, model: DiffusionGemma, rows: int, *, max_seq_len: int, max_denoising_steps: int,
-                 config: GenerationConfig | None = None, moe_impl: str = "dense"):
+                 config: GenerationConfig | None = None, moe_impl: str = "dense", page_size: int | None = None,
+                 kv_pages: int | None = None):
         cfg = (config or model.generation_config).resolved(model.config)
         C = model.config.canvas_length
         self.rows = rows
-        self.cache = cache = model.new_cache(rows, max_seq_len, block_size=C)
+        if page_size is None:
+            self.cache = cache = model.new_cache(rows, max_seq_len, block_size=C)
+        else:
+            self.cache = cache = paged_cache(model, rows, max_seq_len, block_size=C, page_size=page_size,
+                                             kv_pages=kv_pages)
         self.state = state = DenoiseState.allocate(model, rows, cfg.stability_threshold if cfg.stop_early else 0)
         self.inputs = inputs = StepInputs.allocate(model, rows, C, max_denoising_steps)
         self.plan = plan_ = PlanBuffers(model, cache, C)
         self.encode = lambda: encode_chunk(model, cache, inputs, plan_, moe_impl=moe_impl)
         self.denoise = lambda: denoise_step(model, cache, state, inputs, plan_, stop_early=cfg.stop_early,
                                             moe_impl=moe_impl)
+
+
+def paged_cache(model: DiffusionGemma, rows: int, max_seq_len: int, *, block_size: int, page_size: int,
+                kv_pages: int | None = None) -> PagedKVCache:
+    """A zeroed `PagedKVCache` for `model`: `kv_pages` committed-data pages of `page_size` slots (default
+    rows * max_seq_len / page_size, as much as a static cache). Raises ValueError as `kv_cache.new_paged_cache`."""
+    shapes = [(model.config.num_kv_heads[i], model.config.head_dims[i]) for i in range(model.config.num_layers)]
+    pages = kv_pages if kv_pages is not None else rows * max_seq_len // page_size
+    return new_paged_cache(batch_size=rows, max_seq_len=max_seq_len, block_size=block_size, page_size=page_size,
+                           pool_pages=pages, layer_shapes=shapes, dtype=model.dtype, device=model.device)
 
 
 class Engine:
@@ -161,12 +200,15 @@ class Engine:
         compiles: returns the compile counter of the bucket's generator (`CompiledGenerator.compiles`), read by
             `recompiles` to assert admission never recompiles.
         metrics: receives per-iteration and per-block observations (`runtime.metrics.ServeMetrics`), optional.
+        prefix_cache: share full prompt pages between requests (a paged cache only; see the module docstring).
     Raises:
-        ConfigError: a bucket with commit fusion.
+        ConfigError: a bucket with commit fusion; a prefix cache whose page size is not a multiple of the encoder
+            chunk (hits must start the prefill on a chunk boundary).
     """
 
     def __init__(self, model: DiffusionGemma, bucket, *, config: GenerationConfig | None = None, tokenizer=None,
-                 max_queue: int = 256, compiles: Callable[[], Counter] | None = None, metrics=None):
+                 max_queue: int = 256, compiles: Callable[[], Counter] | None = None, metrics=None,
+                 prefix_cache: bool = True):
         if getattr(bucket, "commit_denoise", None) is not None:
             raise ConfigError("fuse_commit: the engine runs commits as encoder passes; build the generator with "
                               "CompileOptions(fuse_commit=False)")
@@ -190,6 +232,15 @@ class Engine:
         for unit in getattr(bucket, "units", ()):
             unit.check_owners()
         bucket.cache.reset()
+        self.pages: PagePool | None = None
+        self.prefix: PrefixCache | None = None
+        if isinstance(bucket.cache, PagedKVCache):
+            self.pages = PagePool(bucket.cache)
+            if prefix_cache:
+                if bucket.cache.page_size % self.T:
+                    raise ConfigError(f"prefix_cache: page_size {bucket.cache.page_size} must be a multiple of the "
+                                      f"encoder chunk {self.T}")
+                self.prefix = PrefixCache(self.pages)
         bucket.state.finished.fill_(True)  # every row frozen until a request begins a block in it
 
     # ----- requests ------------------------------------------------------------------------------------------------
@@ -205,9 +256,15 @@ class Engine:
                 the model's context, bad seed); committed slots beyond the cache (`max_seq_len`); more denoise steps
                 than the temperature table; a structural field different from the engine's.
         """
+        return self._check(prompt, config, seed)[0]
+
+    def _check(self, prompt: Sequence[int], config: GenerationConfig, seed: int) -> tuple[GenerationConfig, int]:
         cfgs, _, _, needed = plan(self.model, [list(prompt)], config, seed)
         cfg = cfgs[0]
         check_slots(needed, self.max_seq_len, "the server's max_seq_len")
+        if self.pages is not None and self.pages.pages_for(needed) > self.pages.capacity:
+            raise ConfigError(f"max_seq_len: this request needs {self.pages.pages_for(needed)} KV pages, more than "
+                              f"the server's pool ({self.pages.capacity})")
         width = self.bucket.inputs.temperature.shape[1]
         if cfg.max_denoising_steps > width:
             raise ConfigError(f"max_denoising_steps: {cfg.max_denoising_steps} is more than this server allows "
@@ -215,11 +272,11 @@ class Engine:
         for name, value in self.structural.items():
             if getattr(cfg, name) != value:
                 raise ConfigError(f"{name}: this server runs {value!r}, got {getattr(cfg, name)!r}")
-        return cfg
+        return cfg, needed
 
     def submit(self, request: Request) -> Request:
         """Queue a request (validated first). Thread-safe. Raises ConfigError (`check_request`) or QueueFullError."""
-        request.config = self.check_request(request.prompt, request.config, request.seed)
+        request.config, request.slots = self._check(request.prompt, request.config, request.seed)
         request.prompt = list(request.prompt)
         if self.tokenizer is not None:
             request.matcher = StopStrings(self.tokenizer, request.stops)
@@ -310,12 +367,15 @@ class Engine:
                     inputs.ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
                     inputs.n_new[b] = len(chunk)
                     row.prefilled += len(chunk)
+                    st.prefill_tokens += len(chunk)
                 else:
                     inputs.ids[b, :self.C] = state.argmax[b]
                     inputs.n_new[b] = self.C
             self.bucket.encode()
             st.encoder_forwards += 1
             for b, row in encoding:
+                if self.prefix is not None and row.phase == Phase.PREFILL:
+                    self._register_pages(b, row)
                 if row.phase == Phase.COMMIT:
                     row.block += 1
                 if row.phase == Phase.COMMIT or row.prefilled >= len(row.request.prompt):
@@ -348,14 +408,49 @@ class Engine:
             with self._lock:
                 if not self._queue:
                     return
-                req = self._queue.popleft()
+                req = self._queue[0]
+                pages = None if req.cancelled or self.pages is None else self._page_plan(req)
+                if pages is not None and pages[2] > self.pages.available():
+                    return  # waits (in order) for running requests to give pages back
+                self._queue.popleft()
             if req.cancelled:
                 self._finish(req, "cancelled", [], "")
                 continue
             b = free.pop(0)
             self.bucket.inputs.set_row(b, req.config, req.seed)
-            self.bucket.cache.reset_row(b)
-            self.rows[b] = _Row(request=req, phase=Phase.PREFILL)
+            row = _Row(request=req, phase=Phase.PREFILL)
+            if pages is None:
+                self.bucket.cache.reset_row(b)
+            else:
+                self._map_pages(b, row, *pages)
+            self.rows[b] = row
+
+    def _page_plan(self, req: Request) -> tuple[list, list[int], int, int]:
+        """(prefix-cache keys of the prompt's full pages, cached pages it starts with, fresh pages it needs, pages
+        that must be free or evictable to admit it)."""
+        pool, P = self.pages, self.bucket.cache.page_size
+        full = len(req.prompt) // P
+        keys = self.prefix.chain(req.prompt, full) if self.prefix is not None else []
+        shared = self.prefix.lookup(req.prompt, (len(req.prompt) - 1) // P) if self.prefix is not None else []
+        new = pool.pages_for(req.slots) - len(shared)
+        # shared pages now cached (count 0) stop being evictable once retained
+        return keys, shared, new, new + sum(pool.refs[p] == 0 for p in shared)
+
+    def _map_pages(self, b: int, row: _Row, keys: list, shared: list[int], new: int, _: int) -> None:
+        self.pages.assign_row(b, shared, new)
+        hit = len(shared) * self.bucket.cache.page_size
+        self.bucket.cache.lengths[b] = hit
+        row.prefilled, row.page_keys, row.cached_pages = hit, keys, len(shared)
+        self.stats.prefix_hit_tokens += hit
+        if self.prefix is not None:
+            self.prefix.stats.hit_pages += len(shared)
+
+    def _register_pages(self, b: int, row: _Row) -> None:
+        """Register the row's full prompt pages whose encoder pass has run."""
+        done = min(row.prefilled // self.bucket.cache.page_size, len(row.page_keys))
+        for j in range(row.cached_pages, done):
+            self.prefix.insert(row.page_keys[j], self.pages.rows[b][j])
+        row.cached_pages = max(row.cached_pages, done)
 
     def _begin_block(self, b: int, row: _Row) -> None:
         inputs = self.bucket.inputs
@@ -389,6 +484,8 @@ class Engine:
         req = row.request
         b = self.rows.index(row)
         self.bucket.state.finished[b] = True
+        if self.pages is not None:
+            self.pages.release_row(b)
         self.rows[b] = _Row()
         self._finish(req, reason, tokens or [], text)
 
