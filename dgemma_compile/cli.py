@@ -92,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seq-len", type=int, default=None, metavar="S",
                    help="committed KV slots per row: prompt + generated tokens (default: the model's context, at "
                         "most 1024)")
+    s.add_argument("--kv-page-size", type=int, default=None, metavar="P",
+                   help="a paged KV cache of P-slot pages shared by the rows, with a prefix cache of full prompt "
+                        "pages (a multiple of the canvas length; default: a static cache per row)")
+    s.add_argument("--kv-pages", type=int, default=None, metavar="N",
+                   help="pages in the pool with --kv-page-size (default: max-batch x max-seq-len / P, the static "
+                        "cache's memory); requests wait for pages, never running ones")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: dgemma-demo for the "
                                                              "demo model, else the checkpoint directory's name)")
     s.add_argument("--eager", action="store_true", help="eager steps instead of the compiled bucket (no compile)")
@@ -432,7 +438,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from . import load, load_tokenizer
     from .runtime import build_engine
 
-    for name in ("max_batch", "max_queue", "max_seq_len", "threads"):
+    for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"{name}: must be a positive integer, got {v}")
@@ -446,12 +452,14 @@ def serve_command(args: argparse.Namespace) -> int:
         print("dgemma: compiling the engine's bucket (a minute or so on a CPU the first time)...", file=sys.stderr,
               flush=True)
     engine = build_engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, eager=args.eager,
-                          tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics)
+                          tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics, page_size=args.kv_page_size,
+                          kv_pages=args.kv_pages)
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics)
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "
+          f"kv={'static' if engine.pages is None else f'pages {engine.pages.capacity}x{args.kv_page_size}'} "
           f"setup_s={time.perf_counter() - start:.1f} threads={threads}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

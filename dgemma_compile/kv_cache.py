@@ -259,3 +259,15 @@ def new_paged_cache(*, batch_size: int, max_seq_len: int, block_size: int, page_
     for b in range(batch_size):
         cache.unmap_row(b)
     return cache
+
+
+def paged_cache(model, rows: int, max_seq_len: int, *, block_size: int, page_size: int,
+                kv_pages: int | None = None) -> PagedKVCache:
+    """A zeroed `PagedKVCache` for `model` (a `DiffusionGemma`: its layers' kv heads and head dims, dtype, device):
+    `kv_pages` committed-data pages of `page_size` slots (default rows * max_seq_len / page_size, as much as a static
+    cache). Raises ValueError as `new_paged_cache`."""
+    cfg = model.config
+    shapes = [(cfg.num_kv_heads[i], cfg.head_dims[i]) for i in range(cfg.num_layers)]
+    pages = kv_pages if kv_pages is not None else rows * max_seq_len // page_size
+    return new_paged_cache(batch_size=rows, max_seq_len=max_seq_len, block_size=block_size, page_size=page_size,
+                           pool_pages=pages, layer_shapes=shapes, dtype=model.dtype, device=model.device)

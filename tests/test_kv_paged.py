@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.kv_cache import ZERO_PAGE, new_paged_cache
-from dgemma_compile.runtime import EagerBucket, Engine, Request
-from dgemma_compile.runtime.engine import paged_cache
+from dgemma_compile.kv_cache import ZERO_PAGE, new_paged_cache, paged_cache
+from dgemma_compile.runtime import EagerBucket, Engine, Request, build_engine
 from dgemma_compile.runtime.kv_pool import OutOfPagesError, PagePool
 from dgemma_compile.runtime.prefix_cache import PrefixCache
 from dgemma_compile.text import encode_prompt
@@ -154,8 +153,8 @@ def test_prefix_cache_shared_prefix_computed_once(demo):
     twin = Request(prompt=_ids(tok, model, LONG + "8="), config=base, seed=1)
     later = [Request(prompt=_ids(tok, model, LONG + tail), config=cfg, seed=s)
              for s, (tail, cfg) in enumerate([("9=", base), ("7 8 9=", base.with_temperature(0)), ("7=", base)], 2)]
-    engine = Engine(model, EagerBucket(model, 3, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P),
-                    tokenizer=tok)
+    engine = build_engine(model, max_batch=3, max_seq_len=SLOTS, max_denoising_steps=64, eager=True, tokenizer=tok,
+                          page_size=P)
     engine.submit(first), engine.submit(twin)
     _run(engine)
     st, prefix = engine.stats, engine.prefix
@@ -194,3 +193,27 @@ def test_eviction_under_memory_pressure(demo):
     assert engine.stats.requests["eos"] + engine.stats.requests["length"] == len(reqs)
     assert {id(e.request) for e in events if e.finish_reason is not None} == {id(r) for r in reqs}
     _assert_solo(model, reqs)
+
+
+@pytest.mark.slow
+def test_compiled_paged_engine(demo):
+    """A compiled bucket of 2 rows over a paged cache (its own units: the page table is a graph input, so admission
+    and page changes never recompile) gives, with prefix hits and NaN-filled free pages, the tokens of each request
+    alone under the eager generator with the compiled experts' implementation (`tests/test_compile.py` ties those to
+    the compiled generator's)."""
+    from dgemma_compile.compile import CompileOptions, build
+
+    model, tok = demo
+    base = model.generation_config
+    gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=SLOTS, fuse_commit=False))
+    engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, tokenizer=tok, generator=gen, page_size=P,
+                          kv_pages=10, max_denoising_steps=64)
+    reqs = [engine.submit(Request(prompt=_ids(tok, model, LONG + t), config=cfg, seed=s))
+            for s, (t, cfg) in enumerate([("1=", base), ("2=", base.with_temperature(0)), ("3 4=", base),
+                                          ("1=", base.replace(max_new_tokens=3))])]
+    _run(engine)
+    assert engine.stats.prefix_hit_tokens >= 2 * 2 * P
+    assert engine.recompiles() == {} and set(gen.compiles.values()) == {1}
+    for r in reqs:
+        ref = dg.generate(model, [r.prompt], r.config, seed=r.seed, moe_impl=gen.moe_impl, max_seq_len=SLOTS)
+        assert r.sequence == ref.sequences[0], r.prompt

@@ -28,6 +28,7 @@ import torch
 
 from ..config import ConfigError, GenerationConfig
 from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan, run_block_diffusion
+from ..kv_cache import paged_cache
 from ..model import DiffusionGemma
 from ..observe import UNIT, Observer, SpanTimer
 from ..ops.moe import resolve_moe_impl
@@ -41,18 +42,25 @@ from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 class Bucket:
     """One static batch size and structural config: its KV cache, `DenoiseState`, `StepInputs` and `PlanBuffers`
-    buffers, and the compile units `denoise`, `encode` and (commit fusion) `commit_denoise`, zero-argument callables over them."""
+    buffers, and the compile units `denoise`, `encode` and (commit fusion) `commit_denoise`, zero-argument callables over them.
+    `paging` (page_size, kv_pages): a `kv_cache.PagedKVCache` instead of the static cache (the serving engine's)."""
 
     def __init__(self, model: DiffusionGemma, factory: UnitFactory, rows: int, stability: int, stop_early: bool,
-                 moe_impl: str):
+                 moe_impl: str, paging: tuple[int, int | None] | None = None):
         self.rows = rows
         C, fuse = model.config.canvas_length, factory.options.commit_fusion(model.device.type)
-        self.cache = model.new_cache(rows, factory.options.max_seq_len, block_size=2 * C if fuse else C)
+        S, block = factory.options.max_seq_len, 2 * C if fuse else C
+        if paging is None:
+            self.cache = model.new_cache(rows, S, block_size=block)
+        else:
+            self.cache = paged_cache(model, rows, S, block_size=block, page_size=paging[0], kv_pages=paging[1])
         self.state = DenoiseState.allocate(model, rows, stability)
         self.inputs = StepInputs.allocate(model, rows, C, factory.options.max_denoising_steps)
         kernels = factory.options.attention_kernels()
         self.plan = PlanBuffers(model, self.cache, C, kernel_options=kernels)  # the block's denoise plan, per block
         self.tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
+        if paging is not None:
+            self.tag += f"_pages{self.cache.page_size}x{self.cache.num_pages}"
         cache, state, inputs, plan = self.cache, self.state, self.inputs, self.plan
         owners = (model, cache, state, inputs, plan)  # every tensor the units read
 
@@ -130,16 +138,20 @@ class CompiledGenerator:
         """The static batch size that runs `requests` rows (the largest bucket if more; callers split)."""
         return next((b for b in self.options.batch_buckets if b >= requests), self.options.batch_buckets[-1])
 
-    def bucket(self, batch_size: int, config: GenerationConfig | None = None) -> Bucket:
+    def bucket(self, batch_size: int, config: GenerationConfig | None = None, *, page_size: int | None = None,
+               kv_pages: int | None = None) -> Bucket:
         """The bucket (cache, buffers, compile units) that serves `batch_size` requests under `config` (default: the
         model's generation config). Buckets are keyed by batch size and the structural config: the stability
-        history depth (none when early stopping is off) and stop_early."""
+        history depth (none when early stopping is off) and stop_early; and by the paging: `page_size` gives a
+        bucket over a `kv_cache.PagedKVCache` of `kv_pages` pages (default the static cache's memory; the serving
+        engine's, never `generate`'s). Raises ValueError as `kv_cache.new_paged_cache`."""
         cfg = (config or self.model.generation_config).resolved(self.model.config)
         rows = self.bucket_for(batch_size)
         depth = cfg.stability_threshold if cfg.stop_early else 0
-        key = (rows, depth, cfg.stop_early)
+        paging = (page_size, kv_pages) if page_size is not None else None
+        key = (rows, depth, cfg.stop_early) + ((paging,) if paging is not None else ())
         if key not in self._buckets:
-            self._buckets[key] = Bucket(self.model, self.units, rows, depth, cfg.stop_early, self.moe_impl)
+            self._buckets[key] = Bucket(self.model, self.units, rows, depth, cfg.stop_early, self.moe_impl, paging)
         return self._buckets[key]
 
     def reset(self) -> None:
@@ -197,12 +209,12 @@ class CompiledGenerator:
                                 moe_impl=self.moe_impl)
 
     @torch.no_grad()
-    def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None) -> float:
-        """Compile the bucket that serves `batch_size` requests (all its units) and return the seconds it took.
-        Raises `ModelChangedError` as `generate` does."""
+    def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> float:
+        """Compile the bucket that serves `batch_size` requests (all its units; `paging`: `bucket`'s page_size and
+        kv_pages) and return the seconds it took. Raises `ModelChangedError` as `generate` does."""
         self.fingerprint.check(self.model)
         start = time.perf_counter()
-        bucket = self.bucket(batch_size, config)
+        bucket = self.bucket(batch_size, config, **paging)
         bucket.inputs.n_new.zero_()
         bucket.cache.reset()
         bucket.encode()

@@ -57,7 +57,7 @@ from .. import rng
 from ..config import ConfigError, GenerationConfig
 from ..generate import STRUCTURAL, RequestStats, check_slots, finalize_row, plan
 from ..model import DiffusionGemma
-from ..kv_cache import PagedKVCache, new_paged_cache
+from ..kv_cache import PagedKVCache, paged_cache
 from ..plan import PlanBuffers
 from ..steps import DenoiseState, StepInputs, denoise_step, encode_chunk
 from ..text import StopStrings
@@ -175,16 +175,6 @@ class EagerBucket:
         self.encode = lambda: encode_chunk(model, cache, inputs, plan_, moe_impl=moe_impl)
         self.denoise = lambda: denoise_step(model, cache, state, inputs, plan_, stop_early=cfg.stop_early,
                                             moe_impl=moe_impl)
-
-
-def paged_cache(model: DiffusionGemma, rows: int, max_seq_len: int, *, block_size: int, page_size: int,
-                kv_pages: int | None = None) -> PagedKVCache:
-    """A zeroed `PagedKVCache` for `model`: `kv_pages` committed-data pages of `page_size` slots (default
-    rows * max_seq_len / page_size, as much as a static cache). Raises ValueError as `kv_cache.new_paged_cache`."""
-    shapes = [(model.config.num_kv_heads[i], model.config.head_dims[i]) for i in range(model.config.num_layers)]
-    pages = kv_pages if kv_pages is not None else rows * max_seq_len // page_size
-    return new_paged_cache(batch_size=rows, max_seq_len=max_seq_len, block_size=block_size, page_size=page_size,
-                           pool_pages=pages, layer_shapes=shapes, dtype=model.dtype, device=model.device)
 
 
 class Engine:
@@ -521,12 +511,15 @@ class Engine:
 
 def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
-                 metrics=None, generator=None) -> Engine:
+                 metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
+                 prefix_cache: bool = True) -> Engine:
     """An engine over one bucket of `max_batch` rows: compiled (a generator with that one bucket, a cache of
     `max_seq_len` committed slots -- default the model's context, at most `config.DEFAULT_MAX_SEQ_LEN` --, no commit
     fusion; warmed up here, which compiles) or, with `eager`, an `EagerBucket` (moe "dense"). `generator`: reuse a
     compiled generator built with `CompileOptions(batch_buckets=(max_batch,), fuse_commit=False, ...)` (tests share
-    one with `gen.generate`). The engine is not started (`Engine.start`)."""
+    one with `gen.generate`). `page_size` (a multiple of the canvas length with the prefix cache): a paged KV cache
+    of `kv_pages` pages (default: the static cache's memory) shared by the rows, with a prefix cache unless
+    `prefix_cache` is False (see the module docstring). The engine is not started (`Engine.start`)."""
     from ..compile import CompileOptions, build
     from ..config import DEFAULT_MAX_SEQ_LEN
 
@@ -534,11 +527,14 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         max_seq_len = min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     config = model.generation_config
     if eager:
-        bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps)
-        return Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics)
+        bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
+                             page_size=page_size, kv_pages=kv_pages)
+        return Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
+                      prefix_cache=prefix_cache)
     gen = generator or build(model, CompileOptions(batch_buckets=(max_batch,), max_seq_len=max_seq_len,
                                                    max_denoising_steps=max_denoising_steps, fuse_commit=False))
-    gen.warmup(max_batch, config)
-    bucket = gen.bucket(max_batch, config)
+    paging = dict(page_size=page_size, kv_pages=kv_pages) if page_size is not None else {}
+    gen.warmup(max_batch, config, **paging)
+    bucket = gen.bucket(max_batch, config, **paging)
     return Engine(model, bucket, config=config, tokenizer=tokenizer, max_queue=max_queue,
-                  compiles=lambda: gen.compiles, metrics=metrics)
+                  compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache)
