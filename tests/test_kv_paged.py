@@ -29,14 +29,14 @@ def _ids(tok, model, text: str) -> list[int]:
 
 
 def _poison_free(engine: Engine) -> None:
-    engine.bucket.cache.fill_pages(list(engine.pages.free), float("nan"))
+    engine.bucket.cache.fill_pages(list(engine.memory.pool.free), float("nan"))
 
 
 def _run(engine: Engine, *, poison: bool = True) -> None:
     """Iterate until idle, checking the pool's bookkeeping and NaN-filling the free pages after every iteration."""
     while not engine.idle():
         engine.step()
-        engine.pages.check()
+        engine.memory.pool.check()
         if poison:
             _poison_free(engine)
 
@@ -89,14 +89,14 @@ def test_paged_cache_equals_static_cache(demo):
     model, _ = demo
     S, B, V = 64, 2, model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, V, (B, 40), generator=g)
-    n = torch.tensor([40, 23])
+    ids = torch.randint(3, V, (B, 32), generator=g)
+    n = torch.tensor([32, 19])
     static = model.new_cache(B, S)
-    paged = paged_cache(model, B, S, block_size=model.config.canvas_length, page_size=P, kv_pages=12)
+    paged = paged_cache(model, B, S, block_size=model.config.canvas_length, page_size=P, kv_pages=8)
     pool = list(range(paged.first_pool_page, paged.num_pages))[::-1]
-    paged.map_pages(0, pool[:3])
-    paged.map_pages(1, pool[3:5])
-    paged.fill_pages(pool[5:], float("nan"))
+    paged.map_pages(0, pool[:2])
+    paged.map_pages(1, pool[2:4])
+    paged.fill_pages(pool[4:], float("nan"))
     for cache in (static, paged):
         model.encode(ids, cache, input_lengths=n)
     canvas = torch.randint(3, V, (B, model.config.canvas_length), generator=g)
@@ -132,14 +132,14 @@ def test_engine_paged_equals_generate(demo):
         reqs.append(engine.submit(Request(prompt=_ids(tok, model, text), config=cfg, seed=seed)))
         for _ in range(k % 3):
             engine.step()
-            engine.pages.check()
+            engine.memory.pool.check()
             _poison_free(engine)
             waited += engine.queue_depth > 0 and engine.running < 3
     _run(engine)
     assert waited  # a free row stood empty while a request waited for pages
     _assert_solo(model, reqs)
     assert engine.stats.requests == {"eos": 5, "length": 1}
-    assert engine.pages.available() == engine.pages.capacity and engine.pages.stats.evicted == 0
+    assert engine.memory.pool.available() == engine.memory.pool.capacity and engine.memory.pool.stats.evicted == 0
 
 
 def test_prefix_cache_shared_prefix_computed_once(demo):
@@ -157,20 +157,20 @@ def test_prefix_cache_shared_prefix_computed_once(demo):
                           page_size=P)
     engine.submit(first), engine.submit(twin)
     _run(engine)
-    st, prefix = engine.stats, engine.prefix
+    st, prefix = engine.stats, engine.memory.prefix
     assert st.prefill_tokens == len(first.prompt) + len(twin.prompt) and st.prefix_hit_tokens == 0
     assert prefix.stats.registered == 2  # first's two pages; twin's equal pages were not registered again
     shared = prefix.lookup(first.prompt, 2)
     for r in later:
         engine.submit(r)
     engine.step()
-    assert [engine.pages.refs[p] for p in shared] == [3, 3]
-    assert all(engine.pages.rows[b][:2] == shared for b in range(3))
+    assert [engine.memory.pool.refs[p] for p in shared] == [3, 3]
+    assert all(engine.memory.pool.rows[b][:2] == shared for b in range(3))
     _run(engine)
     assert st.prefix_hit_tokens == 3 * 2 * P and prefix.stats.hit_pages == 6
     assert st.prefill_tokens == len(first.prompt) + len(twin.prompt) + sum(len(r.prompt) - 2 * P for r in later)
     _assert_solo(model, [first, twin, *later])
-    assert len(engine.pages.cached) == 2  # kept for the next request, evictable
+    assert len(engine.memory.pool.cached) == 2  # kept for the next request, evictable
 
 
 def test_eviction_under_memory_pressure(demo):
@@ -186,9 +186,9 @@ def test_eviction_under_memory_pressure(demo):
     events = []
     reqs = [engine.submit(Request(prompt=_ids(tok, model, t), config=base, seed=k, on_event=events.append))
             for k, t in enumerate(texts)]
-    assert max(engine.pages.pages_for(r.slots) for r in reqs) == 3
+    assert max(engine.memory.pool.pages_for(r.slots) for r in reqs) == 3
     _run(engine)
-    assert engine.pages.stats.evicted > 0 and engine.prefix.stats.evicted == engine.pages.stats.evicted
+    assert engine.memory.pool.stats.evicted > 0 and engine.memory.prefix.stats.evicted == engine.memory.pool.stats.evicted
     assert engine.stats.prefix_hit_tokens > 0
     assert engine.stats.requests["eos"] + engine.stats.requests["length"] == len(reqs)
     assert {id(e.request) for e in events if e.finish_reason is not None} == {id(r) for r in reqs}

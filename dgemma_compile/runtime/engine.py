@@ -27,13 +27,11 @@ that needs both passes costs two forwards (the one-forward design is issue 15's 
 supported (its forward treats every row as starting a block); buckets with it are refused.
 
 KV memory: over a static cache each row owns max_seq_len committed slots. Over a `kv_cache.PagedKVCache`
-(`EagerBucket(page_size=..., kv_pages=...)`) rows draw pages from one pool (`kv_pool.PagePool`): a request is
-admitted when a row is free and every page it can need (prompt + max_new_tokens, `generate.plan`'s committed slots)
-is free or evictable, takes them all at admission and gives them back when it retires, so a running request never
-waits for memory and is never evicted (queued requests wait, in order). With the prefix cache (`prefix_cache.py`,
-on by default) a request maps the cached full pages its prompt starts with and its prefill starts after them
-(`EngineStats.prefix_hit_tokens`, `prefill_tokens`); its pages are registered once their encoder pass has run.
-Only prompt pages are shared; the tokens are those of the request's solo run either way (tested).
+(`EagerBucket(page_size=..., kv_pages=...)`, `gen.bucket(..., page_size=...)`) the rows draw pages from one pool
+(`kv_memory.PagedMemory`): a request waits in the queue until its pages are available, holds them until it retires,
+and with the prefix cache (on by default) starts its prefill after the cached full pages its prompt starts with
+(`EngineStats.prefix_hit_tokens`, `prefill_tokens`). Only prompt pages are shared; the tokens are those of the
+request's solo run either way (tests/test_kv_paged.py).
 
 Requests are validated at `submit` (`check_request`), so a bad request never reaches the rows. `submit` and `cancel`
 are thread-safe; `step` and `run` belong to one engine thread. Events are delivered by calling the request's
@@ -61,8 +59,7 @@ from ..kv_cache import PagedKVCache, paged_cache
 from ..plan import PlanBuffers
 from ..steps import DenoiseState, StepInputs, denoise_step, encode_chunk
 from ..text import StopStrings
-from .kv_pool import PagePool
-from .prefix_cache import PrefixCache
+from .kv_memory import PagedMemory
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +116,6 @@ class _Row:
     phase: Phase = Phase.FREE
     prefilled: int = 0  # prompt tokens encoded so far (or mapped from the prefix cache)
     block: int = 0
-    page_keys: list = field(default_factory=list)  # prefix-cache keys of its full prompt pages
-    cached_pages: int = 0  # of those, pages found in or registered with the prefix cache
 
 
 @dataclass
@@ -222,15 +217,8 @@ class Engine:
         for unit in getattr(bucket, "units", ()):
             unit.check_owners()
         bucket.cache.reset()
-        self.pages: PagePool | None = None
-        self.prefix: PrefixCache | None = None
-        if isinstance(bucket.cache, PagedKVCache):
-            self.pages = PagePool(bucket.cache)
-            if prefix_cache:
-                if bucket.cache.page_size % self.T:
-                    raise ConfigError(f"prefix_cache: page_size {bucket.cache.page_size} must be a multiple of the "
-                                      f"encoder chunk {self.T}")
-                self.prefix = PrefixCache(self.pages)
+        self.memory = (PagedMemory(bucket.cache, self.T, prefix_cache) if isinstance(bucket.cache, PagedKVCache)
+                       else None)
         bucket.state.finished.fill_(True)  # every row frozen until a request begins a block in it
 
     # ----- requests ------------------------------------------------------------------------------------------------
@@ -252,9 +240,8 @@ class Engine:
         cfgs, _, _, needed = plan(self.model, [list(prompt)], config, seed)
         cfg = cfgs[0]
         check_slots(needed, self.max_seq_len, "the server's max_seq_len")
-        if self.pages is not None and self.pages.pages_for(needed) > self.pages.capacity:
-            raise ConfigError(f"max_seq_len: this request needs {self.pages.pages_for(needed)} KV pages, more than "
-                              f"the server's pool ({self.pages.capacity})")
+        if self.memory is not None:
+            self.memory.check(needed)
         width = self.bucket.inputs.temperature.shape[1]
         if cfg.max_denoising_steps > width:
             raise ConfigError(f"max_denoising_steps: {cfg.max_denoising_steps} is more than this server allows "
@@ -364,8 +351,8 @@ class Engine:
             self.bucket.encode()
             st.encoder_forwards += 1
             for b, row in encoding:
-                if self.prefix is not None and row.phase == Phase.PREFILL:
-                    self._register_pages(b, row)
+                if self.memory is not None and row.phase == Phase.PREFILL:
+                    self.memory.encoded(b, row.prefilled)
                 if row.phase == Phase.COMMIT:
                     row.block += 1
                 if row.phase == Phase.COMMIT or row.prefilled >= len(row.request.prompt):
@@ -399,9 +386,11 @@ class Engine:
                 if not self._queue:
                     return
                 req = self._queue[0]
-                pages = None if req.cancelled or self.pages is None else self._page_plan(req)
-                if pages is not None and pages[2] > self.pages.available():
-                    return  # waits (in order) for running requests to give pages back
+                pages = None
+                if self.memory is not None and not req.cancelled:
+                    pages = self.memory.plan(req.prompt, req.slots)
+                    if pages is None:
+                        return  # waits (in order) for running requests to give pages back
                 self._queue.popleft()
             if req.cancelled:
                 self._finish(req, "cancelled", [], "")
@@ -412,35 +401,9 @@ class Engine:
             if pages is None:
                 self.bucket.cache.reset_row(b)
             else:
-                self._map_pages(b, row, *pages)
+                row.prefilled = self.memory.admit(b, pages)
+                self.stats.prefix_hit_tokens += row.prefilled
             self.rows[b] = row
-
-    def _page_plan(self, req: Request) -> tuple[list, list[int], int, int]:
-        """(prefix-cache keys of the prompt's full pages, cached pages it starts with, fresh pages it needs, pages
-        that must be free or evictable to admit it)."""
-        pool, P = self.pages, self.bucket.cache.page_size
-        full = len(req.prompt) // P
-        keys = self.prefix.chain(req.prompt, full) if self.prefix is not None else []
-        shared = self.prefix.lookup(req.prompt, (len(req.prompt) - 1) // P) if self.prefix is not None else []
-        new = pool.pages_for(req.slots) - len(shared)
-        # shared pages now cached (count 0) stop being evictable once retained
-        return keys, shared, new, new + sum(pool.refs[p] == 0 for p in shared)
-
-    def _map_pages(self, b: int, row: _Row, keys: list, shared: list[int], new: int, _: int) -> None:
-        self.pages.assign_row(b, shared, new)
-        hit = len(shared) * self.bucket.cache.page_size
-        self.bucket.cache.lengths[b] = hit
-        row.prefilled, row.page_keys, row.cached_pages = hit, keys, len(shared)
-        self.stats.prefix_hit_tokens += hit
-        if self.prefix is not None:
-            self.prefix.stats.hit_pages += len(shared)
-
-    def _register_pages(self, b: int, row: _Row) -> None:
-        """Register the row's full prompt pages whose encoder pass has run."""
-        done = min(row.prefilled // self.bucket.cache.page_size, len(row.page_keys))
-        for j in range(row.cached_pages, done):
-            self.prefix.insert(row.page_keys[j], self.pages.rows[b][j])
-        row.cached_pages = max(row.cached_pages, done)
 
     def _begin_block(self, b: int, row: _Row) -> None:
         inputs = self.bucket.inputs
@@ -474,8 +437,8 @@ class Engine:
         req = row.request
         b = self.rows.index(row)
         self.bucket.state.finished[b] = True
-        if self.pages is not None:
-            self.pages.release_row(b)
+        if self.memory is not None:
+            self.memory.release(b)
         self.rows[b] = _Row()
         self._finish(req, reason, tokens or [], text)
 

@@ -1,0 +1,97 @@
+"""The engine's KV memory over a `kv_cache.PagedKVCache`: a `PagePool`, an optional `PrefixCache`, and what each
+row's admission and prefill mean for them.
+
+A request is admitted when a row is free and every page it can need (its committed slots, `generate.plan`: prompt +
+max_new_tokens) is free or evictable; it takes them all at admission (`admit`) and gives them back when it retires
+(`release`), so a running request never waits for memory and is never evicted (queued requests wait, in order).
+With the prefix cache a request maps the cached full pages its prompt starts with (at most (len(prompt) - 1) // P:
+the last prompt token is always encoded, the pass that fills the next block's denoise plan) and its prefill starts
+after them; its own full prompt pages are registered once the encoder pass that wrote them has run (`encoded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import ConfigError
+from ..kv_cache import PagedKVCache
+from .kv_pool import PagePool
+from .prefix_cache import PrefixCache
+
+
+@dataclass
+class Admission:
+    """What admitting one request takes: the prefix-cache keys of its prompt's full pages, the cached pages it
+    starts with (`shared`), the fresh pages it needs (`new`), and the pages that must be free or evictable (`need`:
+    `new` plus the shared pages now cached, which stop being evictable once mapped)."""
+
+    keys: list[bytes]
+    shared: list[int]
+    new: int
+    need: int
+
+
+class PagedMemory:
+    """Pages for the rows of one engine (see the module docstring). `chunk`: the encoder chunk T.
+
+    Raises:
+        ConfigError: with `prefix_cache`, a page size that is not a multiple of `chunk` (a hit must start the
+            prefill on a chunk boundary, `prefix_cache.py`).
+    """
+
+    def __init__(self, cache: PagedKVCache, chunk: int, prefix_cache: bool = True):
+        if prefix_cache and cache.page_size % chunk:
+            raise ConfigError(f"prefix_cache: page_size {cache.page_size} must be a multiple of the encoder chunk "
+                              f"{chunk}")
+        self.cache = cache
+        self.pool = PagePool(cache)
+        self.prefix = PrefixCache(self.pool) if prefix_cache else None
+        self.hit_tokens = 0  # prompt tokens mapped from the prefix cache instead of encoded
+        self._keys: list[list[bytes]] = [[] for _ in range(cache.batch_size)]
+        self._cached = [0] * cache.batch_size  # leading full prompt pages of the row found in / given to the cache
+
+    def check(self, slots: int) -> None:
+        """Raise ConfigError when a request of `slots` committed slots could never be admitted (more pages than the
+        pool)."""
+        if self.pool.pages_for(slots) > self.pool.capacity:
+            raise ConfigError(f"max_seq_len: this request needs {self.pool.pages_for(slots)} KV pages, more than the "
+                              f"server's pool ({self.pool.capacity})")
+
+    def plan(self, prompt: Sequence[int], slots: int) -> Admission | None:
+        """What admitting a request (its prompt, its committed slots) takes now, or None while its pages are not
+        available."""
+        P, pool = self.cache.page_size, self.pool
+        keys, shared = [], []
+        if self.prefix is not None:
+            keys = self.prefix.chain(prompt, len(prompt) // P)
+            shared = self.prefix.lookup(prompt, (len(prompt) - 1) // P)
+        new = pool.pages_for(slots) - len(shared)
+        need = new + sum(pool.refs[p] == 0 for p in shared)
+        return Admission(keys, shared, new, need) if need <= pool.available() else None
+
+    def admit(self, row: int, admission: Admission) -> int:
+        """Give row `row` its pages (`PagePool.assign_row`) and start it after its shared pages: sets
+        `cache.lengths[row]` and returns the prompt tokens it skips (hit pages x P)."""
+        self.pool.assign_row(row, admission.shared, admission.new)
+        hit = len(admission.shared) * self.cache.page_size
+        self.cache.lengths[row] = hit
+        self._keys[row], self._cached[row] = admission.keys, len(admission.shared)
+        self.hit_tokens += hit
+        if self.prefix is not None:
+            self.prefix.stats.hit_pages += len(admission.shared)
+        return hit
+
+    def encoded(self, row: int, prefilled: int) -> None:
+        """The row's prompt is encoded up to `prefilled` tokens: register its full pages written so far."""
+        if self.prefix is None:
+            return
+        done = min(prefilled // self.cache.page_size, len(self._keys[row]))
+        for j in range(self._cached[row], done):
+            self.prefix.insert(self._keys[row][j], self.pool.rows[row][j])
+        self._cached[row] = max(self._cached[row], done)
+
+    def release(self, row: int) -> None:
+        """The row's request ended: its pages go back (`PagePool.release_row`), its table is unmapped."""
+        self.pool.release_row(row)
+        self._keys[row], self._cached[row] = [], 0
