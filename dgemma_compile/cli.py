@@ -459,7 +459,7 @@ def serve_command(args: argparse.Namespace) -> int:
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "
-          f"kv={'static' if engine.pages is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
+          f"kv={'static' if engine.memory is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
           f"setup_s={time.perf_counter() - start:.1f} threads={threads}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
