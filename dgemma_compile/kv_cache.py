@@ -136,6 +136,12 @@ class PagedKVCache:
     Invariant (the static cache's, per page): every page a row's table maps holds finite values -- the zero page,
     the row's block pages, and committed pages that were zeroed when handed out (`zero_pages`) and since written
     only by the rows holding them. A page no table maps is never read, whatever it holds (NaN included).
+
+    Cost: `layer_kv` copies each row's S + T logical slots per layer and forward (a gather), whatever the row's
+    length. Reading the pool in place (FlexAttention with the block mask's kv indices mapped to physical pages, or a
+    mask_mod over block tables) would avoid the copy, but its kv blocks would be pages of P slots rather than the
+    static masks' 128-slot blocks (and uncompiled flex would reduce over the pool's physical order), so its numerics
+    would differ from the static cache's; not done here.
     """
 
     keys: list[torch.Tensor]

@@ -47,7 +47,6 @@ class PagedMemory:
         self.cache = cache
         self.pool = PagePool(cache)
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
-        self.hit_tokens = 0  # prompt tokens mapped from the prefix cache instead of encoded
         self._keys: list[list[bytes]] = [[] for _ in range(cache.batch_size)]
         self._cached = [0] * cache.batch_size  # leading full prompt pages of the row found in / given to the cache
 
@@ -77,7 +76,6 @@ class PagedMemory:
         hit = len(admission.shared) * self.cache.page_size
         self.cache.lengths[row] = hit
         self._keys[row], self._cached[row] = admission.keys, len(admission.shared)
-        self.hit_tokens += hit
         if self.prefix is not None:
             self.prefix.stats.hit_pages += len(admission.shared)
         return hit
