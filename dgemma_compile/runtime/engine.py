@@ -33,6 +33,9 @@ and with the prefix cache (on by default) starts its prefill after the cached fu
 (`EngineStats.prefix_hit_tokens`, `prefill_tokens`). Only prompt pages are shared; the tokens are those of the
 request's solo run either way (tests/test_kv_paged.py).
 
+An engine owns its bucket's buffers while it runs: another engine or `gen.generate` on the same bucket overwrites
+its rows' cache (and, paged, the pages its prefix cache vouches for).
+
 Requests are validated at `submit` (`check_request`), so a bad request never reaches the rows. `submit` and `cancel`
 are thread-safe; `step` and `run` belong to one engine thread. Events are delivered by calling the request's
 `on_event` from the engine thread.
