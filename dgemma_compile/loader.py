@@ -31,6 +31,7 @@ from .config import ConfigError, GenerationConfig, ModelConfig, read_json
 from .model import DiffusionGemma
 from .quant import checkpoint
 from .quant.quantize import quiet_torchao
+from .quant.schemes import check_scheme
 
 log = logging.getLogger("dgemma_compile")
 
@@ -172,12 +173,21 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
         tied_head = key == "lm_head.weight" and model.lm_head is None
         if key in used or key in ignored or tied_head or _is_shared_duplicate(key, used):
             continue
+        if key.startswith("lm_head.") and model.lm_head is None:
+            raise CheckpointError(f"{files[key]}: tensor {key}: the lm_head is stored quantized, but config.json ties "
+                                  "it to the embeddings (tie_word_embeddings is true); quantize with lm_head in the "
+                                  "recipe's ignore list (dg.quantize makes the tied copies itself)")
         raise CheckpointError(f"{files[key]}: unexpected tensor {key} (not part of DiffusionGemma's text model)")
     if ignored:
         log.info("ignoring %d vision-tower tensors in %s (text-only model)", len(ignored), directory)
 
     ckpt_dtypes = {header[k][0] for k in sources.values() if not k.endswith("layer_scalar")}
     target = dtype or (FLOAT_DTYPES[ckpt_dtypes.pop()] if len(ckpt_dtypes) == 1 else torch.float32)
+    if fmt is not None:
+        try:
+            check_scheme(fmt.scheme, device, target)
+        except ConfigError as e:
+            raise CheckpointError(f"{directory / 'config.json'}: {e}") from None
     state, stored_data = {}, {}
     by_file: dict[Path, tuple[list[str], list[str]]] = {}
     for name, key in sources.items():
@@ -214,7 +224,7 @@ def _assign(model: DiffusionGemma, state: dict[str, torch.Tensor], quantized: di
     linears as torchao tensors (their dequantized dtype `dtype`), experts through `ExpertProjection.set_quantized`."""
     experts = {}
     if quantized:
-        like = checkpoint.template(fmt.scheme, device)
+        like = checkpoint.template(fmt.scheme, device, dtype)
         for name, stored in quantized.items():
             if stored.experts:
                 experts[name] = checkpoint.build_experts(stored, stored_data, device)

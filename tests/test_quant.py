@@ -76,17 +76,25 @@ def test_tied_embeddings_logits_and_self_conditioning_copies(scheme, tiny_dir):
     assert _sqnr(ref, model._soft_embedding(embeds, None, None, probs)) >= SQNR_FLOOR[scheme]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scheme", sorted(SQNR_FLOOR))
-def test_all_zero_activation_rows_stay_finite(scheme):
+def test_all_zero_activation_rows_and_weight_rows_stay_finite(scheme, dtype):
     """Step 1's self-conditioning input is exactly zero, and frozen rows of a bucket can be: a zero row in, a zero row
-    out (dynamic fp8 activations divide by the row's amax: floored)."""
-    model = _demo_bf16()
-    quantize(model, scheme)
+    out (dynamic fp8 activations divide by the row's amax: floored, in float16 too, where 1e-12 is 0); a zero weight
+    row (a pruned channel) gives a zero output column, not NaN. NVFP4 on float16 is refused up front."""
+    model = dg.load(DEMO_MODEL, dtype=dtype)
     lin = model.self_conditioning.gate_proj
-    x = torch.randn(4, lin.in_features).to(torch.bfloat16)
+    lin.weight.data[5] = 0
+    if scheme.startswith("nvfp4") and dtype == torch.float16:
+        with pytest.raises(ConfigError, match="bfloat16 or float32"):
+            quantize(model, scheme)
+        assert model.lm_head is None and type(lin.weight) is torch.nn.Parameter  # nothing changed
+        return
+    quantize(model, scheme)
+    x = torch.randn(4, lin.in_features).to(dtype)
     x[1] = 0
     y = lin(x)
-    assert torch.isfinite(y).all() and not y[1].any()
+    assert torch.isfinite(y).all() and not y[1].any() and not y[:, 5].any()
 
 
 def test_refusals_change_nothing():

@@ -384,3 +384,16 @@ def test_w4a4_checkpoint_runs_as_w4a16_with_a_note(tmp_path, caplog):
     ref = _load("tiny-untied-nvfp4a16")
     for (n, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(_plain(p), _plain(q)), n
+
+
+def test_float16_loads_fp8_with_finite_zero_rows_and_refuses_nvfp4():
+    """float16 is a `dtype=` the loader takes: FP8 runs with float16's amax floor (1e-12 is 0 there: a zero row was
+    NaN), NVFP4 is refused up front (torchao's NVFP4 takes bfloat16 or float32)."""
+    model = _load("tiny-untied-fp8-dynamic", dtype=torch.float16)
+    lin = model.layers[0].mlp.gate_proj
+    x = torch.randn(3, lin.in_features).to(torch.float16)
+    x[1] = 0
+    y = lin(x)
+    assert torch.isfinite(y).all() and not y[1].any()
+    with pytest.raises(CheckpointError, match="config.json.*bfloat16 or float32"):
+        _load("tiny-untied-nvfp4a16", dtype=torch.float16)

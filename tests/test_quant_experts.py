@@ -91,15 +91,19 @@ def _args(quant, x, w, idx, gate_up, down):
     return (x, w, idx, gu[0], list(gu[1:]), dn[0], list(dn[1:]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme", ["fp8", "fp8-weight-only"])
 @pytest.mark.parametrize("impl", ["loop", "dense", "gathered"])
 @pytest.mark.parametrize("routing", ["random", "unused"])
-def test_fp8_experts_equal_torchao_linears(scheme, impl, routing):
-    x, w, idx, gate_up, down = experts(24, 8, 2, routing=routing)
+def test_fp8_experts_equal_torchao_linears(scheme, impl, routing, dtype):
+    x, w, idx, gate_up, down = experts(24, 8, 2, routing=routing, dtype=dtype)
     ref = _fp8_reference(x, w, idx, gate_up, down, scheme)
     out = op(*_args(scheme, x, w, idx, gate_up, down), impl, scheme)
-    # float32 throughout: only the reduction order differs from torchao's dequantize + matmul
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:  # only the reduction order differs from torchao's float32 products
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # both round each projection's float32 product to bf16: a few bf16 roundings apart at most
+        err, scale = (out.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
+        assert err <= 4 * torch.finfo(torch.bfloat16).eps * scale, (err, scale)
 
 
 @pytest.mark.parametrize("impl", ["loop", "dense", "gathered"])
@@ -116,12 +120,15 @@ def test_nvfp4_experts_equal_the_decoded_weights(impl, routing):
     assert (ref - exact).norm() / exact.norm() < 0.25
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("impl", ["loop", "dense", "gathered"])
-def test_zero_rows_and_unused_experts_stay_finite(quant, impl):
+def test_zero_rows_and_unused_experts_stay_finite(quant, impl, dtype):
     """Step 1's all-zero self-conditioning input and frozen rows give zero rows; experts 0, 2, 3, 5, 7 receive no
     token (their weights are all zero here too, the worst case for a per-row scale): outputs finite, zero rows zero."""
-    x, w, idx, gate_up, down = experts(12, 8, 2, routing="unused", dtype=torch.bfloat16)
+    if quant == "nvfp4-w4a16" and dtype == torch.float16:
+        pytest.skip("refused: torchao's NVFP4 takes bfloat16 or float32 weights (test_quant)")
+    x, w, idx, gate_up, down = experts(12, 8, 2, routing="unused", dtype=dtype)
     x[3] = 0
     x[7] = 0
     for e in (0, 2, 3, 5, 7):

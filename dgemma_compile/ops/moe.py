@@ -46,8 +46,9 @@ IMPL_QUANTS = {"loop": EXPERT_QUANTS, "dense": EXPERT_QUANTS, "gathered": EXPERT
 """The formats each implementation takes. `torch._grouped_mm` multiplies 16-bit operands only (its fp8 sibling,
 `torch._scaled_grouped_mm`, needs sm90 and per-row scales of both operands; not wired yet)."""
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-ACTIVATION_AMAX_FLOOR = 1e-12
-"""Lower bound of every fp8 amax, activation rows and weight rows (`quant.schemes`): a zero row stays zero."""
+AMAX_FLOOR = 1e-12
+"""Lower bound of every amax a scale is computed from (fp8 activation and weight rows, NVFP4 per-tensor scales;
+`quant.schemes`), in float32: a zero row or an all-zero weight stays zero instead of 0/0 = NaN."""
 NVFP4_BLOCK = 16
 """NVFP4 scales one fp8 factor per 16 consecutive input elements: the input dim must be a multiple of it."""
 
@@ -75,17 +76,27 @@ def dequantize_expert(weight: torch.Tensor, scales: list[torch.Tensor], quant: s
     return (vals / global_scale[..., None]).flatten(-2).to(dtype)
 
 
+def amax_floor(dtype: torch.dtype) -> float:
+    """The amax floor of a tensor of `dtype` (torchao's `hp_value_lb`): torchao clamps and divides by 448 in the
+    tensor's own dtype, where `AMAX_FLOOR` is 0 in float16 (measured: a zero row became NaN); so at least the dtype's
+    smallest normal (float16: 2**-14, whose 1/448 is still a nonzero float16)."""
+    return max(AMAX_FLOOR, torch.finfo(dtype).tiny)
+
+
 def fp8_fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] through float8_e4m3fn with one dynamic scale per row, max(amax, ACTIVATION_AMAX_FLOOR) / 448
-    (torchao's per-row activation quantization), back in x's dtype: what an fp8 GEMM sees of its input."""
-    scale = x.abs().amax(-1, keepdim=True).to(torch.float32).clamp(min=ACTIVATION_AMAX_FLOOR) / FP8_MAX
+    """x [..., K] through float8_e4m3fn with one dynamic scale per row, max(amax, floor) / 448 computed in x's dtype
+    as torchao's per-row activation quantization does (`_choose_scale_float8`; the floor is `amax_floor(x.dtype)`),
+    returned in float32: what an fp8 GEMM multiplies (codes times scale)."""
+    scale = (x.abs().amax(-1, keepdim=True).clamp(min=amax_floor(x.dtype)) / FP8_MAX).to(torch.float32)
     q = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.to(torch.float32) * scale).to(x.dtype)
+    return q.to(torch.float32) * scale
 
 
 class ExpertWeight(NamedTuple):
     """One projection of every expert as the op receives it: stored `weight`, its `scales`, the format `quant` and
-    the `dtype` its products run in (the activations')."""
+    the `dtype` its products run in: the activations' unquantized; float32 for a quantized format, as torchao's
+    fp8 and NVFP4 linears compute (the implementations round each projection's output to the activations' dtype,
+    as those linears return it)."""
 
     weight: torch.Tensor
     scales: list[torch.Tensor]
@@ -104,8 +115,8 @@ class ExpertWeight(NamedTuple):
         return dequantize_expert(self.weight, self.scales, self.quant, self.dtype)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """The input as this format's GEMM sees it: fp8 per row for "fp8", unchanged otherwise."""
-        return fp8_fake_quant_rows(x) if self.quant == "fp8" else x
+        """The input as this format's GEMM multiplies it, in `dtype`: fp8 per row for "fp8"."""
+        return fp8_fake_quant_rows(x) if self.quant == "fp8" else x.to(self.dtype)
 
 
 def _as_weight(weight: "torch.Tensor | ExpertWeight", x: torch.Tensor) -> ExpertWeight:
@@ -121,9 +132,9 @@ def moe_experts_loop(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWeig
     x_in = gate_up.activation(x_ND)
     for e in torch.unique(idx_NK).tolist():
         token, slot = torch.where(idx_NK == e)
-        gate, up = F.linear(x_in[token], gate_up.rows(e)).chunk(2, dim=-1)
+        gate, up = F.linear(x_in[token], gate_up.rows(e)).to(x_ND.dtype).chunk(2, dim=-1)
         h = F.gelu(gate, approximate="tanh") * up
-        y = F.linear(down.activation(h), down.rows(e)) * w_NK[token, slot, None]
+        y = F.linear(down.activation(h), down.rows(e)).to(x_ND.dtype) * w_NK[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
 
@@ -153,9 +164,9 @@ def moe_experts_dense(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWei
     gate_up, down = _as_weight(gate_up, x_ND), _as_weight(down, x_ND)
     N, E = x_ND.shape[0], gate_up.weight.shape[0]
     combine_EN = torch.zeros(N, E, dtype=w_NK.dtype, device=x_ND.device).scatter(1, idx_NK, w_NK).T
-    gate, up = torch.einsum("nd,eid->eni", gate_up.activation(x_ND), gate_up.all()).chunk(2, dim=-1)
+    gate, up = torch.einsum("nd,eid->eni", gate_up.activation(x_ND), gate_up.all()).to(x_ND.dtype).chunk(2, dim=-1)
     h = F.gelu(gate, approximate="tanh") * up
-    y_END = torch.einsum("eni,edi->end", down.activation(h), down.all())
+    y_END = torch.einsum("eni,edi->end", down.activation(h), down.all()).to(x_ND.dtype)
     return (y_END * combine_EN[..., None]).sum(0).to(x_ND.dtype)
 
 
@@ -174,10 +185,10 @@ def moe_experts_gathered(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: Expert
     I = gate_up.weight.shape[1] // 2
     idx_M = idx_NK.reshape(-1)
     x_M1D = gate_up.activation(x_ND)[:, None, :].expand(N, K, D).reshape(N * K, 1, D)
-    gate = (gate_up.part(slice(None, I)).rows(idx_M) * x_M1D).sum(-1)
-    up = (gate_up.part(slice(I, None)).rows(idx_M) * x_M1D).sum(-1)
+    gate = (gate_up.part(slice(None, I)).rows(idx_M) * x_M1D).sum(-1).to(x_ND.dtype)
+    up = (gate_up.part(slice(I, None)).rows(idx_M) * x_M1D).sum(-1).to(x_ND.dtype)
     h_M1I = down.activation(F.gelu(gate, approximate="tanh") * up)[:, None, :]
-    y_MD = (down.rows(idx_M) * h_M1I).sum(-1)
+    y_MD = (down.rows(idx_M) * h_M1I).sum(-1).to(x_ND.dtype)
     return (y_MD.view(N, K, D) * w_NK[..., None]).sum(1).to(x_ND.dtype)
 
 
@@ -222,8 +233,9 @@ def _check(impl: str, quant: str) -> None:
 
 
 def _run(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant) -> torch.Tensor:
-    gate_up = ExpertWeight(gate_up_EID, list(gate_up_scales), quant, x_ND.dtype)
-    down = ExpertWeight(down_EDI, list(down_scales), quant, x_ND.dtype)
+    compute = x_ND.dtype if quant == "none" else torch.float32
+    gate_up = ExpertWeight(gate_up_EID, list(gate_up_scales), quant, compute)
+    down = ExpertWeight(down_EDI, list(down_scales), quant, compute)
     return _IMPLEMENTATIONS[impl](x_ND, w_NK, idx_NK, gate_up, down)
 
 

@@ -297,12 +297,12 @@ def _check(keys: dict[str, str], fmt: StoredFormat, lead: tuple[int, ...], N: in
 
 
 # ----- tensors -------------------------------------------------------------------------------------------------------
-def template(scheme: str, device: torch.device):
-    """A torchao weight as `quantize` builds it for `scheme` on `device` (a 16x16 one): its settings (mm config,
-    activation kwargs, kernel preference, scale layout) are copied onto the loaded tensors, so that a loaded model
-    and a model quantized on load are the same kind of model on every device."""
+def template(scheme: str, device: torch.device, dtype: torch.dtype):
+    """A torchao weight as `quantize` builds it for `scheme` on `device` for a `dtype` model (a 16x16 one): its
+    settings (mm config, activation kwargs with the dtype's amax floor, kernel preference, scale layout) are copied
+    onto the loaded tensors, so that a loaded model and a model quantized on load are the same kind of model."""
     lin = nn.Linear(BLOCK, BLOCK, bias=False, device="meta")  # no random init: the caller's RNG stays as it was
-    lin.weight = nn.Parameter(torch.ones(BLOCK, BLOCK, device=device, dtype=torch.bfloat16), requires_grad=False)
+    lin.weight = nn.Parameter(torch.ones(BLOCK, BLOCK, device=device, dtype=dtype), requires_grad=False)
     with quiet_torchao():
         config = torchao_config(scheme, device)
         if config is None:

@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from ..model import ExpertProjection
 from ..ops.moe import NVFP4_BLOCK
-from .schemes import NUMERICS, check_scheme, direct_weight, expert_weights, torchao_config, unsupported_dims
+from .schemes import NUMERICS, check_scheme, direct_weight, expert_weights, torchao_config, unsupported_weight
 
 log = logging.getLogger("dgemma_compile")
 
 EXCLUDED_PARTS = (
-    ("embed_tokens (lookup)", "the lookup gathers one row per token: kept in the model dtype (the logits and the "
-                              "self-conditioning product read the quantized copies lm_head / sc_embedding)"),
+    ("embed_tokens (lookup)", "the lookup gathers one row per token: kept in the model dtype"),
     ("layers.*.router", "routers: routing decisions stay in the model dtype"),
     ("*norm*, *scalar*", "RMSNorm weights and layer scalars: vectors, kept in the model dtype"),
 )
@@ -45,7 +45,7 @@ def unsupported_expert_dims(scheme: str, shape: tuple[int, int, int]) -> str | N
     return None
 
 
-def _parts(name: str, proj: nn.Module) -> int:
+def _parts(name: str) -> int:
     """How many separately scaled halves a projection's rows hold: gate_up's gate and up rows get their own NVFP4
     global scales (as llmcompressor writes them), down one."""
     return 2 if name.endswith("gate_up_proj") else 1
@@ -63,7 +63,7 @@ def _tied_copies(model: nn.Module, scheme: str, report: "QuantReport") -> None:
     copies.append(("sc_embedding", "sc_embedding (the self-conditioning product probs @ embeddings)",
                    table.T.contiguous()))
     for attr, what, weight in copies:
-        why = unsupported_dims(scheme, weight)
+        why = unsupported_weight(scheme, weight)
         if why is not None:
             report.excluded.append((what, why))
             continue
@@ -114,16 +114,17 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             quantized, or torchao missing (the `[quant]` extra). Raised before any weight changes.
     """
     device = next(model.parameters()).device
-    check_scheme(scheme, device)
+    check_scheme(scheme, device, next(model.parameters()).dtype)
     if getattr(model, "quant_scheme", None) is not None:
-        raise ConfigError(f"quant scheme: the model is already quantized ({model.quant_scheme}); load it again")
+        raise ConfigError(f"quant scheme: the model is already quantized ({model.quant_scheme}); quantize a model "
+                          "loaded from a float checkpoint")
     try:
         with quiet_torchao():
             import torchao  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"quant scheme {scheme!r} needs torchao: pip install 'dgemma-compile[quant]' ({e})") from None
     report = QuantReport(scheme=scheme, bytes_before=weight_bytes(model))
-    experts = [(name, m) for name, m in model.named_modules() if type(m).__name__ == "ExpertProjection"]
+    experts = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertProjection)]
     expert_why = {name: unsupported_expert_dims(scheme, m.shape) for name, m in experts}
     _tied_copies(model, scheme, report)
     chosen = []
@@ -132,7 +133,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             continue
         if _is_router(name):
             continue  # listed once in EXCLUDED_PARTS
-        why = unsupported_dims(scheme, module.weight)
+        why = unsupported_weight(scheme, module.weight)
         if why is not None:
             report.excluded.append((name, why))
         else:
@@ -155,7 +156,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             if expert_why[name] is not None:
                 report.excluded.append((name, expert_why[name]))
                 continue
-            proj.set_quantized(scheme, *expert_weights(scheme, proj.weight.detach(), parts=_parts(name, proj)))
+            proj.set_quantized(scheme, *expert_weights(scheme, proj.weight.detach(), parts=_parts(name)))
             chosen.append(name)
     report.quantized = chosen
     report.bytes_after = weight_bytes(model)
@@ -166,7 +167,8 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
 
 class quiet_torchao:
     """torchao logs and warns at import and on first use (deprecations, missing optional kernels): kept out of the
-    CLI's output, as the issue asks; they stay available at DEBUG level."""
+    CLI's output, as the issue asks. Inside the block its loggers (`_NOISY_LOGGERS`) are raised to ERROR and every
+    warning is ignored -- dropped, not kept; torchao's own calls are all the block holds."""
 
     def __enter__(self):
         import warnings

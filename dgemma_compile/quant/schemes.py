@@ -8,7 +8,7 @@ lazily: it is the optional `[quant]` extra).
 | `nvfp4-w4a16`    | NVFP4 (fp4 e2m1, fp8 scale per 16, per-tensor scale) | the model dtype      | NVFP4WeightOnlyConfig             |
 | `nvfp4`          | NVFP4                                | NVFP4 (W4A4: sm100 tensor cores)     | refused on every device we have   |
 
-Dynamic activation scales take max(|row|, `ACTIVATION_AMAX_FLOOR`): torchao's default divides by the row's amax, so an
+Dynamic activation scales take max(|row|, `AMAX_FLOOR`): torchao's default divides by the row's amax, so an
 all-zero row (the self-conditioning input of a block's first step, frozen rows of a bucket) became NaN (measured on
 this CPU with torchao 0.18); with the floor a zero row stays exactly zero. Weight scales take the same floor: torchao's
 fp8 configs pass none, and a weight row of zeros (an expert or output channel that is all zero) became a row of NaN
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ConfigError
-from ..ops.moe import ACTIVATION_AMAX_FLOOR, NVFP4_BLOCK  # noqa: F401 (re-exported: the floor and block of every scheme)
+from ..ops.moe import AMAX_FLOOR, NVFP4_BLOCK, amax_floor
 
 SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")
 NUMERICS = "v2"
@@ -30,11 +30,15 @@ linears; v2 (2026-12-01) + the routed experts, the lm_head and the tied embeddin
 floor. Named in `QuantReport.text()`."""
 
 
-def check_scheme(scheme: str, device: torch.device) -> None:
-    """Raises ConfigError naming `scheme` for an unknown name, or for `nvfp4` (W4A4) on a device without sm100 tensor
-    cores (every device we run on: H200 is sm90); `nvfp4-w4a16` is what an H200 runs."""
+def check_scheme(scheme: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raises ConfigError naming `scheme` for an unknown name, for `nvfp4` (W4A4) on a device without sm100 tensor
+    cores (every device we run on: H200 is sm90; `nvfp4-w4a16` is what an H200 runs), or for an NVFP4 scheme on a
+    float16 model (torchao's NVFP4 quantization takes bfloat16 or float32 weights)."""
     if scheme not in SCHEMES:
         raise ConfigError(f"quant scheme: must be one of {SCHEMES}, got {scheme!r}")
+    if scheme.startswith("nvfp4") and dtype == torch.float16:
+        raise ConfigError(f"quant scheme {scheme!r}: torchao's NVFP4 takes bfloat16 or float32 weights; this model is "
+                          "float16 (load it with --dtype bfloat16)")
     if scheme == "nvfp4":
         major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
         if major is None or major < 10:
@@ -43,18 +47,21 @@ def check_scheme(scheme: str, device: torch.device) -> None:
                               f"this model is on {where}. Use 'nvfp4-w4a16' (NVFP4 weights, 16-bit activations)")
 
 
-def unsupported_dims(scheme: str, weight: torch.Tensor) -> str | None:
-    """Why `scheme` cannot take a weight of this shape (None: it can). Both FP8 layouts tile by 16 on GPUs
-    (`torch._scaled_mm`), NVFP4 blocks the input dim by 16."""
+def unsupported_weight(scheme: str, weight: torch.Tensor) -> str | None:
+    """Why `scheme` cannot take this [N, K] linear weight (None: it can). Both FP8 layouts tile by 16 on GPUs
+    (`torch._scaled_mm`), NVFP4 blocks the input dim by 16; torchao's NVFP4 weight-only config derives its per-tensor
+    scale from the weight's amax with no floor, so an all-zero weight would become NaN (measured)."""
     out_dim, in_dim = weight.shape
     if in_dim % NVFP4_BLOCK or out_dim % NVFP4_BLOCK:
         return f"dims [{out_dim}, {in_dim}] are not multiples of {NVFP4_BLOCK}"
+    if scheme.startswith("nvfp4") and not bool(weight.any()):
+        return "an all-zero weight (NVFP4's per-tensor scale would be 0)"
     return None
 
 
 def _fp8_direct(device: torch.device | None = None, activations: bool = True):
     """weight -> `Float8Tensor` for the fp8 schemes: per-row weights with the amax floor and, with `activations`,
-    dynamic per-row activations with the same floor; `KernelPreference.AUTO` on CUDA (torchao picks its kernel),
+    dynamic per-row activations with the same floor (`amax_floor` of the weight's dtype, the activations' too); `KernelPreference.AUTO` on CUDA (torchao picks its kernel),
     `TORCH` elsewhere (plain torch ops: `torch._scaled_mm` where it runs, dequantize + matmul otherwise)."""
     from torchao.float8.inference import Float8MMConfig
     from torchao.quantization import PerRow
@@ -64,11 +71,15 @@ def _fp8_direct(device: torch.device | None = None, activations: bool = True):
 
     kernel = KernelPreference.AUTO if device is not None and device.type == "cuda" else KernelPreference.TORCH
     mm = Float8MMConfig(use_fast_accum=False)
-    act = QuantizeTensorToFloat8Kwargs(granularity=PerRow(), mm_config=mm, hp_value_lb=ACTIVATION_AMAX_FLOOR,
-                                       kernel_preference=kernel) if activations else None
-    return lambda w: Float8Tensor.from_hp(w, granularity=PerRow(), mm_config=mm if activations else None,
-                                          hp_value_lb=ACTIVATION_AMAX_FLOOR, act_quant_kwargs=act,
-                                          kernel_preference=kernel)
+
+    def build(w: torch.Tensor):
+        floor = amax_floor(w.dtype)
+        act = QuantizeTensorToFloat8Kwargs(granularity=PerRow(), mm_config=mm, hp_value_lb=floor,
+                                           kernel_preference=kernel) if activations else None
+        return Float8Tensor.from_hp(w, granularity=PerRow(), mm_config=mm if activations else None,
+                                    hp_value_lb=floor, act_quant_kwargs=act, kernel_preference=kernel)
+
+    return build
 
 
 def torchao_config(scheme: str, device: torch.device):
@@ -105,7 +116,7 @@ def expert_weights(scheme: str, weight: torch.Tensor, parts: int = 1) -> tuple[t
         from torchao.quantization import PerRow
         from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
 
-        q = Float8Tensor.from_hp(weight, granularity=PerRow(), hp_value_lb=ACTIVATION_AMAX_FLOOR)
+        q = Float8Tensor.from_hp(weight, granularity=PerRow(), hp_value_lb=amax_floor(weight.dtype))
         return q.qdata, q.scale.to(torch.float32)
     if scheme == "nvfp4-w4a16":
         from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
@@ -113,7 +124,7 @@ def expert_weights(scheme: str, weight: torch.Tensor, parts: int = 1) -> tuple[t
         E, N, K = weight.shape
         packed, blocks, globals_ = [], [], []
         for rows in weight.float().chunk(parts, dim=1):
-            amax = rows.abs().amax(dim=(1, 2), keepdim=True).clamp(min=ACTIVATION_AMAX_FLOOR)  # an all-zero expert
+            amax = rows.abs().amax(dim=(1, 2), keepdim=True).clamp(min=AMAX_FLOOR)  # an all-zero expert
             per_tensor = per_tensor_amax_to_scale(amax)  # [E, 1, 1]
             scale, data = nvfp4_quantize(rows.contiguous(), NVFP4_BLOCK, per_tensor)
             packed.append(data.view(torch.uint8).reshape(E, rows.shape[1], K // 2))
