@@ -143,10 +143,10 @@ def test_engine_paged_equals_generate(demo):
 
 
 def test_prefix_cache_shared_prefix_computed_once(demo):
-    """A prompt's two full pages are encoded once: three later requests starting with them (other tails, seeds
-    and temperatures) map the cached pages at once (held by all three rows), encode only their tails, and give
-    their solo runs' tokens. Two requests admitted in the same iteration both compute their prefix (a page is
-    registered once its encoder pass has run); the second's copy stays private."""
+    """A prompt's two full pages are encoded once: a request submitted with it waits while they are computed (a
+    request of another prompt behind it is admitted meanwhile), three later requests starting with them (other
+    tails, seeds and temperatures) map the cached pages at once (held by all three rows); each encodes only its
+    tail and gives its solo run's tokens."""
     model, tok = demo
     base = model.generation_config.replace(max_new_tokens=16)
     first = Request(prompt=_ids(tok, model, LONG + "7="), config=base, seed=0)
@@ -155,11 +155,14 @@ def test_prefix_cache_shared_prefix_computed_once(demo):
              for s, (tail, cfg) in enumerate([("9=", base), ("7 8 9=", base.with_temperature(0)), ("7=", base)], 2)]
     engine = build_engine(model, max_batch=3, max_seq_len=SLOTS, max_denoising_steps=64, eager=True, tokenizer=tok,
                           page_size=P)
-    engine.submit(first), engine.submit(twin)
+    other = Request(prompt=_ids(tok, model, "add 1234567+7654321 = 0 0 0="), config=base, seed=5)
+    engine.submit(first), engine.submit(twin), engine.submit(other)
+    engine.step()
+    assert [r.request for r in engine.rows] == [first, other, None] and engine.queue_depth == 1
     _run(engine)
     st, prefix = engine.stats, engine.memory.prefix
-    assert st.prefill_tokens == len(first.prompt) + len(twin.prompt) and st.prefix_hit_tokens == 0
-    assert prefix.stats.registered == 2  # first's two pages; twin's equal pages were not registered again
+    assert st.prefix_hit_tokens == 2 * P and prefix.stats.registered == 3  # first's two pages, other's one
+    assert st.prefill_tokens == len(first.prompt) + len(twin.prompt) - 2 * P + len(other.prompt)
     shared = prefix.lookup(first.prompt, 2)
     for r in later:
         engine.submit(r)
@@ -167,10 +170,11 @@ def test_prefix_cache_shared_prefix_computed_once(demo):
     assert [engine.memory.pool.refs[p] for p in shared] == [3, 3]
     assert all(engine.memory.pool.rows[b][:2] == shared for b in range(3))
     _run(engine)
-    assert st.prefix_hit_tokens == 3 * 2 * P and prefix.stats.hit_pages == 6
-    assert st.prefill_tokens == len(first.prompt) + len(twin.prompt) + sum(len(r.prompt) - 2 * P for r in later)
-    _assert_solo(model, [first, twin, *later])
-    assert len(engine.memory.pool.cached) == 2  # kept for the next request, evictable
+    assert st.prefix_hit_tokens == 4 * 2 * P and prefix.stats.hit_pages == 8
+    assert st.prefill_tokens == len(first.prompt) + len(other.prompt) + sum(len(r.prompt) - 2 * P
+                                                                             for r in [twin, *later])
+    _assert_solo(model, [first, twin, other, *later])
+    assert len(engine.memory.pool.cached) == 3 and not engine.memory.pending  # kept for the next request, evictable
 
 
 def test_eviction_under_memory_pressure(demo):

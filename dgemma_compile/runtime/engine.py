@@ -30,7 +30,7 @@ KV memory: over a static cache each row owns max_seq_len committed slots. Over a
 (`EagerBucket(page_size=..., kv_pages=...)`, `gen.bucket(..., page_size=...)`) the rows draw pages from one pool
 (`kv_memory.PagedMemory`): a request waits in the queue until its pages are available, holds them until it retires,
 and with the prefix cache (on by default) starts its prefill after the cached full pages its prompt starts with
-(`EngineStats.prefix_hit_tokens`, `prefill_tokens`). Only prompt pages are shared; the tokens are those of the
+(`EngineStats.prefix_hit_tokens`, `prefill_tokens`), waiting for those another row is computing. Only prompt pages are shared; the tokens are those of the
 request's solo run either way (tests/test_kv_paged.py).
 
 An engine owns its bucket's buffers while it runs: another engine or `gen.generate` on the same bucket overwrites
@@ -384,17 +384,21 @@ class Engine:
             if row.request is not None and row.request.cancelled:
                 self._retire(row, "cancelled")
         free = [b for b, row in enumerate(self.rows) if row.phase == Phase.FREE]
+        skipped = 0  # queued requests left waiting for prompt pages a running row is computing
         while free:
             with self._lock:
-                if not self._queue:
+                if skipped >= len(self._queue):
                     return
-                req = self._queue[0]
+                req = self._queue[skipped]
                 pages = None
                 if self.memory is not None and not req.cancelled:
+                    if self.memory.computing(req.prompt):
+                        skipped += 1
+                        continue
                     pages = self.memory.plan(req.prompt, req.slots)
                     if pages is None:
                         return  # waits (in order) for running requests to give pages back
-                self._queue.popleft()
+                del self._queue[skipped]
             if req.cancelled:
                 self._finish(req, "cancelled", [], "")
                 continue

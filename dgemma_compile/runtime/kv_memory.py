@@ -7,6 +7,9 @@ max_new_tokens) is free or evictable; it takes them all at admission (`admit`) a
 With the prefix cache a request maps the cached full pages its prompt starts with (at most (len(prompt) - 1) // P:
 the last prompt token is always encoded, the pass that fills the next block's denoise plan) and its prefill starts
 after them; its own full prompt pages are registered once the encoder pass that wrote them has run (`encoded`).
+Until then they are pending: a request whose prompt continues into a page another row is computing waits for it
+(`computing`; the engine admits the requests behind it meanwhile) instead of computing the same page again -- so
+the n choices of one prompt, admitted together, encode it once.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class PagedMemory:
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
         self._keys: list[list[bytes]] = [[] for _ in range(cache.batch_size)]
         self._cached = [0] * cache.batch_size  # leading full prompt pages of the row found in / given to the cache
+        self.pending: dict[bytes, int] = {}  # key of a full prompt page being computed -> the row computing it
 
     def check(self, slots: int) -> None:
         """Raise ConfigError when a request of `slots` committed slots could never be admitted (more pages than the
@@ -56,6 +60,16 @@ class PagedMemory:
         if self.pool.pages_for(slots) > self.pool.capacity:
             raise ConfigError(f"max_seq_len: this request needs {self.pool.pages_for(slots)} KV pages, more than the "
                               f"server's pool ({self.pool.capacity})")
+
+    def computing(self, prompt: Sequence[int]) -> bool:
+        """Whether the first page of `prompt` beyond its cached run (within the pages a hit may cover) is being
+        computed by a running row: admitting it later maps that page instead of computing it again."""
+        if self.prefix is None or not self.pending:
+            return False
+        for key in self.prefix.chain(prompt, (len(prompt) - 1) // self.cache.page_size):
+            if key not in self.prefix.pages:
+                return key in self.pending
+        return False
 
     def plan(self, prompt: Sequence[int], slots: int) -> Admission | None:
         """What admitting a request (its prompt, its committed slots) takes now, or None while its pages are not
@@ -77,6 +91,10 @@ class PagedMemory:
         self.cache.lengths[row] = hit
         self._keys[row], self._cached[row] = admission.keys, len(admission.shared)
         if self.prefix is not None:
+            for key in admission.keys[len(admission.shared):]:
+                if key not in self.prefix.pages and key not in self.pending:
+                    self.pending[key] = row
+        if self.prefix is not None:
             self.prefix.stats.hit_pages += len(admission.shared)
         return hit
 
@@ -86,10 +104,16 @@ class PagedMemory:
             return
         done = min(prefilled // self.cache.page_size, len(self._keys[row]))
         for j in range(self._cached[row], done):
-            self.prefix.insert(self._keys[row][j], self.pool.rows[row][j])
+            key = self._keys[row][j]
+            self.prefix.insert(key, self.pool.rows[row][j])
+            if self.pending.get(key) == row:
+                del self.pending[key]
         self._cached[row] = max(self._cached[row], done)
 
     def release(self, row: int) -> None:
         """The row's request ended: its pages go back (`PagePool.release_row`), its table is unmapped."""
         self.pool.release_row(row)
+        for key in self._keys[row]:
+            if self.pending.get(key) == row:  # retired before its prefill wrote the page: nobody computes it now
+                del self.pending[key]
         self._keys[row], self._cached[row] = [], 0
