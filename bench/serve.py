@@ -133,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--prompts", type=int, default=500, help="held-out test prompts cycled through")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as lost")
+    p.add_argument("--suffix", default="", help="appended to the results file's name (serve_cpu_<date><suffix>.md)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     prompts = [q for _, q, _ in tasks.make_split("heldout", args.prompts, seed=0)]
     levels = [int(x) for x in args.concurrency.split(",")]
+    load_start = environment.load_average()
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# dgemma serve load test: demo model, CPU ({environment.today()})", "",
              f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python -m bench.serve "
              f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "",
-             f"- device: {environment.device_name('cpu')}; load average at the end: {environment.load_average()}",
+             f"- device: {environment.device_name('cpu')}; load average (1/5/15 min) at the start: {load_start}, at the end: "
+             f"{environment.load_average()}",
              f"- versions: {environment.versions()}; commit {environment.git_commit()}",
              f"- server: `dgemma serve --max-batch {args.max_batch} --max-seq-len {args.max_seq_len}` (one compiled "
              f"bucket; up and compiled in {setup_s:.1f} s, excluded); clients: asyncio + httpx, non-streaming "
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.no_write:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"serve_cpu_{environment.today()}.md").write_text(text)
+        (RESULTS / f"serve_cpu_{environment.today()}{args.suffix}.md").write_text(text)
     return 0
 
 

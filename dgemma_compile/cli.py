@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: dgemma-demo for the "
                                                              "demo model, else the checkpoint directory's name)")
     s.add_argument("--eager", action="store_true", help="eager steps instead of the compiled bucket (no compile)")
+    s.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
+                   help="each row's logits bitwise those of its solo run whatever the bucket and batch mates "
+                        "(CompileOptions.batch_invariant; auto: on for CPU, free there)")
     s.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op CPU threads (as generate)")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     return p
@@ -453,13 +456,15 @@ def serve_command(args: argparse.Namespace) -> int:
               flush=True)
     engine = build_engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, eager=args.eager,
                           tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics, page_size=args.kv_page_size,
-                          kv_pages=args.kv_pages)
+                          kv_pages=args.kv_pages,
+                          batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics)
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "
           f"kv={'static' if engine.memory is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
+          f"batch_invariant={'on' if engine.batch_invariant else 'off'} "
           f"setup_s={time.perf_counter() - start:.1f} threads={threads}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -19,6 +19,7 @@ identical tokens.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -36,8 +37,10 @@ from ..plan import PlanBuffers
 from ..steps import BufferSteps, DenoiseState, StepInputs, denoise_step, encode_chunk
 from ..stop_check import PinnedCopy, StopCheck
 from ..stop_check import resolve as resolve_stop_check
-from .options import CompileOptions
+from .options import CompileOptions, check_batch_invariant
 from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
+
+log = logging.getLogger("dgemma_compile")
 
 
 class Bucket:
@@ -116,6 +119,17 @@ class CompiledGenerator:
         # reproduces these numerics with `generate(..., moe_impl=gen.moe_impl)`
         self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=self.model.dtype, num_experts=cfg.num_experts,
                                          top_k=cfg.top_k_experts, compiled=True, quant=self.model.expert_quant)
+        # batch-invariant rows (`CompileOptions.batch_invariant`), checked before anything compiles: asked for
+        # (True) and not possible raises; by default (None) a model that cannot have them runs without, logged
+        self.batch_invariant = self.options.batch_invariance(self.model.device.type)
+        if self.batch_invariant:
+            try:
+                check_batch_invariant(cfg.canvas_length, self.model.dtype, self.moe_impl)
+            except ConfigError as e:
+                if self.options.batch_invariant:
+                    raise
+                log.info("batch-invariant rows off: %s", e)
+                self.batch_invariant = False
         cuda = self.model.device.type == "cuda"
         self._copy = PinnedCopy() if cuda else None  # the deferred stop check's copy (CPU: a plain read)
 

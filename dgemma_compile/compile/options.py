@@ -89,6 +89,16 @@ class CompileOptions:
     # demo step went 1.27 -> 1.70 ms; bench/results/passes_cpu_*.md). 256 MiB = the released vocabulary (256 x
     # 262,144) at every batch size; the demo and the scaled bench model stay with Inductor's loops. 0: always.
     sample_step_fusion_min_bytes: int = 256 * 2**20
+    # Batch-invariant rows: each row's logits bitwise equal to its solo run's whatever the bucket and its batch mates
+    # (tests/test_batch_invariance.py; issue 15). What it takes: fixed shapes (every bucket's cache holds
+    # `max_seq_len` slots; prefill runs in fixed chunks), an experts implementation whose per-token result does not
+    # depend on how many tokens an expert receives ("gathered", "dense", "grouped"; never "loop", one GEMM per expert
+    # over its tokens), and GEMMs whose row count M stays where the CPU kernels give each row the same result. Measured
+    # here (bench/results/batch_invariance_cpu_*.md): float32 rows change below M = 4, bfloat16 rows only at M = 1;
+    # every GEMM of the units has M = B x T with T = the canvas (16 demo, 256 released), so no shape needs a fixed-M
+    # call: the mode checks the rule (`check_batch_invariant`) and costs nothing (on and off compile the same graphs).
+    # None = on for CPU; on CUDA unmeasured (cuBLAS picks kernels, split-K included, by M), so off, and True refused.
+    batch_invariant: bool | None = None
     # FlexAttention kernel options per query kind ("encoder": prefill chunks and unfused commits; "canvas": denoise
     # steps and commit + denoise) and layer type ("sliding_attention", "full_attention"), passed to `flex_attention`
     # as they are. Canvas queries are pinned to the main FlexAttention template (FORCE_USE_FLEX_ATTENTION): with
@@ -117,6 +127,8 @@ class CompileOptions:
             raise ConfigError(f"skip_guards: must be a bool, got {self.skip_guards!r}")
         if not (self.fuse_commit is None or isinstance(self.fuse_commit, bool)):
             raise ConfigError(f"fuse_commit: must be None, True or False, got {self.fuse_commit!r}")
+        if not (self.batch_invariant is None or isinstance(self.batch_invariant, bool)):
+            raise ConfigError(f"batch_invariant: must be None, True or False, got {self.batch_invariant!r}")
         if not isinstance(self.direct_calls, bool):
             raise ConfigError(f"direct_calls: must be a bool, got {self.direct_calls!r}")
         if not (self.cpp_wrapper is None or isinstance(self.cpp_wrapper, bool)):
@@ -155,6 +167,14 @@ class CompileOptions:
         """Whether generators on `device_type` ("cpu", "cuda", ...) fuse commits (`fuse_commit`, None resolved)."""
         return device_type == "cuda" if self.fuse_commit is None else self.fuse_commit
 
+    def batch_invariance(self, device_type: str) -> bool:
+        """Whether generators on `device_type` promise batch-invariant rows (`batch_invariant`, None resolved).
+        Raises ConfigError for True off the CPU (not measured there)."""
+        if self.batch_invariant and device_type != "cpu":
+            raise ConfigError(f"batch_invariant: measured on CPU only; on {device_type} GEMM kernels change with the "
+                              "row count: use batch_invariant=False or None")
+        return device_type == "cpu" if self.batch_invariant is None else self.batch_invariant
+
     def inductor_config(self, device_type: str) -> dict:
         """The Inductor settings that depend on the device a graph runs on (`device_type` "cpu", "cuda", ...), patched
         by the units' compile backend around each Inductor compile."""
@@ -186,6 +206,36 @@ def _check_attention_kernel_options(k) -> None:
                                      or "DECODE" in str(options.get("BACKEND", "")).upper()):
                 raise ConfigError(f"attention_kernel_options['canvas'][{layer_type!r}]: canvas queries stay pinned to "
                                   "the main FlexAttention template (FORCE_USE_FLEX_ATTENTION=True), never flex-decoding")
+
+
+GEMM_ROW_SWITCH = {torch.float32: 4, torch.bfloat16: 2}
+"""Per dtype, the fewest GEMM rows (M) from which a CPU GEMM gives each row the same bits whatever M: measured on this
+2-core AVX512 CPU, torch 2.13 (MKL float32, oneDNN bfloat16), 1 and 2 threads, every projection shape of the demo and
+of the released width (bench/batch_invariance.py): float32 rows differ at M <= 3, bfloat16 rows at M = 1 only."""
+BATCH_INVARIANT_MOE = ("gathered", "dense", "grouped")
+"""Experts implementations whose per-token result does not depend on the other tokens: per-assignment products
+("gathered"), every expert on every token ("dense"), or `torch._grouped_mm`, whose CPU groups give a token the same bits
+whatever the group's size (measured, eager and compiled). "loop" runs one `F.linear` per expert over its routed tokens:
+M = 1..3 rows change bits."""
+
+
+def check_batch_invariant(canvas_length: int, dtype: torch.dtype, moe_impl: str) -> None:
+    """What batch-invariant rows need of a compiled generator (`CompileOptions.batch_invariant`): every GEMM of the units
+    has M = B x T rows with T >= canvas_length, so T must reach `GEMM_ROW_SWITCH[dtype]`; and an M-invariant experts
+    implementation (`BATCH_INVARIANT_MOE`).
+
+    Raises:
+        ConfigError: naming batch_invariant, for a canvas below the switch, an unmeasured dtype or a "loop" MoE."""
+    switch = GEMM_ROW_SWITCH.get(dtype)
+    if switch is None:
+        raise ConfigError(f"batch_invariant: not measured for {dtype} (only {sorted(map(str, GEMM_ROW_SWITCH))}); "
+                          "use batch_invariant=False")
+    if canvas_length < switch:
+        raise ConfigError(f"batch_invariant: a canvas of {canvas_length} tokens gives GEMMs of fewer rows than the "
+                          f"{switch} from which {dtype} rows keep their bits; use batch_invariant=False")
+    if moe_impl not in BATCH_INVARIANT_MOE:
+        raise ConfigError(f"batch_invariant: moe_impl {moe_impl!r} is not batch-invariant (one GEMM per expert over "
+                          f"its routed tokens); use one of {BATCH_INVARIANT_MOE} or batch_invariant=False")
 
 
 @contextlib.contextmanager

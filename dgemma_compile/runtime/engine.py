@@ -208,6 +208,7 @@ class Engine:
         self.compiles = compiles
         self.metrics = metrics
         self.stats = EngineStats()
+        self.batch_invariant = False  # whether rows are batch-invariant across buckets (`build_engine` sets it)
         self.C = model.config.canvas_length
         self.T = bucket.inputs.ids.shape[1]
         self._queue: deque[Request] = deque()
@@ -482,14 +483,20 @@ class Engine:
 def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
-                 prefix_cache: bool = True) -> Engine:
+                 prefix_cache: bool = True, batch_invariant: bool | None = None) -> Engine:
     """An engine over one bucket of `max_batch` rows: compiled (a generator with that one bucket, a cache of
     `max_seq_len` committed slots -- default the model's context, at most `config.DEFAULT_MAX_SEQ_LEN` --, no commit
-    fusion; warmed up here, which compiles) or, with `eager`, an `EagerBucket` (moe "dense"). `generator`: reuse a
+    fusion; warmed up here, which compiles) or, with `eager`, an `EagerBucket`. `generator`: reuse a
     compiled generator built with `CompileOptions(batch_buckets=(max_batch,), fuse_commit=False, ...)` (tests share
     one with `gen.generate`). `page_size` (a multiple of the canvas length with the prefix cache): a paged KV cache
     of `kv_pages` pages (default: the static cache's memory) shared by the rows, with a prefix cache unless
-    `prefix_cache` is False (see the module docstring). The engine is not started (`Engine.start`)."""
+    `prefix_cache` is False (see the module docstring). `batch_invariant`: `CompileOptions.batch_invariant` (None: on
+    for CPU); eagerly, on means moe "dense" (batch-invariant), off "loop" (transformers' order);
+    `Engine.batch_invariant` tells which ran (tested on the static cache). The engine is not started
+    (`Engine.start`).
+
+    Raises:
+        ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`)."""
     from ..compile import CompileOptions, build
     from ..config import DEFAULT_MAX_SEQ_LEN
 
@@ -497,14 +504,20 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         max_seq_len = min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     config = model.generation_config
     if eager:
+        on = CompileOptions(batch_invariant=batch_invariant).batch_invariance(model.device.type)
         bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
-                             page_size=page_size, kv_pages=kv_pages)
-        return Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
-                      prefix_cache=prefix_cache)
+                             page_size=page_size, kv_pages=kv_pages, moe_impl="dense" if on else "loop")
+        engine = Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
+                        prefix_cache=prefix_cache)
+        engine.batch_invariant = on
+        return engine
     gen = generator or build(model, CompileOptions(batch_buckets=(max_batch,), max_seq_len=max_seq_len,
-                                                   max_denoising_steps=max_denoising_steps, fuse_commit=False))
+                                                   max_denoising_steps=max_denoising_steps, fuse_commit=False,
+                                                   batch_invariant=batch_invariant))
     paging = dict(page_size=page_size, kv_pages=kv_pages) if page_size is not None else {}
     gen.warmup(max_batch, config, **paging)
     bucket = gen.bucket(max_batch, config, **paging)
-    return Engine(model, bucket, config=config, tokenizer=tokenizer, max_queue=max_queue,
-                  compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache)
+    engine = Engine(model, bucket, config=config, tokenizer=tokenizer, max_queue=max_queue,
+                    compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache)
+    engine.batch_invariant = gen.batch_invariant
+    return engine
