@@ -4,7 +4,7 @@ server on loopback through the official `openai` client.
 Fast tier: the engine over eager steps (`EagerBucket`, moe "dense": batch-invariant rows) against `dg.generate`, and
 the HTTP behaviour (refusals, queue limit, disconnect, metrics) against eager servers. Slow tier: one compiled bucket
 of 8 rows shared by the module (`demo_serve`), whose answers must equal `gen.generate`'s on the same bucket alone and
-among 12 concurrent requests, and `dgemma serve` as a subprocess.
+among 16 concurrent requests, and `dgemma serve` as a subprocess.
 """
 
 from __future__ import annotations
@@ -132,6 +132,40 @@ def test_engine_events_stop_cancel_and_refusals(demo):
     assert engine.stats.requests == {"stop": 1, "cancelled": 1}
 
 
+def test_engine_draft_events(demo):
+    """draft_every=1: a draft event after every denoise step of each block still in flight (its step and block, the
+    canvas cut at eos), before that block's own event; drafts change nothing else (same tokens and block events as
+    without them); a bad draft_every is refused at submit."""
+    model, tok = demo
+    cfg = model.generation_config
+    runs = {}
+    for k in (0, 1):
+        engine = Engine(model, EagerBucket(model, 2, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+        events = []
+        req = engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, draft_every=k,
+                                    on_event=events.append))
+        _run_engine(engine)
+        runs[k] = req, events
+    (plain, plain_events), (req, events) = runs[0], runs[1]
+    assert req.sequence == plain.sequence
+    finals = [e for e in events if not e.draft]
+    assert [(e.text, e.finish_reason) for e in finals] == [(e.text, e.finish_reason) for e in plain_events]
+    drafts = [e for e in events if e.draft]
+    assert drafts and not any(e.draft for e in plain_events)
+    for block, steps in enumerate(req.stats.steps_per_block):
+        mine = [e for e in drafts if e.block == block]
+        assert [e.step for e in mine] == list(range(1, steps)), (block, steps)
+        last = max(i for i, e in enumerate(events) if e.block == block and e.draft) if mine else None
+        assert last is None or not events[last + 1].draft  # the block's own event follows its drafts
+    for e in drafts:
+        assert e.finish_reason is None and len(e.tokens) <= model.config.canvas_length
+        assert not set(e.tokens) & set(cfg.resolved(model.config).eos_token_ids)
+        assert e.text == tok.decode(e.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    engine = Engine(model, EagerBucket(model, 1, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    with pytest.raises(dg.ConfigError, match="draft_every"):
+        engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, draft_every=-1))
+
+
 # ----- HTTP over eager steps --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eager_server(demo):
@@ -188,6 +222,8 @@ def _post(srv, path: str, body, **kw) -> httpx.Response:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "add 1+2="}], "logprobs": True}, 400,
      "logprobs"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "draft_every": 2}, 400, "draft_every"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "draft_every": 0, "stream": True}, 400, "draft_every"),
 ])
 def test_refusals(eager_server, path, body, status, param):
     """Each refusal is OpenAI-shaped, and the server keeps serving (the last request of the module checks that)."""
@@ -213,6 +249,65 @@ def test_openai_client_errors_and_routes(eager_server):
                  "dgemma_steps_per_block", 'dgemma_requests_total{reason="eos"}'):
         assert name in metrics
     assert eager_server.engine.recompiles() == {}
+
+
+@pytest.mark.parametrize("kw,error", [
+    (dict(extra_body={"frobnicate": 1}), "BadRequestError"),
+    (dict(max_tokens=0), "BadRequestError"),
+    (dict(max_tokens=300), "BadRequestError"),
+    (dict(temperature=-1.0), "BadRequestError"),
+    (dict(stop=""), "BadRequestError"),
+    (dict(extra_body={"max_denoising_steps": 999}), "BadRequestError"),
+    (dict(prompt="1 " * 300), "BadRequestError"),
+    (dict(model="gpt-4"), "NotFoundError"),
+    (dict(echo=True), "BadRequestError"),
+    (dict(chat=True, response_format={"type": "json_object"}), "BadRequestError"),
+    (dict(chat=True, tools=[{"type": "function", "function": {"name": "f"}}]), "BadRequestError"),
+    (dict(chat=True, logprobs=True), "BadRequestError"),
+])
+def test_openai_client_refusals(eager_server, kw, error):
+    """The refusals through the official client: each raises the client's error class for its status, with the
+    server's OpenAI-shaped body."""
+    client = eager_server.client(max_retries=0)
+    kw = {"model": MODEL, **kw}
+    with pytest.raises(getattr(openai, error)) as info:
+        if kw.pop("chat", False):
+            client.chat.completions.create(messages=[{"role": "user", "content": "add 1+2="}], **kw)
+        else:
+            client.completions.create(**{"prompt": "sort 1 2=", **kw})
+    assert info.value.body["message"] and info.value.body["type"]
+
+
+def test_openai_client_draft_events(eager_server):
+    """Streaming with draft_every (an extension through extra_body): draft chunks carry `draft` {text, block, step}
+    beside an empty text, so the joined text is the answer's; chat the same; without stream a 400."""
+    client = eager_server.client(max_retries=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=REV, seed=0, stream=True,
+                                            extra_body={"draft_every": 1}))
+    drafts = [c.choices[0].model_extra["draft"] for c in chunks if (c.choices[0].model_extra or {}).get("draft")]
+    assert drafts and all(set(d) == {"text", "block", "step"} for d in drafts)
+    assert {d["block"] for d in drafts} <= {0, 1} and all(d["step"] >= 1 for d in drafts)
+    assert "".join(c.choices[0].text for c in chunks) == "1 0 9 8 7 6 5 4 3 2 1"
+    parts = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": REV}], seed=0,
+                                                stream=True, extra_body={"draft_every": 1}))
+    assert any((p.choices[0].model_extra or {}).get("draft") for p in parts)
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == "1 0 9 8 7 6 5 4 3 2 1"
+    with pytest.raises(openai.BadRequestError, match="draft_every"):
+        client.completions.create(model=MODEL, prompt=REV, extra_body={"draft_every": 1})
+
+
+def test_nonstreaming_disconnect_frees_row(slow_server):
+    """A non-streaming client (the official client) that gives up mid-request: the server notices the closed
+    connection (it polls every 0.5 s) and cancels the request, which frees its row at the next iteration."""
+    engine = slow_server.engine
+    client = slow_server.client(max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model=MODEL, prompt=REV, seed=0)
+    deadline = time.time() + 10
+    while engine.stats.requests["cancelled"] == 0 or engine.running:
+        assert time.time() < deadline, engine.stats
+        time.sleep(0.05)
+    assert engine.stats.requests == {"cancelled": 1} and engine.stats.iterations < 30
 
 
 def test_queue_full_429_and_disconnect_frees_row(slow_server):
@@ -280,7 +375,7 @@ def _config(model, temperature=None, max_tokens=None, max_denoising_steps=None):
 
 
 def _cases() -> list[tuple[str, int, dict]]:
-    prompts = [tasks.sample(tasks.TASKS[i % 4], random.Random(i))[0] for i in range(9)] + [REV, "sort 3 1 2 9 5="]
+    prompts = [tasks.sample(tasks.TASKS[i % 4], random.Random(i))[0] for i in range(13)] + [REV, "sort 3 1 2 9 5="]
     variants = [{}, {"temperature": 0}, {"max_tokens": 4}, {"max_denoising_steps": 4}, {"temperature": 0.5}]
     return [(p, 100 + i, variants[i % len(variants)]) for i, p in enumerate(prompts)] + \
         [(p, 7, {}) for p in prompts[:1]]
@@ -300,7 +395,7 @@ def test_compiled_bucket(demo_serve):
 
 
 def _alone_and_concurrent_equal_generate(srv, gen, refs):
-    """Each request alone, then all 12 at once (more than the 8 rows: some wait and are admitted mid-flight), gives
+    """Each request alone, then all 16 at once (more than the 8 rows: some wait and are admitted mid-flight), gives
     exactly `gen.generate`'s text on the same bucket; the demo's answers are right."""
     client = srv.client()
     cases = _cases()

@@ -18,7 +18,11 @@ finished and must be written to the cache before the next block). Every iteratio
    block finished in this iteration, their argmax canvas and step count (one more read); finalises those blocks
    exactly as the eager block loop does (`generate.finalize_row`: eos, exact token budget), runs stop strings
    (`text.StopStrings`: never shown, also across a block boundary), emits one `BlockEvent` per finished block, and
-   retires done requests or marks the others for commit.
+   retires done requests or marks the others for commit;
+5. draft events (opt-in per request, `Request.draft_every` = k): every k-th denoise step of a block still in
+   flight, the request gets its current argmax canvas as a `BlockEvent` with `draft=True` (cut at eos and at its
+   token budget, text cut before a stop string; nothing committed). The rows asking for one this iteration are read
+   together: one more host read of [rows, C] ids, only in iterations where some row asks.
 
 Design: two compiled units per iteration (encoder pass, then denoise step), not yet one mixed-phase forward
 (`plan.PlanBuffers(mixed=True)`): the existing units are per-row deterministic within a bucket, so each request's
@@ -92,12 +96,19 @@ class BlockEvent:
     text: str
     finish_reason: str | None = None
     completion_tokens: int = 0
+    draft: bool = False
+    """A draft (`Request.draft_every`): `tokens` / `text` are the block in flight's current argmax canvas after
+    `step` denoise steps of block `block` (provisional, replaced by the block's own event); never a finish."""
+    block: int = 0
+    step: int = 0
 
 
 @dataclass(eq=False)
 class Request:
     """A request to the engine: prompt token ids, a resolved config (`GenerationConfig.resolved`), its seed
-    ([0, 2**64)), stop strings and the callback that receives its `BlockEvent`s (called from the engine thread)."""
+    ([0, 2**64)), stop strings and the callback that receives its `BlockEvent`s (called from the engine thread).
+    `draft_every` k > 0 asks for a draft event every k denoise steps of each block (0: none); each costs this
+    request's bucket a host read of the canvas in those iterations."""
 
     prompt: list[int]
     config: GenerationConfig
@@ -111,6 +122,7 @@ class Request:
     submitted: float = 0.0
     matcher: StopStrings | None = None
     slots: int = 0  # committed slots it can need (`generate.plan`)
+    draft_every: int = 0
 
 
 @dataclass
@@ -119,6 +131,7 @@ class _Row:
     phase: Phase = Phase.FREE
     prefilled: int = 0  # prompt tokens encoded so far (or mapped from the prefix cache)
     block: int = 0
+    steps: int = 0  # denoise steps of the block in flight (drafts)
 
 
 @dataclass
@@ -256,7 +269,11 @@ class Engine:
         return cfg, needed
 
     def submit(self, request: Request) -> Request:
-        """Queue a request (validated first). Thread-safe. Raises ConfigError (`check_request`) or QueueFullError."""
+        """Queue a request (validated first). Thread-safe. Raises ConfigError (`check_request`;
+        `draft_every` not an int >= 0) or QueueFullError."""
+        k = request.draft_every
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"draft_every: must be an integer >= 0, got {k!r}")
         request.config, request.slots = self._check(request.prompt, request.config, request.seed)
         request.prompt = list(request.prompt)
         if self.tokenizer is not None:
@@ -377,6 +394,7 @@ class Engine:
                 host = torch.cat([state.steps[idx, None], state.argmax[idx]], dim=1).tolist()
                 for b, (steps, *argmax) in zip(done, host):
                     self._end_block(self.rows[b], argmax, steps)
+            self._drafts([b for b in denoising if not finished[b]])
         if self.metrics is not None:
             self.metrics.iteration(self.queue_depth, self.running, len(denoising), read_s)
 
@@ -419,6 +437,35 @@ class Engine:
         canvas = rng.start_canvas(inputs.seeds[b:b + 1], inputs.block[b:b + 1], self.C, self.model.config.vocab_size)
         self.bucket.state.begin_row(b, canvas[0])
         row.phase = Phase.DENOISE
+        row.steps = 0
+
+    def _drafts(self, running: list[int]) -> None:
+        """Draft events of the rows in `running` (denoised this iteration, block still in flight) whose request asks
+        for one at this step (see the module docstring)."""
+        asking = []
+        for b in running:
+            row = self.rows[b]
+            row.steps += 1
+            k = row.request.draft_every
+            if k and row.steps % k == 0:
+                asking.append(b)
+        if not asking:
+            return
+        canvases = self.bucket.state.argmax[torch.tensor(asking)].tolist()
+        for b, canvas in zip(asking, canvases):
+            row = self.rows[b]
+            req = row.request
+            cfg = req.config
+            eos_at = next((i for i, t in enumerate(canvas) if t in cfg.eos_token_ids), None)
+            tokens = canvas[:eos_at] if eos_at is not None else canvas
+            tokens = tokens[:cfg.max_new_tokens - len(req.sequence)]
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                cut = [text.find(s) for s in req.stops if s in text]
+                text = text[:min(cut)] if cut else text
+            self._emit(req, BlockEvent(req, tokens, text, None, len(req.sequence), draft=True, block=row.block,
+                                       step=row.steps))
 
     def _end_block(self, row: _Row, argmax: list[int], steps: int) -> None:
         req, st = row.request, self.stats

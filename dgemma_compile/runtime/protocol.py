@@ -3,7 +3,8 @@
 Requests forbid unknown fields (400, naming the field). Known OpenAI fields this server does not implement are
 accepted only at their neutral value (`logprobs`, `response_format`, `tools`, ... absent or null; `top_p` 1;
 penalties 0; `echo` false) and refused otherwise. Extensions (body fields, e.g. the `openai` client's `extra_body`):
-`max_denoising_steps` (denoise steps per block at most) and `entropy_bound` (the acceptance rule's bound).
+`max_denoising_steps` (denoise steps per block at most), `entropy_bound` (the acceptance rule's bound) and
+`draft_every` (k >= 1, streaming only: a draft event every k denoise steps of each block; see `server.py`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class _Common(BaseModel):
     # extensions
     max_denoising_steps: int | None = Field(default=None, ge=1)
     entropy_bound: float | None = Field(default=None, ge=0)
+    draft_every: int | None = Field(default=None, ge=1, description="a draft event every k denoise steps (stream)")
+
+    @model_validator(mode="after")
+    def _drafts_stream(self):
+        if self.draft_every is not None and not self.stream:
+            raise ValueError("draft_every: draft events are streamed; needs stream=true")
+        return self
 
     @field_validator("max_tokens")
     @classmethod

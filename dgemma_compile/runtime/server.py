@@ -10,6 +10,12 @@ so far, stop strings held back), the last one with its finish_reason, then a usa
 `stream_options.include_usage`, then `[DONE]`. A client that disconnects (streaming or not) has its rows freed at
 the engine's next iteration.
 
+Draft events (the extension `draft_every`: k >= 1, streaming only; opt-in per request, since each costs the
+request's bucket a host read of the canvas every k steps): every k denoise steps of a block in flight, each choice
+gets a chunk whose regular text is empty (`text` "" / `delta.content` "", so clients that ignore drafts see the same
+text) and whose choice carries `"draft": {"text": ..., "block": b, "step": s}`: the block's current argmax canvas
+as text (cut at eos, at the token budget and before a stop string), provisional, replaced by the block's own event.
+
 Errors are OpenAI-shaped (`protocol.APIError`): malformed JSON, unknown or unsupported fields, bad values, prompts
 beyond the context -> 400; an unknown model -> 404; a full queue -> 429. A request is validated whole before any of
 its choices is queued, so a bad request never reaches the engine.
@@ -101,7 +107,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None) -> F
         cfg = config_of(req)
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
-                                 on_event=on_event)
+                                 on_event=on_event, draft_every=req.draft_every or 0)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
@@ -139,6 +145,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None) -> F
                         return Response(status_code=499)
                     continue
                 i = index[id(e.request)]
+                if e.draft:
+                    continue
                 texts[i] += e.text
                 if e.finish_reason is not None:
                     reasons[i], tokens[i] = e.finish_reason, e.completion_tokens
@@ -189,6 +197,16 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None) -> F
     return app
 
 
+def _draft_chunk(e: BlockEvent, i: int, rid: str, now: int, model_name: str, chat: bool) -> dict:
+    """The SSE chunk of one draft event (see the module docstring)."""
+    draft = {"text": e.text, "block": e.block, "step": e.step}
+    if chat:
+        choice = {"index": i, "delta": {"content": ""}, "logprobs": None, "finish_reason": None, "draft": draft}
+        return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name, "choices": [choice]}
+    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": None, "draft": draft}
+    return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": [choice]}
+
+
 def _cancel_unfinished(engine: Engine, choices: list[EngineRequest], reasons: list) -> None:
     for c, r in zip(choices, reasons):
         if r is None:
@@ -219,6 +237,9 @@ async def _stream(request: Request, engine: Engine, choices: list[EngineRequest]
             i = index[id(e.request)]
             if e.finish_reason == "cancelled":
                 reasons[i] = e.finish_reason
+                continue
+            if e.draft:
+                yield {"data": json.dumps(_draft_chunk(e, i, rid, now, model_name, chat))}
                 continue
             finish = P.FINISH_REASONS.get(e.finish_reason, e.finish_reason) if e.finish_reason else None
             if e.finish_reason is not None:
