@@ -124,3 +124,53 @@ def test_compiled_rows_are_bitwise_invariant_across_buckets(demo):
     for prompts, seeds in batches:
         _assert_invariant(run, prompts, seeds)
     assert {name.split("[")[1][:2] for name in gen.compiles} == {"B1", "B8"}
+
+
+def released_width_model(num_experts: int = 8, top_k: int = 2, vocab_size: int = 16_384) -> dg.DiffusionGemma:
+    """Two layers (one sliding, one full) at the released width (hidden 2816, 16 query heads, sliding 8 x 256 and full
+    2 x 512 KV heads, dense MLP 2112, experts of 704, canvas 256, window 1024, soft-cap 30: `test_real_size.TEXT`'s
+    shapes) in bfloat16, random weights (N(0, 0.02) matrices, unit norms; `bench.models.build_direct`). Reduced: 8
+    experts top-2 (routing still splits tokens unevenly among experts) and a vocabulary of 16,384 (as the scaled bench
+    model: the lm_head's and the self-conditioning product's other dimension; their GEMM rows, what batching changes,
+    stay B x 256), so that the test runs in well under a minute."""
+    from bench.models import build_direct, full_config
+    from dgemma_compile.config import FULL, SLIDING
+
+    base = full_config()
+    layers = (SLIDING, FULL)
+    cfg = base.__class__(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
+                            "vocab_size": vocab_size, "num_layers": 2, "layer_types": layers,
+                            "head_dims": (256, 512), "num_kv_heads": (8, 2), "num_experts": num_experts,
+                            "top_k_experts": top_k, "max_position_embeddings": 8192})
+    return build_direct(cfg, torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_released_width_bf16_logits_are_bitwise_batch_invariant():
+    """The released width in bfloat16, eager: each row's float32 logits of two denoise passes (the second
+    self-conditioned on the first) after its prompt's encoder chunk are bitwise those of its solo run, for the
+    batch-invariant experts ("dense", the eager engine's; "grouped", what compiled bfloat16 runs at the released
+    E/K = 16). Fixed shapes as in the engine: prompts padded to one 256-token chunk, a cache of 512 slots for every
+    batch size. Rows: 3 prompts of 30, 200 and 120 tokens; the solo run of the last (~30 s of CPU)."""
+    model = released_width_model()
+    C, slots = model.config.canvas_length, 512
+    g = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    lengths = [30, 200, 120]
+    ids = torch.randint(3, V, (3, C), generator=g)
+    canvas = torch.randint(3, V, (3, C), generator=g)
+    canvas2 = torch.randint(3, V, (3, C), generator=g)
+
+    def run(rows: list[int], moe_impl: str) -> list[torch.Tensor]:
+        cache = model.new_cache(len(rows), slots)
+        model.encode(ids[rows], cache, torch.tensor([lengths[r] for r in rows]), moe_impl=moe_impl)
+        first = model.denoise(canvas[rows], cache, None, moe_impl=moe_impl)
+        return [first, model.denoise(canvas2[rows], cache, first, moe_impl=moe_impl)]
+
+    for moe_impl in ("dense", "grouped"):
+        batch = run([0, 1, 2], moe_impl)
+        for r in (2,):
+            for k, (solo, together) in enumerate(zip(run([r], moe_impl), batch)):
+                assert solo.dtype == torch.float32
+                assert torch.equal(solo[0], together[r]), \
+                    f"{moe_impl}, row {r}, pass {k}: differs by {(solo[0] - together[r]).abs().max().item():.3g}"
