@@ -11,7 +11,8 @@
 2. Cost (`cost`): `CompileOptions(batch_invariant=True)` against `False` on the demo and the scaled model, one bucket
    of 1 and one of 16 rows: p50 latency of one request (bucket 1) and throughput of 16 requests (bucket 16, generated
    tokens / s), interleaved on/off repetitions, medians and ratios. Warm-up (compiles) excluded. The demo runs its
-   checkpoint's config; the scaled model (random weights) one block of 4 denoise steps per request.
+   held-out task prompts with its checkpoint's config; the scaled model (random weights) random prompts, one block of
+   4 denoise steps per request.
 
 Writes bench/results/batch_invariance_cpu_<date>.md.
 """
@@ -88,8 +89,16 @@ def cost(model_name: str, reps: int) -> list[str]:
     if model_name != "demo":  # random weights: one block of 4 denoise steps (no early stop), fixed work per request
         cfg = cfg.replace(max_new_tokens=model.config.canvas_length, max_denoising_steps=4, confidence_threshold=1e9)
     V, C = model.config.vocab_size, model.config.canvas_length
-    g = torch.Generator().manual_seed(0)
-    prompts = [[2] + torch.randint(3, V, (20 + 3 * i,), generator=g).tolist() for i in range(16)]
+    if model_name == "demo":  # held-out task prompts (as bench/serve.py)
+        from dgemma_compile.demo import DEMO_MODEL, tasks
+        from dgemma_compile.text import encode_prompt
+
+        tok = dg.load_tokenizer(DEMO_MODEL)
+        prompts = [encode_prompt(tok, q, bos_token_id=model.config.bos_token_id)
+                   for _, q, _ in tasks.make_split("heldout", 16, seed=0)]
+    else:
+        g = torch.Generator().manual_seed(0)
+        prompts = [[2] + torch.randint(3, V, (20 + 3 * i,), generator=g).tolist() for i in range(16)]
     gens, setup = {}, {}
     for on in (True, False):
         t0 = time.perf_counter()
@@ -131,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
              f"min) at the start: {environment.load_average()}",
              f"- versions: {environment.versions()}; commit {environment.git_commit()}", ""]
     if not args.skip_gemm:
-        header = ["| shape | K | N | B (of 1-16) whose row blocks differ from solo | M (1-64, 96, 128, 256) whose rows "
-                  "differ from M = 512's |", "|---|---|---|---|---|"]
+        header = ["| shape | K | N | B (of 1, 2, 3, 4, 8, 16 demo; up to 8 released) whose row blocks differ from "
+                  "solo | M (1-64, 96, 128, 256) whose rows differ from M = 512's |", "|---|---|---|---|---|"]
         lines += ["## GEMM rows: demo, float32, T = 16", ""] + header + \
             gemm_rows(torch.float32, DEMO, 16, (1, 2, 3, 4, 8, 16)) + ["", "## GEMM rows: released width, bfloat16, "
                                                                        "T = 256", ""] + header + \
