@@ -38,7 +38,9 @@ def parser() -> argparse.ArgumentParser:
                         "systems for models without a checkpoint)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(systems.DTYPES),
-                   help="weights dtype (default: the checkpoint's; bfloat16 for full/full-tiny)")
+                   help="weights dtype (default: the checkpoint's; bfloat16 for full/full-tiny, and for every system "
+                        "when a quantized system (ours-compiled-<scheme>) is chosen, so that its baseline is bf16 "
+                        "ours-compiled)")
     p.add_argument("--prompt-len", type=int, default=256, help="fixed: prompt tokens (adaptive, non-demo: too)")
     p.add_argument("--output-len", type=int, default=512, help="fixed: generated tokens (a multiple of the canvas)")
     p.add_argument("--steps", type=int, default=16, help="fixed: denoise steps per block")
@@ -65,15 +67,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sequential", action="store_true", help="no interleaving: each system's worker runs all its "
                    "repeats and exits before the next starts (when N copies of the model do not fit in memory)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    p.add_argument("--prefix", default="", help="results file names start with this (e.g. quant_ -> "
+                   "quant_{model}_{device}_{date}.md)")
     p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--note", default="", help="free text printed with the results (e.g. machine contention)")
     return p
 
 
 def default_systems(spec: models.ModelSpec) -> list[str]:
-    # the fused / unfused variants answer one question (commit fusion); ask for them by name
+    # the fused / unfused variants answer one question (commit fusion), the quantized ones another; ask for them by name
     return [s for s in systems.SYSTEMS
-            if (spec.has_checkpoint or not s.startswith("hf-")) and s not in ("ours-compiled-fused", "ours-compiled-unfused")]
+            if (spec.has_checkpoint or not s.startswith("hf-"))
+            and s not in ("ours-compiled-fused", "ours-compiled-unfused") + systems.QUANT_SYSTEMS]
 
 
 class _Peaks:
@@ -126,6 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [s for s in chosen if s not in systems.SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown system(s) {unknown}; choose from {', '.join(systems.SYSTEMS)}")
+    dtype = args.dtype
+    if dtype is None and any(systems.quant_scheme(s) for s in chosen):
+        dtype = "bfloat16"  # quantized rows are compared with bf16 ours-compiled: every system loads in bf16
+        log("quantized system(s) chosen: --dtype bfloat16 for every system (the baseline is bf16 ours-compiled)")
     load_start, started = environment.load_average(), environment.now()
     peaks = _Peaks(args, device)
 
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         work, _ = systems.workload_for(spec, wspec)
         log(f"{spec.name} / {work.describe()}")
         payloads = [dict(system=system, model=dataclasses.asdict(spec), workload=wspec.to_dict(), device=device,
-                         dtype=args.dtype, threads=threads, max_seq_len=args.max_seq_len, stop_check=args.stop_check)
+                         dtype=dtype, threads=threads, max_seq_len=args.max_seq_len, stop_check=args.stop_check)
                     for system in chosen]
         measured = runner.measure(payloads, wspec.repeats, interleave=not args.sequential, isolated=not args.in_process,
                                   timeout_s=args.timeout_s, budget_s=args.budget_s, log=log)
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         model=spec.name, device_tag=environment.device_tag(device), date=environment.today(),
         command="python -m bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         checkpoint=environment.checkpoint_id(spec.checkpoint), device=environment.device_name(device),
-        dtype=", ".join(sorted(dtypes)) or args.dtype or "-", threads_n=threads,
+        dtype=", ".join(sorted(dtypes)) or dtype or "-", threads_n=threads,
         threads=f"torch {threads} thread(s) per system, OMP_NUM_THREADS={threads}",
         versions=", ".join(f"{k} {v}" for k, v in vers.items()), versions_dict=vers,
         isolation=("every system in this process" if args.in_process else
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     paths = []
     if not args.no_write:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"{spec.name}_{meta['device_tag']}_{meta['date']}"
+        stem = f"{args.prefix}{spec.name}_{meta['device_tag']}_{meta['date']}"
         paths = [args.out / f"{stem}.md", args.out / f"{stem}.csv"]
         paths[0].write_text(md)
         report.write_csv(paths[1], meta, csv_sections)

@@ -8,6 +8,9 @@ The AR baseline's "step" is one forward (one token).
 
 Spread per system: min / median / p90 of every timed step, and of the pass time (one timed repeat over the whole
 workload).
+
+Quantized systems (`ours-compiled-<scheme>`) get their own table beside bf16 `ours-compiled` of the same run: scheme,
+weight bytes (the `QuantReport`'s) and quantized / baseline ratios (time: < 1 means quantized faster; tok/s: > 1).
 """
 
 from __future__ import annotations
@@ -60,7 +63,19 @@ def summarize(r: dict) -> dict:
         s["unit_step_ms"] = median(ms(unit))
     if "accuracy" in r.get("extra", {}):
         s["accuracy"] = r["extra"]["accuracy"]
+    s["dtype"] = r.get("dtype", "")
+    q = r.get("extra", {}).get("quant")
+    if q:
+        s.update(quant_scheme=q["scheme"], weight_bytes=q["bytes_after"], weight_bytes_before=q["bytes_before"],
+                 quant_s=q.get("seconds", float("nan")))
     return s
+
+
+def is_quantized(row: dict) -> bool:
+    """A quantized system's row (ok or n/a): `ours-compiled-<scheme>`, or any row whose weights are quantized."""
+    from .systems import QUANT_SYSTEMS
+
+    return row["system"] in QUANT_SYSTEMS or row.get("quant_scheme", "none") != "none"
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -77,6 +92,67 @@ def with_ratios(rows: list[dict]) -> list[dict]:
             else:
                 r[f"speedup_{key}"] = r[key] / base[key] if base[key] else float("nan")
     return rows
+
+
+def quant_rows(rows: list[dict]) -> list[dict]:
+    """The quantized-vs-baseline table's rows: per quantized system, its scheme, weight bytes and the ratios of its
+    numbers to `BASE`'s in the same run (`quant_*` keys; NaN where either row failed)."""
+    base = next((r for r in rows if r["system"] == BASE and r["status"] == "ok"), None)
+    out = []
+    for r in rows:
+        if not is_quantized(r):
+            continue
+        q = dict(r)
+        ok = base is not None and r["status"] == "ok"
+        div = lambda a, b: a / b if ok and b else float("nan")  # noqa: E731
+        q["quant_weights"] = div(r.get("weight_bytes", float("nan")), base.get("weight_bytes") if ok else 0)
+        q["quant_step"] = div(r.get("step_ms"), base["step_ms"] if ok else 0)
+        q["quant_request"] = div(r.get("request_ms"), base["request_ms"] if ok else 0)
+        q["quant_tok_s"] = div(r.get("tok_s"), base["tok_s"] if ok else 0)
+        q["quant_pass_paired"] = r.get("speedup_pass_paired", float("nan")) if ok else float("nan")
+        q["same_dtype"] = ok and r.get("dtype") == base.get("dtype")
+        out.append(q)
+    return out
+
+
+QUANT_COLUMNS = [("quant_step", "step time"), ("quant_request", "end to end"), ("quant_tok_s", "tok/s"),
+                 ("quant_pass_paired", "pass, paired")]
+
+
+def quant_markdown(rows: list[dict]) -> list[str]:
+    """The lines of the quantized-vs-baseline table (none when no row is quantized)."""
+    qrows = quant_rows(rows)
+    if not qrows:
+        return []
+    base = next((r for r in rows if r["system"] == BASE and r["status"] == "ok"), None)
+    bdtype = base.get("dtype", "?") if base else "?"
+    has_acc = any("accuracy" in r for r in rows)
+    head = (["system", "scheme", "dtype", "weights MiB", "weights / base", "step ms median", "tok/s"]
+            + [h for _, h in QUANT_COLUMNS] + (["accuracy"] if has_acc else []))
+    out = ["", f"Quantized vs {bdtype} {BASE} (same run; `dg.quantize` in the worker after loading, untimed; weights: "
+           "every parameter and buffer as the `QuantReport` counts them, a tied model's embedding table for the lookup "
+           "and its quantized lm_head / self-conditioning copies included; step time, end to end, pass, paired: "
+           f"quantized / {BASE}, < 1 means the quantized system is faster; tok/s: quantized / {BASE}, > 1 means it is "
+           "faster):", "", "| " + " | ".join(head) + " |", "|---|---|---" + "|---:" * (len(head) - 3) + "|"]
+    mb = lambda r: _fmt(r["weight_bytes"] / 2**20) if "weight_bytes" in r else "-"  # noqa: E731
+    if base is not None:
+        cells = [BASE, base.get("quant_scheme", "none"), bdtype, mb(base), "1.00x", _fmt(base["step_ms"]),
+                 _fmt(base["tok_s"])] + ["1.00x"] * len(QUANT_COLUMNS)
+        out.append("| " + " | ".join(cells + ([_fmt(base.get("accuracy"))] if has_acc else [])) + " |")
+    for q in qrows:
+        if q["status"] != "ok":
+            out.append(f"| {q['system']} | {q['status']} |" + " |" * (len(head) - 2))
+            continue
+        cells = [q["system"], q.get("quant_scheme", "?"), q.get("dtype", "?"), mb(q), _ratio(q["quant_weights"]),
+                 _fmt(q["step_ms"]), _fmt(q["tok_s"])] + [_ratio(q[k]) for k, _ in QUANT_COLUMNS]
+        out.append("| " + " | ".join(cells + ([_fmt(q.get("accuracy"))] if has_acc else [])) + " |")
+    if base is None:
+        out += ["", f"No ratios: {BASE} (the baseline) did not run in this run."]
+    for q in qrows:
+        if q["status"] == "ok" and base is not None and not q["same_dtype"]:
+            out += ["", f"WARNING: {q['system']} ran in {q.get('dtype')} and {BASE} in {bdtype}: the ratios mix "
+                    "dtypes."]
+    return out
 
 
 def with_roofline(rows: list[dict], roof: rl.Roofline) -> list[dict]:
@@ -162,8 +238,12 @@ def markdown(meta: dict, sections: list[Section]) -> str:
         for r in sec.rows:
             if r["status"] == "ok" and r["system"] != BASE:
                 out.append(f"| {r['system']} | " + " | ".join(_ratio(r[f"speedup_{k}"]) for k, _ in RATIOS) + " |")
+        out += quant_markdown(sec.rows)
         if sec.roof is not None:
             out += ["", "Roofline (bench/roofline.py; mean context over the blocks):", ""] + rl.describe(sec.roof)
+            if any(is_quantized(r) for r in sec.rows):
+                out += ["", "The floors are at the model dtype's bytes for every row, quantized ones included (their "
+                        "weights read fewer bytes; their weight sizes are in the table above)."]
             out += ["", "| system | floor ms per step/forward | measured median ms | fraction of floor |", "|---|---:|---:|---:|"]
             for r in sec.rows:
                 if r["status"] == "ok":
@@ -186,7 +266,9 @@ CSV_FIELDS = ["model", "device", "device_name", "dtype", "date", "workload", "ba
               "request_ms", "repeats_timed", "pass_min_ms", "pass_ms", "pass_p90_ms", "pass_p90_over_min", "tok_s",
               "tok_per_fwd", "tokens", "forwards", "compile_s", "peak_mem_mb", "speedup_step_ms", "speedup_canvas_ms",
               "speedup_ttfb_ms", "speedup_request_ms", "speedup_tok_s", "speedup_pass_paired",
-              "floor_ms", "floor_fraction", "accuracy", "python", "torch", "transformers", "dgemma_compile", "threads"]
+              "floor_ms", "floor_fraction", "accuracy", "quant_scheme", "weight_bytes", "weight_bytes_before",
+              "quant_weights", "quant_step", "quant_request", "quant_tok_s", "quant_pass_paired",
+              "python", "torch", "transformers", "dgemma_compile", "threads"]
 
 
 def write_csv(path: Path, meta: dict, sections: list[tuple[dict, Section]]) -> None:
@@ -194,7 +276,9 @@ def write_csv(path: Path, meta: dict, sections: list[tuple[dict, Section]]) -> N
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for wspec, sec in sections:
+            quant = {q["system"]: q for q in quant_rows(sec.rows)}
             for r in sec.rows:
+                r = quant.get(r["system"], r)
                 row = {**meta["versions_dict"], "model": meta["model"], "device": meta["device_tag"],
                        "device_name": meta["device"], "dtype": meta["dtype"], "date": meta["date"],
                        "threads": meta["threads_n"], "workload": wspec["kind"], **{k: wspec[k] for k in

@@ -9,6 +9,10 @@
 - hf-compiled: the same with `cache_implementation="static"`, which makes transformers torch.compile its decoder
   forward, encoder and sampler pieces (`_compile_functions`); timed at `_denoising_step`.
 - ar-compiled: `ar.ARBaseline`, the encoder as a causal LM, greedy, one token per forward; each forward timed.
+- ours-compiled-<scheme> (`QUANT_SYSTEMS`: fp8, fp8-weight-only, nvfp4-w4a16, nvfp4): ours-compiled on the same
+  model after `dg.quantize(model, scheme)`, run in the worker after loading, as part of preparing the system (never
+  timed); the row carries the scheme and the weight bytes before / after from the `QuantReport`, and the report
+  compares it with bf16 `ours-compiled` of the same run. Asked for by name (not in the default systems).
 
 Our library is never patched: ours are observed through `generate(..., observer=...)`. transformers' model gets a
 step timer on its own instance for the session (`install()`); the AR baseline wraps its own step. Blocks are marked by
@@ -26,10 +30,20 @@ import torch
 from . import models, workloads
 from .timing import Recorder, RecorderObserver, patched
 
+QUANT_SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")
+"""`dgemma_compile.quant.SCHEMES` (kept literal so that listing the systems imports no quantization code); `nvfp4`
+(W4A4) is refused by `dg.quantize` on every device we have, so its row reads "n/a (ConfigError ...)"."""
+QUANT_SYSTEMS = tuple(f"ours-compiled-{s}" for s in QUANT_SCHEMES)
 SYSTEMS = ("ours-compiled", "ours-compiled-fused", "ours-compiled-unfused", "ours-eager", "hf-eager", "hf-compiled",
-           "ar-compiled")
+           "ar-compiled") + QUANT_SYSTEMS
 """`ours-compiled-fused` / `-unfused`: ours-compiled with commit fusion forced on / off (`CompileOptions.fuse_commit`;
-ours-compiled takes the device's default)."""
+ours-compiled takes the device's default). `ours-compiled-<scheme>`: ours-compiled on the model quantized to
+`scheme` (`QUANT_SYSTEMS`)."""
+
+
+def quant_scheme(system: str) -> str | None:
+    """The quantization scheme of a system name (`ours-compiled-fp8` -> "fp8"), None for an unquantized system."""
+    return system[len("ours-compiled-"):] if system in QUANT_SYSTEMS else None
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -132,10 +146,11 @@ class OursCompiled(_Ours):
     timing = (f"per step: Observer.on_step, the block loop's step span (host-side input fills + the compiled "
               f"denoise unit; {_SPAN}); the unit alone: Observer.on_unit")
 
-    def __init__(self, ctx: Context, fuse_commit: bool | None = None):
+    def __init__(self, ctx: Context, fuse_commit: bool | None = None, quant: str | None = None):
         import dgemma_compile as dg
         from dgemma_compile.compile import CompileOptions
 
+        _weights(ctx, quant)
         super().__init__(ctx)
         B = ctx.batch
         self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=self.max_seq_len,
@@ -159,6 +174,31 @@ class OursCompiled(_Ours):
                          inductor_s=self.gen.compile_seconds)
         ctx.notes.append(f"compile s = gen.warmup({ctx.batch}) wall time (Inductor {self.gen.compile_seconds:.1f} s of it)")
         _graph_notes(ctx, self.bucket.units)
+
+
+def _weights(ctx: Context, scheme: str | None) -> None:
+    """Quantize the loaded model to `scheme` in place (`dg.quantize`, untimed: part of preparing the system) and
+    record the weight bytes (`extra["quant"]`: scheme, bytes before / after, projections quantized, parts left out;
+    for the unquantized model: its own bytes, counted as the `QuantReport` counts them)."""
+    import time
+
+    from dgemma_compile.quant.quantize import weight_bytes
+
+    if scheme is None:
+        n = weight_bytes(ctx.model)  # a checkpoint stored quantized says so (the loader sets model.quant_scheme)
+        ctx.extra["quant"] = dict(scheme=getattr(ctx.model, "quant_scheme", None) or "none", bytes_before=n,
+                                  bytes_after=n, quantized=0, excluded=0, seconds=0.0)
+        return
+    import dgemma_compile as dg
+
+    t0 = time.perf_counter()
+    rep = dg.quantize(ctx.model, scheme)
+    seconds = time.perf_counter() - t0
+    ctx.extra["quant"] = dict(scheme=scheme, bytes_before=rep.bytes_before, bytes_after=rep.bytes_after,
+                              quantized=len(rep.quantized), excluded=len(rep.excluded), seconds=seconds)
+    ctx.notes.append(f"dg.quantize(model, {scheme!r}) in {seconds:.1f} s before compiling (untimed): "
+                     f"{len(rep.quantized)} projections quantized, weights {rep.bytes_before / 2**20:.2f} MiB -> "
+                     f"{rep.bytes_after / 2**20:.2f} MiB, {len(rep.excluded)} part(s) left out (QuantReport.excluded)")
 
 
 class _Streamer:
@@ -262,7 +302,8 @@ def _graph_notes(ctx: Context, units) -> None:
 def make(system: str, ctx: Context) -> System:
     """The prepared (compiled, where it compiles) `System` named `system`."""
     if system.startswith("ours-compiled"):
-        return OursCompiled(ctx, fuse_commit={"ours-compiled-fused": True, "ours-compiled-unfused": False}.get(system))
+        return OursCompiled(ctx, fuse_commit={"ours-compiled-fused": True, "ours-compiled-unfused": False}.get(system),
+                            quant=quant_scheme(system))
     if system == "ours-eager":
         return OursEager(ctx)
     if system in ("hf-eager", "hf-compiled"):

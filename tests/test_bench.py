@@ -205,3 +205,79 @@ def test_fixed_workload_is_the_same_for_every_system():
     assert w.hf_kwargs == dict(max_new_tokens=128, max_denoising_steps=4, stability_threshold=4, eos_token_id=[])
     with pytest.raises(ValueError, match="multiple of the canvas"):
         workloads.build(workloads.WorkloadSpec(output_len=100), cfg, dg.GenerationConfig())
+
+
+@pytest.mark.slow
+def test_a_quantized_system_row_has_its_scheme_bytes_and_ratio(tiny_dir, tmp_path):
+    """`ours-compiled-fp8` beside ours-compiled on the tiny checkpoint (float32 on disk: a quantized system makes every
+    system load in bf16), and the W4A4 scheme, which dg.quantize refuses on a CPU, as an n/a row: the quantized table
+    gives each row's scheme, weight bytes (the QuantReport's) and its ratios to bf16 ours-compiled of the same run."""
+    pytest.importorskip("torchao")
+    from bench.__main__ import main
+
+    chosen = ["ours-compiled", "ours-compiled-fp8", "ours-compiled-nvfp4"]
+    res = main(["--checkpoint", str(tiny_dir), "--model", "tiny", "--device", "cpu", "--prompt-len", "5",
+                "--output-len", "8", "--steps", "2", "--repeats", "2", "--systems", ",".join(chosen),
+                "--in-process", "--max-seq-len", "64", "--bandwidth", "1e10", "--out", str(tmp_path)])
+    assert res["order"] == {"fixed": _round_robin(chosen[:2], 2)}
+    rows = {r["system"]: r for r in csv.DictReader(open(res["paths"][1]))}
+    base, fp8, w4a4 = (rows[s] for s in chosen)
+    assert base["status"] == fp8["status"] == "ok" and base["dtype"] == fp8["dtype"] == "bfloat16"
+    assert base["quant_scheme"] == "none" and fp8["quant_scheme"] == "fp8"
+    assert int(base["weight_bytes"]) == int(base["weight_bytes_before"]) == int(fp8["weight_bytes_before"])
+    assert 0 < int(fp8["weight_bytes"]) < int(fp8["weight_bytes_before"])
+    assert float(fp8["quant_weights"]) == pytest.approx(int(fp8["weight_bytes"]) / int(base["weight_bytes"]), rel=1e-4)
+    assert float(fp8["quant_step"]) == pytest.approx(float(fp8["step_ms"]) / float(base["step_ms"]), rel=1e-3)
+    assert float(fp8["quant_tok_s"]) == pytest.approx(float(fp8["tok_s"]) / float(base["tok_s"]), rel=1e-3)
+    for key in ("quant_request", "quant_pass_paired", "speedup_step_ms"):
+        assert _positive(fp8, key), key
+    assert w4a4["status"].startswith("n/a (ConfigError: quant scheme 'nvfp4'")
+    raw = {r["system"]: r for r in res["sections"][0].raw}
+    assert raw["ours-compiled-fp8"]["extra"]["quant"]["quantized"] > 0
+    assert any("dg.quantize(model, 'fp8')" in n for n in raw["ours-compiled-fp8"]["notes"])
+    md = res["markdown"]
+    table = md[md.index("Quantized vs bfloat16 ours-compiled"):]
+    mib = lambda r: report._fmt(int(r["weight_bytes"]) / 2**20)  # noqa: E731
+    for needle in ["| system | scheme | dtype | weights MiB | weights / base | step ms median | tok/s | step time",
+                   f"| ours-compiled | none | bfloat16 | {mib(base)} | 1.00x |",
+                   f"| ours-compiled-fp8 | fp8 | bfloat16 | {mib(fp8)} | {float(fp8['quant_weights']):.2f}x |",
+                   "| ours-compiled-nvfp4 | n/a (ConfigError"]:
+        assert needle in table, needle
+
+
+def _raw(system: str, dtype: str, scheme: str, weights: int, pass_s: list[float], step_s: float) -> dict:
+    """A raw result as `Session.result()` returns it (only what `report.summarize` reads)."""
+    return dict(system=system, status="ok", dtype=dtype, timing="", step_s=[step_s] * 4, canvas_s=[4 * step_s],
+                ttfb_s=[4 * step_s], request_s=pass_s, repeat_s=pass_s, repeat_started=[0.0] * len(pass_s), tokens=8,
+                forwards=2, compile_s=1.0, peak_mem_mb=1.0, notes=[],
+                extra=dict(quant=dict(scheme=scheme, bytes_before=1000, bytes_after=weights, seconds=0.1)))
+
+
+def test_quantized_rows_ratios_against_the_baseline_of_the_same_run():
+    """The quantized table's arithmetic: ratios quantized / bf16 ours-compiled (time and tok/s alike), pass, paired
+    per round; a dtype mismatch is flagged; without the baseline there are no ratios."""
+    from bench import systems
+
+    import dgemma_compile.quant as q
+
+    assert systems.QUANT_SCHEMES == q.SCHEMES
+    assert [systems.quant_scheme(s) for s in ("ours-compiled", "ours-compiled-fused", "ours-compiled-nvfp4-w4a16")] == \
+        [None, None, "nvfp4-w4a16"]
+    from bench.__main__ import default_systems
+
+    assert not set(default_systems(models.ModelSpec(name="x", checkpoint="/x"))) & set(systems.QUANT_SYSTEMS)
+    raw = [_raw("ours-compiled", "bfloat16", "none", 1000, [1.0, 2.0], 0.010),
+           _raw("ours-compiled-fp8", "bfloat16", "fp8", 600, [1.5, 2.0], 0.015),
+           _raw("ours-compiled-nvfp4-w4a16", "float32", "nvfp4-w4a16", 400, [3.0, 4.0], 0.030)]
+    rows = report.with_ratios([report.summarize(r) for r in raw])
+    fp8, nv = report.quant_rows(rows)
+    assert fp8["quant_weights"] == pytest.approx(0.6) and fp8["quant_step"] == pytest.approx(1.5)
+    assert fp8["quant_tok_s"] == pytest.approx((8 / 1.75) / (8 / 1.5))  # tok/s from the median pass
+    assert fp8["quant_pass_paired"] == pytest.approx(1.25)  # median of 1.5 / 1.0 and 2.0 / 2.0
+    assert fp8["same_dtype"] and not nv["same_dtype"]
+    md = "\n".join(report.quant_markdown(rows))
+    assert "| ours-compiled-fp8 | fp8 | bfloat16 |" in md and "0.60x |" in md
+    assert "WARNING: ours-compiled-nvfp4-w4a16 ran in float32 and ours-compiled in bfloat16" in md
+    (alone,) = report.quant_rows(report.with_ratios([report.summarize(raw[1])]))
+    assert math.isnan(alone["quant_step"]) and math.isnan(alone["quant_pass_paired"])
+    assert "No ratios" in "\n".join(report.quant_markdown(report.with_ratios([report.summarize(raw[1])])))
