@@ -421,19 +421,22 @@ class DiffusionGemma(nn.Module):
         return self.logits(self._forward_block(x, cache, plan, moe_impl))
 
     def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,
-                     self_conditioning_logits: torch.Tensor | None = None, moe_impl: str | None = None) -> torch.Tensor:
+                     self_conditioning_logits: torch.Tensor | None = None, moe_impl: str | None = None,
+                     self_conditioning_probs: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of rows in different modes (`plan.py`): encoder rows (prefill chunk or commit) embed their
         ids and commit their real tokens; denoise rows take the self-conditioned embedding of their canvas (the
         signal of `self_conditioning_logits` [B, T, V] where `plan.self_conditioning`, zero elsewhere); idle rows
         only pass through. Advances `cache.lengths` by `plan.commit`. Returns the final-norm hidden states
-        [B, T, D] (`logits()` for the denoise rows). Unchecked, like `encode_block` / `denoise_block`, which are this
-        forward with a uniform plan."""
+        [B, T, D] (`logits()` for the denoise rows). `self_conditioning_probs` [B, T, V]: the signal as probabilities
+        (what the generators carry), in place of `self_conditioning_logits`. Unchecked, like `encode_block` /
+        `denoise_block`, which are this forward with a uniform plan."""
         embeds = self._embed(ids_BT)
         sc = plan.self_conditioning
         den = plan.denoise_tokens
         if den is False:
             return self._forward_block(embeds, cache, plan, moe_impl)
-        denoised = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits, sc))
+        denoised = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits, sc,
+                                                                       self_conditioning_probs))
         x = denoised if den is True else torch.where(den[..., None], denoised, embeds)
         return self._forward_block(x, cache, plan, moe_impl)
 

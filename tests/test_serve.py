@@ -24,7 +24,7 @@ import torch
 
 import dgemma_compile as dg
 from dgemma_compile.demo import tasks
-from dgemma_compile.runtime import EagerBucket, Engine, Request, build_engine
+from dgemma_compile.runtime import EagerBucket, Engine, MixedBucket, Request, build_engine
 from dgemma_compile.text import encode_prompt
 
 openai = pytest.importorskip("openai")
@@ -82,15 +82,18 @@ def _run_engine(engine: Engine) -> None:
 
 
 # ----- the engine, eager ----------------------------------------------------------------------------------------
-def test_engine_staggered_admission_equals_generate(demo):
+@pytest.mark.parametrize("mixed", [False, True], ids=["two-unit", "mixed"])
+def test_engine_staggered_admission_equals_generate(demo, mixed):
     """Requests admitted at different iterations into 3 rows (6 requests: rows are reused), with different budgets,
-    step limits and temperatures, give exactly `dg.generate`'s tokens of each request run alone."""
+    step limits and temperatures, give exactly `dg.generate`'s tokens of each request run alone; both iteration
+    bodies (two forwards, or one mixed-phase forward per iteration)."""
     model, tok = demo
     base = model.generation_config
     specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), ("add 123+045=", base, 2),
              ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=3), 4),
              ("rev 4 4 1=", base.with_temperature(2.0), 5)]
-    engine = Engine(model, EagerBucket(model, 3, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    kind = MixedBucket if mixed else EagerBucket
+    engine = Engine(model, kind(model, 3, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
     reqs = []
     for k, (text, cfg, seed) in enumerate(specs):
         reqs.append(engine.submit(Request(prompt=_ids(tok, model, text), config=cfg, seed=seed)))
@@ -105,14 +108,19 @@ def test_engine_staggered_admission_equals_generate(demo):
     st = engine.stats
     assert st.flag_reads == st.forwards and st.requests == {"eos": 5, "length": 1}
     assert st.tokens == sum(r.stats.num_tokens for r in reqs)
+    if mixed:  # one forward per iteration, none for encoder passes
+        assert st.encoder_forwards == 0 and st.forwards <= st.iterations
 
 
-def test_engine_events_stop_cancel_and_refusals(demo):
+@pytest.mark.parametrize("mixed", [False, True], ids=["two-unit", "mixed"])
+def test_engine_events_stop_cancel_and_refusals(demo, mixed):
     """One event per finished block, text never holding a stop string across the block boundary; a cancelled
-    request frees its row at the next iteration; a bad request is refused at submit and changes nothing."""
+    request frees its row at the next iteration; a bad request is refused at submit and changes nothing. Mixed: the
+    host retires a row the device would have committed (stop string, cancel)."""
     model, tok = demo
     cfg = model.generation_config
-    engine = Engine(model, EagerBucket(model, 2, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    kind = MixedBucket if mixed else EagerBucket
+    engine = Engine(model, kind(model, 2, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
     events = []
     stop = engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, stops=("4 3",),
                                  on_event=events.append))
@@ -359,10 +367,13 @@ def demo_serve(demo):
         refs[(text, seed, tuple(sorted(kw.items())))] = (detok.text, out.stats[0])
     metrics = ServeMetrics()
     engine = build_engine(model, max_batch=8, max_seq_len=SLOTS, tokenizer=tok, metrics=metrics, generator=gen)
+    assert engine.mixed and [u.name for u in engine.bucket.units] == ["mixed_step[B8_P1_stop]"]
     with ServerThread(engine, tok, metrics) as srv:
         yield srv, gen, refs
     assert engine.recompiles() == {}
     assert set(gen.compiles.values()) == {1}
+    # the server's engine ran one mixed-phase forward per iteration and never an encoder pass
+    assert engine.stats.encoder_forwards == 0 and 0 < engine.stats.forwards <= engine.stats.iterations
 
 
 def _config(model, temperature=None, max_tokens=None, max_denoising_steps=None):
@@ -389,9 +400,36 @@ def _complete(client, text, seed, kw, **extra):
 
 @pytest.mark.slow
 def test_compiled_bucket(demo_serve):
-    """Every check on the compiled bucket in one test, so that pytest-xdist never compiles it in two workers."""
+    """Every check on the compiled bucket in one test, so that pytest-xdist never compiles it in two workers. The
+    server's engine runs the mixed-phase unit; the two-unit engine runs the generator's own units."""
     _alone_and_concurrent_equal_generate(*demo_serve)
     _streaming_chat_n_and_stop(*demo_serve)
+    _two_unit_engine_equals_generate(*demo_serve)
+
+
+def _two_unit_engine_equals_generate(srv, gen, refs):
+    """The two-forward iteration over the generator's encoder and denoise units (no new compile: `gen.generate`
+    compiled them), all cases at once with staggered admission, gives `gen.generate`'s text; the mixed engine is idle
+    meanwhile (the two share the bucket's buffers)."""
+    from dgemma_compile.text import Detokenizer
+
+    model, tok = srv.engine.model, srv.engine.tokenizer
+    assert srv.engine.idle()
+    engine = build_engine(model, max_batch=8, max_seq_len=SLOTS, tokenizer=tok, generator=gen, mixed=False)
+    cases = _cases()
+    reqs = []
+    for k, (text, seed, kw) in enumerate(cases):
+        reqs.append(engine.submit(Request(prompt=_ids(tok, model, text), config=_config(model, **kw), seed=seed)))
+        if k % 3 == 0:
+            engine.step()
+    _run_engine(engine)
+    for r, (text, seed, kw) in zip(reqs, cases):
+        detok = Detokenizer(tok)
+        detok.push(r.sequence)
+        detok.finish()
+        assert detok.text == refs[(text, seed, tuple(sorted(kw.items())))][0], text
+    assert engine.recompiles() == {} and engine.stats.encoder_forwards > 0
+    srv.engine.bucket.refresh()  # the mixed engine's plan, over the cache the two-unit engine left
 
 
 def _alone_and_concurrent_equal_generate(srv, gen, refs):

@@ -1,5 +1,12 @@
 """The serving engine: continuous batching of requests over the rows of one bucket.
 
+Two iteration bodies, chosen by the bucket:
+- a `mixed_step.MixedBucket` (`build_engine`'s default): every iteration runs ONE forward over all rows, each in its
+  own phase (prefill chunk, denoise step, commit, idle), with the phase transitions decided on the device (see
+  `mixed_step.py` and "Mixed iterations" below);
+- a `compile.Bucket` or `EagerBucket`: up to two forwards per iteration (an encoder pass, then a denoise step), the
+  transitions decided on the host (the numbered steps below).
+
 An `Engine` owns one bucket of B rows (a compiled `compile.Bucket` from `gen.bucket(B)`, or an `EagerBucket`): its
 KV cache, `steps.DenoiseState`, `steps.StepInputs` and denoise plan, all preallocated. Each row is FREE or serves
 one request in one phase: PREFILL (prompt chunks left to encode), DENOISE (a block in flight) or COMMIT (its block
@@ -24,11 +31,21 @@ finished and must be written to the cache before the next block). Every iteratio
    token budget, text cut before a stop string; nothing committed). The rows asking for one this iteration are read
    together: one more host read of [rows, C] ids, only in iterations where some row asks.
 
-Design: two compiled units per iteration (encoder pass, then denoise step), not yet one mixed-phase forward
-(`plan.PlanBuffers(mixed=True)`): the existing units are per-row deterministic within a bucket, so each request's
-tokens equal its solo `gen.generate` run whatever its batch mates and phases, with no new compile unit. An iteration
-that needs both passes costs two forwards (the one-forward design is issue 15's next step). Commit fusion is not
-supported (its forward treats every row as starting a block); buckets with it are refused.
+Design of the two-unit body: two compiled units per iteration (encoder pass, then denoise step); the units are
+per-row deterministic within a bucket, so each request's tokens equal its solo `gen.generate` run whatever its batch
+mates and phases. An iteration that needs both passes costs two forwards; the mixed body always costs one. Neither
+body fuses commits (a generator with commit fusion is refused): fusion needs [B, 2C] rows in the mixed plan, which
+`plan.build_plan` allows only as a uniform plan (see `mixed_step.py`).
+
+Mixed iterations (`Engine.step` over a `MixedBucket`): admit queued requests into free rows (`RowState.admit`,
+`StepInputs.set_row`, `KVCache.reset_row`), and if the host changed any row (an admission, a retirement the device
+did not make) refill the plan once (`MixedBucket.refresh`, eager); run the step (one compiled forward + sampler +
+transitions + the next iteration's plan); then read `RowState.event` (bool [B]) -- the per-iteration [B] flag read,
+chosen over learning finished requests one iteration late because the host can then retire a request (stop string,
+cancel) before the device commits its block, and costs ~10 us on CPU (`EngineStats.flag_read_s`) -- and, for the
+rows whose block finished, their argmax canvas, step count and the device's done flag (one more read); the host
+finalises those blocks as above. Rows the device ended (eos, budget) are already FREE; others continue on the device
+(COMMIT, then the next block) with no host write.
 
 KV memory: over a static cache each row owns max_seq_len committed slots. Over a `kv_cache.PagedKVCache`
 (`EagerBucket(page_size=..., kv_pages=...)`, `gen.bucket(..., page_size=...)`) the rows draw pages from one pool
@@ -67,6 +84,7 @@ from ..plan import PlanBuffers
 from ..steps import DenoiseState, StepInputs, denoise_step, encode_chunk
 from ..text import StopStrings
 from .kv_memory import PagedMemory
+from . import mixed_step as mx
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +157,9 @@ class EngineStats:
     """Counters since the engine started. forwards: denoise-unit calls (one serves every denoising row);
     row_passes: decoder passes summed over rows (the denominator of tokens per forward, as `RequestStats`);
     flag_read_s: seconds spent in the per-iteration read of the finished flags; prefill_tokens: prompt tokens run
-    through the encoder; prefix_hit_tokens: prompt tokens mapped from the prefix cache instead."""
+    through the encoder; prefix_hit_tokens: prompt tokens mapped from the prefix cache instead. Mixed buckets:
+    forwards counts mixed steps (every iteration one, encoder_forwards stays 0); plan_refreshes / refresh_s: host
+    refills of the plan after the host changed rows."""
 
     iterations: int = 0
     encoder_forwards: int = 0
@@ -152,6 +172,8 @@ class EngineStats:
     flag_read_s: float = 0.0
     prefill_tokens: int = 0
     prefix_hit_tokens: int = 0
+    plan_refreshes: int = 0
+    refresh_s: float = 0.0
 
 
 class EagerBucket:
@@ -193,8 +215,8 @@ class Engine:
 
     Args:
         model: the model the bucket's units run.
-        bucket: a `compile.Bucket` (compiled; warm it first, `gen.warmup`) or an `EagerBucket`; its rows are the
-            engine's B.
+        bucket: a `mixed_step.MixedBucket` (one forward per iteration), a `compile.Bucket` (compiled; warm it first,
+            `gen.warmup`) or an `EagerBucket`; its rows are the engine's B.
         config: the structural config every request must share (`generate.STRUCTURAL`); default the model's.
         tokenizer: detokenizes events (`BlockEvent.text`) and matches stop strings; None: no text.
         max_queue: requests waiting for a row at most; more raise `QueueFullError`.
@@ -233,10 +255,15 @@ class Engine:
         self._baseline = Counter(compiles()) if compiles is not None else Counter()
         for unit in getattr(bucket, "units", ()):
             unit.check_owners()
+        self.mixed = isinstance(bucket, mx.MixedBucket)
+        self._dirty = False  # mixed: the host changed a row since the plan was filled
         bucket.cache.reset()
         self.memory = (PagedMemory(bucket.cache, self.T, prefix_cache) if isinstance(bucket.cache, PagedKVCache)
                        else None)
         bucket.state.finished.fill_(True)  # every row frozen until a request begins a block in it
+        if self.mixed:
+            bucket.row_state.phase.fill_(mx.FREE)
+            bucket.refresh()
 
     # ----- requests ------------------------------------------------------------------------------------------------
     @property
@@ -347,6 +374,9 @@ class Engine:
                     if row.request is not None:
                         self._retire(row, "error")
                 self.bucket.state.finished.fill_(True)
+                if self.mixed:
+                    self.bucket.row_state.phase.fill_(mx.FREE)
+                    self._dirty = True
 
     @torch.no_grad()
     def step(self) -> None:
@@ -354,6 +384,9 @@ class Engine:
         st, state, inputs = self.stats, self.bucket.state, self.bucket.inputs
         st.iterations += 1
         self._admit()
+        if self.mixed:
+            self._step_mixed()
+            return
         # encoder pass: prefill chunks and commits
         encoding = [(b, row) for b, row in enumerate(self.rows) if row.phase in (Phase.PREFILL, Phase.COMMIT)]
         if encoding:
@@ -398,6 +431,47 @@ class Engine:
         if self.metrics is not None:
             self.metrics.iteration(self.queue_depth, self.running, len(denoising), read_s)
 
+    def _step_mixed(self) -> None:
+        st, mb = self.stats, self.bucket
+        rows = mb.row_state
+        if self.running == 0:
+            return
+        if self._dirty:
+            t0 = time.perf_counter()
+            mb.refresh()
+            st.refresh_s += time.perf_counter() - t0
+            st.plan_refreshes += 1
+            self._dirty = False
+        mb.step()
+        st.forwards += 1
+        t0 = time.perf_counter()
+        events = rows.event.tolist()  # the iteration's one host read of flags
+        read_s = time.perf_counter() - t0
+        st.flag_read_s += read_s
+        st.flag_reads += 1
+        denoised = [b for b, r in enumerate(self.rows) if r.phase == Phase.DENOISE]
+        denoising = len(denoised)
+        for row in self.rows:  # the host's mirror of the device's transitions (metrics, drafts, `running`)
+            if row.phase == Phase.PREFILL:
+                chunk = min(self.C, len(row.request.prompt) - row.prefilled)
+                row.prefilled += chunk
+                st.prefill_tokens += chunk
+                if row.prefilled >= len(row.request.prompt):
+                    row.phase, row.steps = Phase.DENOISE, 0
+            elif row.phase == Phase.COMMIT:
+                row.block += 1
+                row.phase, row.steps = Phase.DENOISE, 0
+        done = [b for b, e in enumerate(events) if e]
+        if done:
+            idx = torch.tensor(done)
+            host = torch.cat([rows.done[idx, None].long(), mb.state.steps[idx, None], mb.state.argmax[idx]],
+                             dim=1).tolist()
+            for b, (device_done, steps, *argmax) in zip(done, host):
+                self._end_block(self.rows[b], argmax, steps, device_free=bool(device_done))
+        self._drafts([b for b in denoised if not events[b]])
+        if self.metrics is not None:
+            self.metrics.iteration(self.queue_depth, self.running, denoising, read_s)
+
     def _admit(self) -> None:
         for row in self.rows:
             if row.request is not None and row.request.cancelled:
@@ -430,6 +504,10 @@ class Engine:
                 row.prefilled = self.memory.admit(b, pages)
                 self.stats.prefix_hit_tokens += row.prefilled
             self.rows[b] = row
+            if self.mixed:
+                self.bucket.inputs.block[b] = 0
+                self.bucket.row_state.admit(b, req.prompt, req.config.max_new_tokens)
+                self._dirty = True
 
     def _begin_block(self, b: int, row: _Row) -> None:
         inputs = self.bucket.inputs
@@ -467,7 +545,7 @@ class Engine:
             self._emit(req, BlockEvent(req, tokens, text, None, len(req.sequence), draft=True, block=row.block,
                                        step=row.steps))
 
-    def _end_block(self, row: _Row, argmax: list[int], steps: int) -> None:
+    def _end_block(self, row: _Row, argmax: list[int], steps: int, device_free: bool = False) -> None:
         req, st = row.request, self.stats
         before = req.stats.num_tokens
         keep, done = finalize_row(argmax, req.config, req.sequence, req.stats, steps)
@@ -479,21 +557,29 @@ class Engine:
         text = req.matcher.push(keep) if req.matcher is not None else ""
         if req.matcher is not None and req.matcher.stopped:
             req.stats.finish_reason, done = "stop", True
+        if device_free and not done:
+            raise RuntimeError(f"request {req.id}: the device ended it after block {len(req.stats.steps_per_block)}, "
+                               "the host's finalize_row did not (mixed_step's end rule disagrees)")
         if req.cancelled:
-            self._retire(row, "cancelled")
+            self._retire(row, "cancelled", device_free=device_free)
         elif done:
-            self._retire(row, req.stats.finish_reason, keep, text)
+            self._retire(row, req.stats.finish_reason, keep, text, device_free=device_free)
         else:
             row.phase = Phase.COMMIT
             self._emit(req, BlockEvent(req, keep, text, None, len(req.sequence)))
 
-    def _retire(self, row: _Row, reason: str, tokens: list[int] | None = None, text: str = "") -> None:
-        """Free the row (frozen: the denoise step leaves it untouched) and end its request."""
+    def _retire(self, row: _Row, reason: str, tokens: list[int] | None = None, text: str = "",
+                device_free: bool = False) -> None:
+        """Free the row (frozen: the denoise step leaves it untouched; mixed: FREE on the device, which
+        `device_free` says it already is) and end its request."""
         req = row.request
         b = self.rows.index(row)
         self.bucket.state.finished[b] = True
         if self.memory is not None:
             self.memory.release(b)
+        if self.mixed and not device_free:
+            self.bucket.row_state.phase[b] = mx.FREE
+            self._dirty = True
         self.rows[b] = _Row()
         self._finish(req, reason, tokens or [], text)
 
@@ -530,30 +616,42 @@ class Engine:
 def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
-                 prefix_cache: bool = True, batch_invariant: bool | None = None) -> Engine:
+                 prefix_cache: bool = True, batch_invariant: bool | None = None, mixed: bool | None = None) -> Engine:
     """An engine over one bucket of `max_batch` rows: compiled (a generator with that one bucket, a cache of
     `max_seq_len` committed slots -- default the model's context, at most `config.DEFAULT_MAX_SEQ_LEN` --, no commit
-    fusion; warmed up here, which compiles) or, with `eager`, an `EagerBucket`. `generator`: reuse a
+    fusion; warmed up here, which compiles) or, with `eager`, eager steps. `generator`: reuse a
     compiled generator built with `CompileOptions(batch_buckets=(max_batch,), fuse_commit=False, ...)` (tests share
     one with `gen.generate`). `page_size` (a multiple of the canvas length with the prefix cache): a paged KV cache
     of `kv_pages` pages (default: the static cache's memory) shared by the rows, with a prefix cache unless
     `prefix_cache` is False (see the module docstring). `batch_invariant`: `CompileOptions.batch_invariant` (None: on
     for CPU); eagerly, on means moe "dense" (batch-invariant), off "loop" (transformers' order);
-    `Engine.batch_invariant` tells which ran (tested on the static cache). The engine is not started
-    (`Engine.start`).
+    `Engine.batch_invariant` tells which ran (tested on the static cache). `mixed`: one mixed-phase forward per
+    iteration (`mixed_step.MixedBucket`; compiled, the unit "mixed_step[tag]" of the generator); False: the two-unit
+    iteration (encoder pass, then denoise step; `EagerBucket` or `compile.Bucket`); None (default): mixed over a
+    static cache, two-unit over a paged one. The engine is not started (`Engine.start`).
 
     Raises:
-        ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`)."""
+        ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); a generator with
+            commit fusion; `mixed` with a paged cache (not supported yet)."""
     from ..compile import CompileOptions, build
     from ..config import DEFAULT_MAX_SEQ_LEN
 
     if max_seq_len is None:
         max_seq_len = min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    if mixed is None:
+        mixed = page_size is None
+    elif mixed and page_size is not None:
+        raise ConfigError("mixed: the mixed-phase step runs over a static cache; pass mixed=False with page_size")
     config = model.generation_config
     if eager:
         on = CompileOptions(batch_invariant=batch_invariant).batch_invariance(model.device.type)
-        bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
-                             page_size=page_size, kv_pages=kv_pages, moe_impl="dense" if on else "loop")
+        moe_impl = "dense" if on else "loop"
+        if mixed:
+            bucket = mx.MixedBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
+                                    moe_impl=moe_impl)
+        else:
+            bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
+                                 page_size=page_size, kv_pages=kv_pages, moe_impl=moe_impl)
         engine = Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
                         prefix_cache=prefix_cache)
         engine.batch_invariant = on
@@ -562,8 +660,13 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
                                                    max_denoising_steps=max_denoising_steps, fuse_commit=False,
                                                    batch_invariant=batch_invariant))
     paging = dict(page_size=page_size, kv_pages=kv_pages) if page_size is not None else {}
-    gen.warmup(max_batch, config, **paging)
     bucket = gen.bucket(max_batch, config, **paging)
+    if mixed:
+        bucket = mx.MixedBucket(model, max_batch, config=config, generator=gen, bucket=bucket)
+        with torch.no_grad():
+            bucket.step()  # compile (as the engine calls it: without grad): every row FREE (idle)
+    else:
+        gen.warmup(max_batch, config, **paging)
     engine = Engine(model, bucket, config=config, tokenizer=tokenizer, max_queue=max_queue,
                     compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache)
     engine.batch_invariant = gen.batch_invariant

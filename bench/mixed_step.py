@@ -1,0 +1,117 @@
+"""`python -m bench.mixed_step`: the serving engine's iteration, two forwards (encoder pass + denoise step) vs one
+mixed-phase forward, side by side in one run on the demo model.
+
+    OMP_NUM_THREADS=1 python -m bench.mixed_step --batch 8 --requests 32 --rounds 3
+
+One compiled generator (bucket of `--batch` rows, no commit fusion); two engines over that bucket's buffers:
+`build_engine(mixed=False)` (the encoder and denoise units) and `build_engine(mixed=True)` (the mixed_step unit).
+Per round, each engine in turn (interleaved) serves the same `--requests` held-out demo prompts (prompt i, seed i,
+the checkpoint's config), all submitted at once, driven by `Engine.step` until idle; every `step` call is timed.
+Reports medians over rounds: wall seconds, tokens/s, iterations, forwards (compiled forward units run) per
+iteration, median iteration ms, the per-iteration flag read and the host plan refreshes (mixed), answers that differ
+between the engines, and recompiles during the rounds. Compile time is excluded (reported apart).
+Results: markdown in bench/results/mixed_step_{device}_{date}.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from . import environment
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _round(engine, prompts, config) -> dict:
+    from dgemma_compile.runtime import Request
+
+    st0 = {k: getattr(engine.stats, k) for k in ("iterations", "forwards", "encoder_forwards", "flag_reads",
+                                                  "flag_read_s", "plan_refreshes", "refresh_s", "tokens")}
+    reqs = [engine.submit(Request(prompt=p, config=config, seed=i)) for i, p in enumerate(prompts)]
+    times = []
+    start = time.perf_counter()
+    while not engine.idle():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - start
+    d = {k: getattr(engine.stats, k) - v for k, v in st0.items()}
+    return dict(wall=wall, iter_ms=1e3 * statistics.median(times), tokens=d["tokens"], iterations=d["iterations"],
+                forwards=d["forwards"] + d["encoder_forwards"], flag_us=1e6 * d["flag_read_s"] / max(d["flag_reads"], 1),
+                refreshes=d["plan_refreshes"], refresh_ms=1e3 * d["refresh_s"] / max(d["plan_refreshes"], 1),
+                answers=[r.sequence for r in reqs])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+
+    import dgemma_compile as dg
+    from dgemma_compile.compile import CompileOptions, build
+    from dgemma_compile.demo import DEMO_MODEL, tasks
+    from dgemma_compile.runtime import build_engine
+    from dgemma_compile.text import encode_prompt
+
+    model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
+    texts = [q for _, q, _ in tasks.make_split("heldout", args.requests, seed=0)]
+    prompts = [encode_prompt(tok, t, bos_token_id=model.config.bos_token_id) for t in texts]
+    gen = build(model, CompileOptions(batch_buckets=(args.batch,), max_seq_len=256, fuse_commit=False))
+    t0 = time.perf_counter()
+    engines = {"two forwards (encoder + denoise units)": build_engine(model, max_batch=args.batch, max_seq_len=256,
+                                                                      generator=gen, mixed=False)}
+    t1 = time.perf_counter()
+    engines["one mixed-phase forward (mixed_step unit)"] = build_engine(model, max_batch=args.batch, max_seq_len=256,
+                                                                        generator=gen, mixed=True)
+    t2 = time.perf_counter()
+    compile_s = {"two": t1 - t0, "mixed": t2 - t1}
+    config = model.generation_config
+    for engine in engines.values():  # warm-up round, untimed
+        _round(engine, prompts[:args.batch], config)
+    base = dict(gen.compiles)
+    results = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            results[name].append(_round(engine, prompts, config))
+    recompiles = {k: v - base.get(k, 0) for k, v in gen.compiles.items() if v != base.get(k, 0)}
+    names = list(engines)
+    ref = results[names[0]][0]["answers"]
+    lines = [f"# Serving iteration: two forwards vs one mixed-phase forward, demo model, "
+             f"{environment.device_tag('cpu')} ({environment.today()})", "",
+             f"`OMP_NUM_THREADS=1 python -m bench.mixed_step --batch {args.batch} --requests {args.requests} "
+             f"--rounds {args.rounds}`", "",
+             f"- device: {environment.device_name('cpu')}; load average at the end: {environment.load_average()}",
+             f"- versions: {environment.versions()}; commit {environment.git_commit()}",
+             f"- one compiled generator, bucket of {args.batch} rows, 256 slots, no commit fusion; {args.requests} "
+             f"held-out demo prompts (prompt i, seed i) submitted at once, each engine in turn, {args.rounds} rounds "
+             f"(medians); compile excluded: two units {compile_s['two']:.1f} s, mixed unit {compile_s['mixed']:.1f} s",
+             f"- recompiles during the rounds: {recompiles or 'none'}", "",
+             "| iteration | wall s | tok/s | iterations | forwards/iteration | iteration ms (median) | flag read us | "
+             "host plan refreshes | refresh ms | answers differing from two-forward |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        rs = results[name]
+        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        differ = sum(a != b for r in rs for a, b in zip(r["answers"], ref))
+        lines.append(f"| {name} | {med('wall'):.2f} | {med('tokens') / med('wall'):.1f} | {med('iterations'):.0f} | "
+                     f"{med('forwards') / med('iterations'):.2f} | {med('iter_ms'):.2f} | {med('flag_us'):.1f} | "
+                     f"{med('refreshes'):.0f} | {med('refresh_ms'):.2f} | {differ} |")
+    two, mix = (statistics.median(r["wall"] for r in results[n]) for n in names)
+    lines += ["", f"Mixed vs two forwards: wall {mix / two:.2f}x (lower is better)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = args.out or RESULTS / f"mixed_step_{environment.device_tag('cpu')}_{environment.today()}.md"
+    out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
