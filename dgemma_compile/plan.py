@@ -96,7 +96,7 @@ def query_kind(mode: str | torch.Tensor) -> str:
 
 def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
                self_conditioning: torch.Tensor | None = None, check_values: bool = True,
-               kernel_options: dict | None = None) -> ForwardPlan:
+               kernel_options: dict | None = None, block_masks: bool = True) -> ForwardPlan:
     """The plan of one forward of T block tokens per row over `cache` (its current `lengths`).
 
     Args:
@@ -113,6 +113,8 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
             host synchronisation).
         kernel_options: {query kind: {layer type: FlexAttention kernel options}} (`QUERY_KINDS`); the plan keeps
             the entry of its own query kind (`query_kind(mode)`). None: none.
+        block_masks: False leaves out the FlexAttention block masks (`masks` is then empty for a flex model; what
+            `PlanBuffers(static_sparsity=True)` rebuilds: everything but its fixed masks).
     Returns:
         A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
         a uniform plan.
@@ -186,7 +188,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
                 masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
         elif model.attention == "dense":
             masks[lt] = dense_block_mask(lengths, *mask_args, block_len=T, cache_slots=S, **window)
-        else:
+        elif block_masks:
             masks[lt] = make_block_mask(block_mask_mod(lengths, *mask_args, cache_slots=S, **window), B, T, S, dev)
     return ForwardPlan(mode=mode_B, encoder_tokens=encoder_tokens, denoise_tokens=denoise_tokens, real=real,
                        commit=commit, slots=slots, self_conditioning=self_conditioning, positions=positions, rope=rope,
@@ -203,13 +205,16 @@ class PlanBuffers:
       `n_new` and `self_conditioning` ([B]; all rows IDLE until filled): `fill(mode=..., n_new=...,
       self_conditioning=...)` copies the given rows' inputs in, then rebuilds. Its masks read per-row tensors of
       the buffers, which is what Inductor's CPU flex template needs (captured tensors must be graph inputs).
+      With `static_sparsity` (flex models), its masks have every block partial (`all_blocks_partial`) and `fill`
+      rewrites everything but them: no `create_block_mask` per fill.
 
     `plan` is a `ForwardPlan` over the buffers: each block mask's sparsity tensors are static (its mask_mod reads
     `cache.lengths` and the plan's own per-row tensors, as `build_plan`'s). `tensors` lists every buffer once (views
     by their base), for `compile.units.static_tensors`.
     """
 
-    def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None):
+    def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None,
+                 static_sparsity: bool = False):
         self.model, self.cache, self.T = model, cache, T
         self.kernel_options = kernel_options
         B, dev = cache.batch_size, cache.lengths.device
@@ -219,12 +224,17 @@ class PlanBuffers:
             self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
             self.self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
         self.plan = self._build()  # fresh tensors: these become the buffers
+        self.static_sparsity = static_sparsity and mixed and model.attention != "dense"
+        if self.static_sparsity:
+            self.plan.masks = {lt: all_blocks_partial(m) for lt, m in self.plan.masks.items()}
         self.tensors: list[torch.Tensor] = _plan_tensors(self.plan)
+        self._refilled = _plan_tensors(self.plan, masks=not self.static_sparsity)  # what `fill` rewrites
 
-    def _build(self) -> ForwardPlan:
+    def _build(self, block_masks: bool = True) -> ForwardPlan:
         if self.mixed:
             return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new, check_values=False,
-                              self_conditioning=self.self_conditioning, kernel_options=self.kernel_options)
+                              self_conditioning=self.self_conditioning, kernel_options=self.kernel_options,
+                              block_masks=block_masks)
         return build_plan(self.model, self.cache, self.T, mode="denoise", kernel_options=self.kernel_options)
 
     def fill(self, mode: torch.Tensor | None = None, n_new: torch.Tensor | None = None,
@@ -242,11 +252,24 @@ class PlanBuffers:
                            (getattr(self, "self_conditioning", None), self_conditioning)):
             if value is not None:
                 buf.copy_(value)
-        for buf, t in zip(self.tensors, _plan_tensors(self._build()), strict=True):
+        new = self._build(block_masks=not self.static_sparsity)
+        for buf, t in zip(self._refilled, _plan_tensors(new, masks=not self.static_sparsity), strict=True):
             buf.copy_(t)
 
 
-def _plan_tensors(plan: ForwardPlan) -> list[torch.Tensor]:
+def all_blocks_partial(mask: BlockMask) -> BlockMask:
+    """`mask` with every block partial: the mask_mod runs on every (query block, key block) and nothing is skipped.
+    The same visible set; a sparsity that never changes, so a plan whose mask_mods read per-row tensors needs no
+    `create_block_mask` when they change (worth it when rows have few key blocks: S + T of a few hundred)."""
+    B, H, Qb, Kb = mask.kv_indices.shape
+    dev = mask.kv_indices.device
+    kv_num = torch.full((B, H, Qb), Kb, dtype=torch.int32, device=dev)
+    kv_idx = torch.arange(Kb, dtype=torch.int32, device=dev).expand(B, H, Qb, Kb).contiguous()
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod,
+                                    seq_lengths=mask.seq_lengths)
+
+
+def _plan_tensors(plan: ForwardPlan, masks: bool = True) -> list[torch.Tensor]:
     """Every tensor a plan holds, in a fixed order, each once: a view by its base (the per-token flags of a mixed
     plan are views of its per-row flags, which its masks read)."""
     found: list[torch.Tensor] = []
@@ -265,7 +288,9 @@ def _plan_tensors(plan: ForwardPlan) -> list[torch.Tensor]:
     for lt in sorted(plan.rope):
         for t in plan.rope[lt]:
             add(t)
-        mask = plan.masks[lt]
+        mask = plan.masks.get(lt) if masks else None
+        if mask is None:
+            continue
         for t in [mask] if isinstance(mask, torch.Tensor) else (getattr(mask, a) for a in BlockMask._TENSOR_ATTRS):
             add(t)
     return found

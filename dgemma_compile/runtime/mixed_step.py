@@ -209,7 +209,7 @@ class MixedBucket:
             self.cache = model.new_cache(rows, max_seq_len, block_size=C)
             self.state = DenoiseState.allocate(model, rows, cfg.stability_threshold if cfg.stop_early else 0)
             self.inputs = StepInputs.allocate(model, rows, C, max_denoising_steps)
-        self.plan = PlanBuffers(model, self.cache, C, mixed=True, kernel_options=kernels)
+        self.plan = PlanBuffers(model, self.cache, C, mixed=True, kernel_options=kernels, static_sparsity=True)
         self.row_state = RowState.allocate(rows, self.cache.max_seq_len, cfg.eos_token_ids, model.device)
         cache, state, inputs, plan, row_state = self.cache, self.state, self.inputs, self.plan, self.row_state
 
