@@ -5,8 +5,9 @@ mixed-phase forward, side by side in one run on the demo model.
 
 One compiled generator (bucket of `--batch` rows, no commit fusion); two engines over that bucket's buffers:
 `build_engine(mixed=False)` (the encoder and denoise units) and `build_engine(mixed=True)` (the mixed_step unit).
-Per round, each engine in turn (interleaved) serves the same `--requests` held-out demo prompts (prompt i, seed i,
-the checkpoint's config), all submitted at once, driven by `Engine.step` until idle; every `step` call is timed.
+Per round and workload, each engine in turn (interleaved) serves the same `--requests` held-out demo prompts (prompt i,
+seed i, the checkpoint's config), "burst" (all submitted at once) and "staggered" (one submitted before each
+iteration), driven by `Engine.step` until idle; every `step` call is timed.
 Reports medians over rounds: wall seconds, tokens/s, iterations, forwards (compiled forward units run) per
 iteration, median iteration ms, the per-iteration flag read and the host plan refreshes (mixed), answers that differ
 between the engines, and recompiles during the rounds. Compile time is excluded (reported apart).
@@ -27,15 +28,19 @@ from . import environment
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _round(engine, prompts, config) -> dict:
+def _round(engine, prompts, config, staggered: bool = False) -> dict:
     from dgemma_compile.runtime import Request
 
     st0 = {k: getattr(engine.stats, k) for k in ("iterations", "forwards", "encoder_forwards", "flag_reads",
                                                   "flag_read_s", "plan_refreshes", "refresh_s", "tokens")}
-    reqs = [engine.submit(Request(prompt=p, config=config, seed=i)) for i, p in enumerate(prompts)]
+    pending = [Request(prompt=p, config=config, seed=i) for i, p in enumerate(prompts)]
+    reqs = pending if staggered else [engine.submit(r) for r in pending]
+    pending = list(pending) if staggered else []
     times = []
     start = time.perf_counter()
-    while not engine.idle():
+    while pending or not engine.idle():
+        if pending:  # staggered arrivals: one new request per iteration
+            engine.submit(pending.pop(0))
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
@@ -78,13 +83,15 @@ def main(argv=None) -> None:
     for engine in engines.values():  # warm-up round, untimed
         _round(engine, prompts[:args.batch], config)
     base = dict(gen.compiles)
-    results = {name: [] for name in engines}
+    workloads = ("burst", "staggered")
+    results = {(w, name): [] for w in workloads for name in engines}
     for _ in range(args.rounds):
-        for name, engine in engines.items():
-            results[name].append(_round(engine, prompts, config))
+        for w in workloads:
+            for name, engine in engines.items():
+                results[(w, name)].append(_round(engine, prompts, config, staggered=w == "staggered"))
     recompiles = {k: v - base.get(k, 0) for k, v in gen.compiles.items() if v != base.get(k, 0)}
     names = list(engines)
-    ref = results[names[0]][0]["answers"]
+    ref = results[("burst", names[0])][0]["answers"]
     lines = [f"# Serving iteration: two forwards vs one mixed-phase forward, demo model, "
              f"{environment.device_tag('cpu')} ({environment.today()})", "",
              f"`OMP_NUM_THREADS=1 python -m bench.mixed_step --batch {args.batch} --requests {args.requests} "
@@ -92,21 +99,24 @@ def main(argv=None) -> None:
              f"- device: {environment.device_name('cpu')}; load average at the end: {environment.load_average()}",
              f"- versions: {environment.versions()}; commit {environment.git_commit()}",
              f"- one compiled generator, bucket of {args.batch} rows, 256 slots, no commit fusion; {args.requests} "
-             f"held-out demo prompts (prompt i, seed i) submitted at once, each engine in turn, {args.rounds} rounds "
-             f"(medians); compile excluded: two units {compile_s['two']:.1f} s, mixed unit {compile_s['mixed']:.1f} s",
+             f"held-out demo prompts (prompt i, seed i), burst: all submitted at once, staggered: one submitted per "
+             f"iteration; each engine in turn, {args.rounds} rounds (medians); compile excluded: two units {compile_s['two']:.1f} s, mixed unit {compile_s['mixed']:.1f} s",
              f"- recompiles during the rounds: {recompiles or 'none'}", "",
-             "| iteration | wall s | tok/s | iterations | forwards/iteration | iteration ms (median) | flag read us | "
+             "| arrivals | iteration | wall s | tok/s | iterations | forwards/iteration | iteration ms (median) | flag read us | "
              "host plan refreshes | refresh ms | answers differing from two-forward |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in names:
-        rs = results[name]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (w, name), rs in results.items():
         med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
         differ = sum(a != b for r in rs for a, b in zip(r["answers"], ref))
-        lines.append(f"| {name} | {med('wall'):.2f} | {med('tokens') / med('wall'):.1f} | {med('iterations'):.0f} | "
+        lines.append(f"| {w} | {name} | {med('wall'):.2f} | {med('tokens') / med('wall'):.1f} | {med('iterations'):.0f} | "
                      f"{med('forwards') / med('iterations'):.2f} | {med('iter_ms'):.2f} | {med('flag_us'):.1f} | "
                      f"{med('refreshes'):.0f} | {med('refresh_ms'):.2f} | {differ} |")
-    two, mix = (statistics.median(r["wall"] for r in results[n]) for n in names)
-    lines += ["", f"Mixed vs two forwards: wall {mix / two:.2f}x (lower is better)."]
+    lines.append("")
+    for w in workloads:
+        two, mix = (statistics.median(r["wall"] for r in results[(w, n)]) for n in names)
+        it2, itm = (statistics.median(r["iter_ms"] for r in results[(w, n)]) for n in names)
+        lines.append(f"- {w}: mixed vs two forwards, wall {mix / two:.2f}x, median iteration {itm / it2:.2f}x "
+                     "(lower is better).")
     text = "\n".join(lines) + "\n"
     print(text)
     out = args.out or RESULTS / f"mixed_step_{environment.device_tag('cpu')}_{environment.today()}.md"

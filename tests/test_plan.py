@@ -239,12 +239,17 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
         plan.fill(mode=torch.zeros(3, dtype=torch.long))
 
 
-def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir):
+@pytest.mark.parametrize("static_sparsity", [False, True])
+def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir, static_sparsity):
     """A mixed `PlanBuffers` filled with the ROWS mix gives the forward of `build_plan`'s plan, bitwise, and keeps
-    its tensors; refilled with every row idle, then with the mix again, still the same."""
+    its tensors; refilled with every row idle, then with the mix again, still the same. With `static_sparsity`
+    (every block partial, masks never rebuilt) too."""
     model = dg.load(tiny_dir)
     cache, ids, sc_logits, mode, n_new, sc = _setup(model, seed=6)
-    buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True)
+    buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True, static_sparsity=static_sparsity)
+    if static_sparsity:
+        for mask in buffers.plan.masks.values():
+            assert bool((mask.kv_num_blocks == mask.kv_indices.shape[-1]).all()) and mask.full_kv_num_blocks is None
     ptrs = [t.data_ptr() for t in buffers.tensors]
     snapshot = lambda c: ([k.clone() for k in c.keys], [v.clone() for v in c.values], c.lengths.clone())  # noqa: E731
 
