@@ -140,15 +140,17 @@ def test_engine_events_stop_cancel_and_refusals(demo, mixed):
     assert engine.stats.requests == {"stop": 1, "cancelled": 1}
 
 
-def test_engine_draft_events(demo):
+@pytest.mark.parametrize("mixed", [False, True], ids=["two-unit", "mixed"])
+def test_engine_draft_events(demo, mixed):
     """draft_every=1: a draft event after every denoise step of each block still in flight (its step and block, the
     canvas cut at eos), before that block's own event; drafts change nothing else (same tokens and block events as
     without them); a bad draft_every is refused at submit."""
     model, tok = demo
     cfg = model.generation_config
     runs = {}
+    kind = MixedBucket if mixed else EagerBucket
     for k in (0, 1):
-        engine = Engine(model, EagerBucket(model, 2, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+        engine = Engine(model, kind(model, 2, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
         events = []
         req = engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, draft_every=k,
                                     on_event=events.append))
