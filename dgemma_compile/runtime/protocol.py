@@ -55,6 +55,12 @@ class _Common(BaseModel):
     max_denoising_steps: int | None = Field(default=None, ge=1)
     entropy_bound: float | None = Field(default=None, ge=0)
     draft_every: int | None = Field(default=None, ge=1, description="a draft event every k denoise steps (stream)")
+    # OpenAI fields refused unless neutral (UNSUPPORTED_*; each request model's `_unsupported` checks them)
+    logprobs: Any = None
+    top_p: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
 
     @model_validator(mode="after")
     def _drafts_stream(self):
@@ -95,14 +101,9 @@ class CompletionRequest(_Common):
     """POST /v1/completions. `prompt`: a string, a list of strings (each its own `n` choices), or token ids."""
 
     prompt: str | list[str] | list[int]
-    logprobs: Any = None
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
-    top_p: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -122,7 +123,6 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: Any = None
     top_logprobs: Any = None
     response_format: Any = None
     tools: Any = None
@@ -133,10 +133,6 @@ class ChatCompletionRequest(_Common):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    top_p: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
 
     @model_validator(mode="before")
     @classmethod
