@@ -63,7 +63,6 @@ class StoredFormat:
     family: str
     w4a4: bool = False
     ignore: tuple[str, ...] = ()
-    source: str = "config.json"
 
 
 @dataclass
@@ -130,7 +129,7 @@ def read_format(config: dict, source: str) -> StoredFormat | None:
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
         raise FormatError(f"{where}.ignore: must be a list of module names")
-    return StoredFormat(scheme=scheme, family=family, w4a4=w4a4, ignore=tuple(ignore), source=source)
+    return StoredFormat(scheme=scheme, family=family, w4a4=w4a4, ignore=tuple(ignore))
 
 
 def _group_format(group: dict, fmt: str | None, where: str) -> tuple[str, str, bool]:
@@ -304,7 +303,7 @@ def template(scheme: str, device: torch.device, dtype: torch.dtype):
     lin = nn.Linear(BLOCK, BLOCK, bias=False, device="meta")  # no random init: the caller's RNG stays as it was
     lin.weight = nn.Parameter(torch.ones(BLOCK, BLOCK, device=device, dtype=dtype), requires_grad=False)
     with quiet_torchao():
-        config = torchao_config(scheme, device)
+        config = torchao_config(scheme)
         if config is None:
             return direct_weight(scheme, device)(lin.weight.detach())
         from torchao.quantization import quantize_

@@ -140,7 +140,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             chosen.append(name)
     report.excluded += list(EXCLUDED_PARTS)
     with quiet_torchao():
-        config = torchao_config(scheme, device)
+        config = torchao_config(scheme)
         if config is not None:
             from torchao.quantization import quantize_
 

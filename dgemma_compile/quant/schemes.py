@@ -82,7 +82,7 @@ def _fp8_direct(device: torch.device | None = None, activations: bool = True):
     return build
 
 
-def torchao_config(scheme: str, device: torch.device):
+def torchao_config(scheme: str):
     """The torchao config applying `scheme` through `quantize_`, or None where `direct_weight` builds the weights
     (both fp8 schemes: see the module docstring)."""
     if scheme in ("fp8", "fp8-weight-only"):
