@@ -211,12 +211,17 @@ class Experts(nn.Module):
 
     @property
     def quant(self) -> str:
+        """The experts' format (`ops.moe.EXPERT_QUANTS`), one for both projections (the op takes one); ValueError if
+        they differ."""
+        if self.gate_up_proj.quant != self.down_proj.quant:
+            raise ValueError(f"experts: gate_up_proj is {self.gate_up_proj.quant!r} but down_proj is "
+                             f"{self.down_proj.quant!r}; dgemma::moe_experts takes one format for both")
         return self.gate_up_proj.quant
 
     def forward(self, x_ND, w_NK, idx_NK, impl: str):
         gu, down = self.gate_up_proj, self.down_proj
         return torch.ops.dgemma.moe_experts(x_ND, w_NK, idx_NK, gu.weight, gu.scales(), down.weight, down.scales(),
-                                            impl, gu.quant)
+                                            impl, self.quant)
 
 
 class Layer(nn.Module):
