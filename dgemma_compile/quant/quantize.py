@@ -20,8 +20,8 @@ from torch import nn
 
 from ..config import ConfigError
 from ..model import ExpertProjection
-from ..ops.moe import NVFP4_BLOCK
-from .schemes import NUMERICS, check_scheme, direct_weight, expert_weights, torchao_config, unsupported_weight
+from .schemes import (NUMERICS, check_scheme, direct_weight, expert_weights, torchao_config, unsupported_expert_dims,
+                      unsupported_weight)
 
 log = logging.getLogger("dgemma_compile")
 
@@ -35,14 +35,6 @@ EXCLUDED_PARTS = (
 
 def _is_router(name: str) -> bool:
     return ".router." in f".{name}."
-
-
-def unsupported_expert_dims(scheme: str, shape: tuple[int, int, int]) -> str | None:
-    """Why `scheme` cannot take an expert projection of dequantized shape (E, N, K) (None: it can): NVFP4 blocks the
-    input dim by 16; the fp8 formats take any dims (`dgemma::moe_experts` reads them without `torch._scaled_mm`)."""
-    if scheme.startswith("nvfp4") and shape[2] % NVFP4_BLOCK:
-        return f"input dim {shape[2]} is not a multiple of {NVFP4_BLOCK}"
-    return None
 
 
 def _parts(name: str) -> int:
@@ -110,8 +102,9 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
     """Quantize `model`'s covered projections to `scheme` (`schemes.SCHEMES`) in place; returns the report.
 
     Raises:
-        ConfigError: an unknown scheme, `nvfp4` (W4A4) on a device without sm100 tensor cores, a model already
-            quantized, or torchao missing (the `[quant]` extra). Raised before any weight changes.
+        ConfigError: an unknown scheme, `nvfp4` (W4A4) on a device without sm100 tensor cores, an NVFP4 scheme on a
+            float16 model, a model already quantized, or torchao missing (the `[quant]` extra). Raised before any
+            weight changes.
     """
     device = next(model.parameters()).device
     check_scheme(scheme, device, next(model.parameters()).dtype)

@@ -59,6 +59,14 @@ def unsupported_weight(scheme: str, weight: torch.Tensor) -> str | None:
     return None
 
 
+def unsupported_expert_dims(scheme: str, shape: tuple[int, int, int]) -> str | None:
+    """Why `scheme` cannot take an expert projection of dequantized shape (E, N, K) (None: it can): NVFP4 blocks the
+    input dim by 16; the fp8 formats take any dims (`dgemma::moe_experts` reads them without `torch._scaled_mm`)."""
+    if scheme.startswith("nvfp4") and shape[2] % NVFP4_BLOCK:
+        return f"input dim {shape[2]} is not a multiple of {NVFP4_BLOCK}"
+    return None
+
+
 def _fp8_direct(device: torch.device | None = None, activations: bool = True):
     """weight -> `Float8Tensor` for the fp8 schemes: per-row weights with the amax floor and, with `activations`,
     dynamic per-row activations with the same floor (`amax_floor` of the weight's dtype, the activations' too); `KernelPreference.AUTO` on CUDA (torchao picks its kernel),
