@@ -243,6 +243,25 @@ def commit_denoise_mask_mod(lengths_B: torch.Tensor, n_new_B: torch.Tensor, *, c
     return mask_mod
 
 
+def select_mask_mod(rows_B: torch.Tensor, if_true, if_false):
+    """The mask_mod that is `if_true`'s on rows where `rows_B` (bool [B], a captured tensor: a graph input when
+    compiled) and `if_false`'s elsewhere: how a fused mixed plan gives its commit + denoise rows
+    `commit_denoise_mask_mod` and its other rows `block_mask_mod`. Both are evaluated (no control flow on values).
+
+    Raises:
+        ValueError: `rows_B` not a 1-D bool tensor.
+    """
+    if rows_B.dim() != 1 or rows_B.dtype != torch.bool:
+        raise ValueError(f"rows_B must be a 1-D bool tensor, got {rows_B.dtype} {tuple(rows_B.shape)}")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return torch.where(rows_B[b], if_true(b, h, q_idx, kv_idx), if_false(b, h, q_idx, kv_idx))
+
+    mask_mod.__name__ = f"select_{if_true.__name__}_else_{if_false.__name__}"
+    mask_mod.__qualname__ = mask_mod.__name__
+    return mask_mod
+
+
 def make_block_mask(mask_mod, B: int, T: int, cache_slots: int, device,
                     block_size: int | tuple[int, int] = 128) -> BlockMask:
     """`create_block_mask(mask_mod, B, None, Q_LEN=T, KV_LEN=S+T)`: one mask for all heads.

@@ -433,15 +433,23 @@ class DiffusionGemma(nn.Module):
         signal of `self_conditioning_logits` [B, T, V] where `plan.self_conditioning`, zero elsewhere); idle rows
         only pass through. Advances `cache.lengths` by `plan.commit`. Returns the final-norm hidden states
         [B, T, D] (`logits()` for the denoise rows). `self_conditioning_probs` [B, T, V]: the signal as probabilities
-        (what the generators carry), in place of `self_conditioning_logits`. Unchecked, like `encode_block` /
-        `denoise_block`, which are this forward with a uniform plan."""
+        (what the generators carry), in place of `self_conditioning_logits`. Either may cover only the first T' < T
+        tokens ([B, T', V]: a fused mixed plan's denoise rows hold their canvas there); the signal is zero after
+        them. Unchecked, like `encode_block` / `denoise_block`, which are this forward with a uniform plan."""
         embeds = self._embed(ids_BT)
         sc = plan.self_conditioning
         den = plan.denoise_tokens
         if den is False:
             return self._forward_block(embeds, cache, plan, moe_impl)
-        denoised = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits, sc,
-                                                                       self_conditioning_probs))
+        signal = self_conditioning_probs if self_conditioning_probs is not None else self_conditioning_logits
+        B, T, D = embeds.shape
+        if signal is not None and signal.shape[1] < T:  # the signal of the first T' tokens, zero after them
+            soft = self._soft_embedding(embeds[:, :signal.shape[1]], self_conditioning_logits, sc,
+                                        self_conditioning_probs)
+            soft = torch.cat([soft, soft.new_zeros(B, T - signal.shape[1], D)], dim=1)
+        else:
+            soft = self._soft_embedding(embeds, self_conditioning_logits, sc, self_conditioning_probs)
+        denoised = self.self_conditioning(embeds, soft)
         x = denoised if den is True else torch.where(den[..., None], denoised, embeds)
         return self._forward_block(x, cache, plan, moe_impl)
 

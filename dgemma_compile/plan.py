@@ -7,10 +7,11 @@ A forward processes one block of T token slots per row (the cache layout of `kv_
   nothing is committed (its keys/values only pass through the block slots). Its input is the self-conditioned
   embedding, with the previous step's signal where `self_conditioning[b]` (zero otherwise).
 - IDLE: no real token, nothing committed; its outputs are meaningless.
-- COMMIT_DENOISE (commit fusion; every row of a uniform "commit+denoise" plan, never in a mixed one): 2C block tokens, the first C a commit
-  (encoder mode, `n_new[b]` real, committed) and the last C the next block's start canvas (denoise mode, no
-  self-conditioning), which sees the committed context including the tokens committed by this very forward
-  (`masks.commit_denoise_mask_mod`). One forward instead of a commit and a block's first denoise step.
+- COMMIT_DENOISE (commit fusion: every row of a uniform "commit+denoise" plan, or some rows of a fused mixed plan):
+  2C block tokens, the first C a commit (encoder mode, `n_new[b]` real, committed) and the last C the next block's
+  start canvas (denoise mode, no self-conditioning), which sees the committed context including the tokens
+  committed by this very forward (`masks.commit_denoise_mask_mod`). One forward instead of a commit and a block's
+  first denoise step.
 
 The plan holds, per row, the mode and what follows from it (the masks' real-token count, the committed count, the
 causal flag, the self-conditioning flag), per block token its logical position and the physical slot its key/value
@@ -23,7 +24,9 @@ Two kinds of plan:
   is None for a canvas), exactly the masks the generator's compiled units have always used;
 - mixed (`mode` an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE`): per-row tensors. Inductor's CPU flex
   template rejects mask tensors computed inside a compiled graph, so build a mixed plan outside the compiled region
-  and pass it in (its tensors are then graph inputs).
+  and pass it in (its tensors are then graph inputs). A fused mixed plan (T = 2C, `canvas=C`) also takes
+  `COMMIT_DENOISE` rows; its DENOISE rows hold their canvas in the first C tokens (C real, the rest idle: the keys
+  a canvas sees are those of a [B, C] denoise step plus masked ones), its encoder rows chunks of up to 2C tokens.
 
 Legend: B rows, T block length, S committed slots per row.
 """
@@ -39,7 +42,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from .config import SLIDING
 from .kv_cache import KVCache, commit_slots
 from .masks import (block_mask_mod, commit_denoise_mask_mod, dense_block_mask, dense_commit_denoise_mask,
-                    make_block_mask)
+                    make_block_mask, select_mask_mod)
 
 IDLE, ENCODER, DENOISE, COMMIT_DENOISE = 0, 1, 2, 3
 UNIFORM_MODES = ("encoder", "denoise", "commit+denoise")
@@ -82,6 +85,9 @@ class ForwardPlan:
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
     masks: dict[str, BlockMask | torch.Tensor]
     kernel_options: dict[str, dict] = dataclasses.field(default_factory=dict)
+    mask_rows: tuple[torch.Tensor, ...] = ()
+    """Per-row tensors the masks capture that no other field holds (a fused mixed plan: its encoder rows and commit
+    + denoise rows, bool [B]), so that `PlanBuffers` refills them."""
 
 
 QUERY_KINDS = ("encoder", "canvas")
@@ -96,7 +102,7 @@ def query_kind(mode: str | torch.Tensor) -> str:
 
 def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
                self_conditioning: torch.Tensor | None = None, check_values: bool = True,
-               kernel_options: dict | None = None, block_masks: bool = True) -> ForwardPlan:
+               kernel_options: dict | None = None, block_masks: bool = True, canvas: int | None = None) -> ForwardPlan:
     """The plan of one forward of T block tokens per row over `cache` (its current `lengths`).
 
     Args:
@@ -115,19 +121,28 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
             the entry of its own query kind (`query_kind(mode)`). None: none.
         block_masks: False leaves out the FlexAttention block masks (`masks` is then empty for a flex model; what
             `PlanBuffers(static_sparsity=True)` rebuilds: everything but its fixed masks).
+        canvas: C, a mixed plan's canvas length (default T). T = 2C makes it a fused mixed plan (the serving
+            engine's commit fusion): `COMMIT_DENOISE` rows as in a uniform "commit+denoise" plan (n_new <= C
+            committed tokens, the canvas in the second half), DENOISE rows with their canvas in the first half
+            (C real tokens, the second half idle), encoder rows over all T.
     Returns:
         A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
         a uniform plan.
     Raises:
         ValueError: an unknown mode (a mixed plan's mode values only with `check_values`, which reads the device),
-            a missing `n_new`, per-row tensors whose shape is not [B], or an odd T for "commit+denoise".
+            a missing `n_new`, per-row tensors whose shape is not [B], an odd T for "commit+denoise", or a `canvas`
+            given with a uniform mode or other than T or T / 2.
     """
     B, S, dev = cache.batch_size, cache.max_seq_len, cache.lengths.device
     lengths = cache.lengths
     i_T = torch.arange(T, device=dev)
     positions = lengths[:, None] + i_T[None, :]
     mask_args = None  # (real, causal) of `block_mask_mod`; None: the commit fusion mask
+    fused = False  # a fused mixed plan (`canvas` = T / 2): per-row commit fusion
+    mask_rows: tuple[torch.Tensor, ...] = ()
     if isinstance(mode, str):
+        if canvas is not None:
+            raise ValueError(f"canvas: only for a mixed plan (mode a tensor), got {canvas} with mode {mode!r}")
         if mode not in UNIFORM_MODES:
             raise ValueError(f"mode must be one of {UNIFORM_MODES} or an int64 tensor [B], got {mode!r}")
         if mode != "denoise" and n_new is None:
@@ -150,6 +165,10 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         commit = real
         slots = commit_slots(lengths, n_new, T, S) if commit is not None else None
     else:
+        C = T if canvas is None else canvas
+        if C not in (T, T / 2):
+            raise ValueError(f"canvas: a mixed plan's canvas is T or T / 2 (commit fusion), got {canvas} for T = {T}")
+        fused = C != T
         if not isinstance(mode, torch.Tensor) or mode.shape != (B,) or mode.dtype != torch.long:
             raise ValueError(f"mode must be an int64 tensor [B={B}], got {getattr(mode, 'dtype', type(mode))} "
                              f"{tuple(getattr(mode, 'shape', ()))}")
@@ -159,21 +178,32 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         if self_conditioning is not None and self_conditioning.dtype != torch.bool:
             raise ValueError(f"self_conditioning must be bool, got {self_conditioning.dtype}")
         if check_values:  # they read the device: `PlanBuffers.fill`, which may run compiled, turns them off
-            if bool(((mode < IDLE) | (mode > DENOISE)).any()):
+            top = COMMIT_DENOISE if fused else DENOISE
+            if bool(((mode < IDLE) | (mode > top)).any()):
                 raise ValueError(f"mode: per-row modes are IDLE, ENCODER, DENOISE ({IDLE}, {ENCODER}, {DENOISE}; "
-                                 f"COMMIT_DENOISE is uniform only), got {mode.tolist()}")
-            if n_new is None and bool((mode == ENCODER).any()):
-                raise ValueError("n_new: required for encoder rows")
+                                 f"COMMIT_DENOISE ({COMMIT_DENOISE}) only in a fused plan, T = 2 x canvas), got "
+                                 f"{mode.tolist()}")
+            if n_new is None and bool(((mode == ENCODER) | (mode == COMMIT_DENOISE)).any()):
+                raise ValueError("n_new: required for encoder and commit + denoise rows")
         mode_B = mode
-        encoder_rows = mode == ENCODER
-        encoder_tokens, denoise_tokens = encoder_rows[:, None], (mode == DENOISE)[:, None]
+        encoder_rows, denoise_rows = mode == ENCODER, mode == DENOISE
         n_B = n_new if n_new is not None else torch.zeros(B, dtype=torch.long, device=dev)
-        commit = torch.where(encoder_rows, n_B, 0)
-        real = torch.where(encoder_rows, n_B, torch.where(mode == DENOISE, T, 0))
+        real = torch.where(encoder_rows, n_B, torch.where(denoise_rows, C, 0))
+        if fused:  # per token: a commit + denoise row is encoder in its first half, denoise in its second
+            fused_rows = mode == COMMIT_DENOISE
+            first_half = (i_T < C)[None, :]
+            encoder_tokens = encoder_rows[:, None] | (fused_rows[:, None] & first_half)
+            denoise_tokens = denoise_rows[:, None] | (fused_rows[:, None] & ~first_half)
+            commit = torch.where(encoder_rows | fused_rows, n_B, 0)
+            mask_rows = (encoder_rows, fused_rows)
+            positions = torch.where(fused_rows[:, None] & ~first_half, positions + n_B[:, None] - C, positions)
+        else:
+            encoder_tokens, denoise_tokens = encoder_rows[:, None], denoise_rows[:, None]
+            commit = torch.where(encoder_rows, n_B, 0)
         slots = commit_slots(lengths, commit, T, S)
         if self_conditioning is None:
             self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
-        self_conditioning = self_conditioning & (mode == DENOISE)
+        self_conditioning = self_conditioning & denoise_rows
         mask_args = (real, encoder_rows)
     rope, masks = {}, {}
     for lt in sorted(set(model.config.layer_types)):
@@ -188,11 +218,19 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
                 masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
         elif model.attention == "dense":
             masks[lt] = dense_block_mask(lengths, *mask_args, block_len=T, cache_slots=S, **window)
+            if fused:
+                cd = dense_commit_denoise_mask(lengths, n_B, canvas=C, cache_slots=S, **window)
+                masks[lt] = torch.where(fused_rows[:, None, None], cd, masks[lt])
         elif block_masks:
-            masks[lt] = make_block_mask(block_mask_mod(lengths, *mask_args, cache_slots=S, **window), B, T, S, dev)
+            mask_mod = block_mask_mod(lengths, *mask_args, cache_slots=S, **window)
+            if fused:
+                mask_mod = select_mask_mod(fused_rows, commit_denoise_mask_mod(lengths, n_B, canvas=C, cache_slots=S,
+                                                                               **window), mask_mod)
+            masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
     return ForwardPlan(mode=mode_B, encoder_tokens=encoder_tokens, denoise_tokens=denoise_tokens, real=real,
                        commit=commit, slots=slots, self_conditioning=self_conditioning, positions=positions, rope=rope,
-                       masks=masks, kernel_options=dict((kernel_options or {}).get(query_kind(mode), {})))
+                       masks=masks, kernel_options=dict((kernel_options or {}).get(query_kind(mode), {})),
+                       mask_rows=mask_rows)
 
 
 class PlanBuffers:
@@ -214,8 +252,8 @@ class PlanBuffers:
     """
 
     def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None,
-                 static_sparsity: bool = False):
-        self.model, self.cache, self.T = model, cache, T
+                 static_sparsity: bool = False, canvas: int | None = None):
+        self.model, self.cache, self.T, self.canvas = model, cache, T, canvas
         self.kernel_options = kernel_options
         B, dev = cache.batch_size, cache.lengths.device
         self.mixed = mixed
@@ -234,7 +272,7 @@ class PlanBuffers:
         if self.mixed:
             return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new, check_values=False,
                               self_conditioning=self.self_conditioning, kernel_options=self.kernel_options,
-                              block_masks=block_masks)
+                              block_masks=block_masks, canvas=self.canvas)
         return build_plan(self.model, self.cache, self.T, mode="denoise", kernel_options=self.kernel_options)
 
     def fill(self, mode: torch.Tensor | None = None, n_new: torch.Tensor | None = None,
@@ -283,7 +321,7 @@ def _plan_tensors(plan: ForwardPlan, masks: bool = True) -> list[torch.Tensor]:
                 found.append(t)
 
     for t in (plan.mode, plan.encoder_tokens, plan.denoise_tokens, plan.real, plan.commit, plan.slots,
-              plan.self_conditioning, plan.positions):
+              plan.self_conditioning, plan.positions, *plan.mask_rows):
         add(t)
     for lt in sorted(plan.rope):
         for t in plan.rope[lt]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.plan import DENOISE, ENCODER, IDLE, PlanBuffers, build_plan
+from dgemma_compile.plan import COMMIT_DENOISE, DENOISE, ENCODER, IDLE, PlanBuffers, build_plan
 
 S = 48  # committed slots per row
 # (mode, tokens committed before the forward, real tokens of an encoder row, self-conditioned)
@@ -114,7 +114,12 @@ def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
                                     (dict(mode=torch.ones(5, dtype=torch.long)), "n_new: required"),
                                     (dict(mode=torch.full((5,), 2), self_conditioning=torch.ones(5, dtype=torch.long)),
                                      "self_conditioning must be bool"),
-                                    (dict(mode=torch.full((5,), 3)), "COMMIT_DENOISE is uniform only"),
+                                    (dict(mode=torch.full((5,), 3)), r"COMMIT_DENOISE \(3\) only in a fused plan"),
+                                    (dict(mode=torch.full((5,), 4), n_new=torch.ones(5, dtype=torch.long), canvas=8,
+                                          T=16), "per-row modes are IDLE"),
+                                    (dict(mode=torch.full((5,), 3), canvas=8, T=16), "n_new: required for encoder"),
+                                    (dict(mode=torch.full((5,), 2), canvas=5), "canvas: a mixed plan's canvas is T"),
+                                    (dict(mode="denoise", canvas=8), "canvas: only for a mixed plan"),
                                     (dict(mode=torch.full((5,), -1)), "per-row modes are IDLE, ENCODER, DENOISE"),
                                     (dict(mode="commit+denoise"), "n_new: required for mode 'commit\\+denoise'"),
                                     (dict(mode="commit+denoise", n_new=torch.ones(5, dtype=torch.long), T=7),
@@ -326,3 +331,66 @@ def test_kernel_options_are_in_the_captured_graph(tiny_dir):
     for node in calls:
         options = next(a for a in node.args if isinstance(a, dict))
         assert options.get("FORCE_USE_FLEX_ATTENTION") is True, options
+
+
+# --- a fused mixed plan (T = 2C): the serving engine's commit fusion, row by row ------------------------------------
+# (mode, tokens committed before the forward, committed tokens (encoder: real), self-conditioned)
+FUSED_ROWS = [(ENCODER, 0, 5, False),          # a prefill chunk in the first half
+              (DENOISE, 21, 0, True),          # a denoise step (canvas in the first half), self-conditioned
+              (COMMIT_DENOISE, 9, None, False),  # a commit (n_new = C) and the next block's first step
+              (DENOISE, 30, 0, False),         # a block's first denoise step (after its prompt)
+              (IDLE, 5, 0, False)]
+
+
+@pytest.mark.parametrize("attention", ["flex", "dense"])
+def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
+    """Each row of a fused mixed plan (`build_plan(..., canvas=C)`, T = 2C, moe "dense": row-invariant) gives
+    bitwise what its own call gives in a cache of 2C block slots, as the fused generator makes them: a prefill chunk
+    (`encode_block` at T = C; hidden states of its real tokens and the committed keys/values), a denoise step with
+    and without self-conditioning (`denoise_block` at T = C: logits), a commit + denoise (`commit_denoise_block`:
+    logits, committed keys/values); lengths advance by each row's committed tokens; the idle row's cache is
+    untouched."""
+    model = dg.load(tiny_dir, attention=attention)
+    C, V = model.config.canvas_length, model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    B = len(FUSED_ROWS)
+    before = torch.tensor([r[1] for r in FUSED_ROWS])
+    n_new = torch.tensor([C if r[2] is None else r[2] for r in FUSED_ROWS])
+    cache = model.new_cache(B, S, block_size=2 * C)
+    model.encode(torch.randint(3, V, (B, int(before.max())), generator=g), cache, input_lengths=before)
+    first, second = torch.randint(3, V, (B, C), generator=g), torch.randint(3, V, (B, C), generator=g)
+    sc_probs = torch.softmax(torch.randn(B, C, V, generator=g) * 3, dim=-1)
+    mode = torch.tensor([r[0] for r in FUSED_ROWS])
+    expected = []
+    with torch.no_grad():
+        for r, (m, _, _, with_sc) in enumerate(FUSED_ROWS):
+            c = _row_cache(cache, r)
+            if m == ENCODER:
+                y = model.encode_block(first[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0, :n_new[r]]
+            elif m == DENOISE:
+                y = model.denoise_block(first[r:r + 1], c, None, torch.tensor([with_sc]), moe_impl="dense",
+                                        self_conditioning_probs=sc_probs[r:r + 1])[0]
+            elif m == COMMIT_DENOISE:
+                y = model.commit_denoise_block(first[r:r + 1], second[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0]
+            else:
+                y = None
+            expected.append((y, c))
+        before_kv = [(k.clone(), v.clone()) for k, v in zip(cache.keys, cache.values)]
+        plan = build_plan(model, cache, 2 * C, mode=mode, n_new=n_new, canvas=C,
+                          self_conditioning=torch.tensor([r[3] for r in FUSED_ROWS]))
+        ids = torch.cat([first, torch.where((mode == COMMIT_DENOISE)[:, None], second, 0)], dim=1)
+        hidden = model.forward_plan(ids, cache, plan, moe_impl="dense", self_conditioning_probs=sc_probs)
+    for r, ((m, _, _, _), (y, c)) in enumerate(zip(FUSED_ROWS, expected)):
+        if m == ENCODER:
+            assert torch.equal(hidden[r, :n_new[r]], y), f"row {r} hidden"
+        elif m == DENOISE:
+            assert torch.equal(model.logits(hidden[r:r + 1, :C])[0], y), f"row {r} logits"
+        elif m == COMMIT_DENOISE:
+            assert torch.equal(model.logits(hidden[r:r + 1, C:])[0], y), f"row {r} logits"
+        assert cache.lengths[r] == c.lengths[0], f"row {r} length"
+        for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
+            assert torch.equal(k[r, :, :S], c.keys[layer][0, :, :S]), f"row {r} layer {layer} keys"
+            assert torch.equal(v[r, :, :S], c.values[layer][0, :, :S]), f"row {r} layer {layer} values"
+    assert cache.lengths.tolist() == (before + torch.where(mode == DENOISE, 0, n_new) * (mode != IDLE)).tolist()
+    for (k, v), (k0, v0) in zip(zip(cache.keys, cache.values), before_kv):  # the idle row: untouched
+        assert torch.equal(k[-1, :, :S], k0[-1, :, :S]) and torch.equal(v[-1, :, :S], v0[-1, :, :S])

@@ -82,45 +82,59 @@ def _run_engine(engine: Engine) -> None:
 
 
 # ----- the engine, eager ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mixed", [False, True], ids=["two-unit", "mixed"])
-def test_engine_staggered_admission_equals_generate(demo, mixed):
-    """Requests admitted at different iterations into 3 rows (6 requests: rows are reused), with different budgets,
-    step limits and temperatures, give exactly `dg.generate`'s tokens of each request run alone; both iteration
-    bodies (two forwards, or one mixed-phase forward per iteration)."""
+def _eager_bucket(model, rows: int, body: str):
+    """An eager bucket of `rows` rows for the iteration body "two-unit", "mixed" or "mixed-fused" (commit fusion)."""
+    if body == "two-unit":
+        return EagerBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64)
+    return MixedBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, fuse_commit=body == "mixed-fused")
+
+
+BODIES = ["two-unit", "mixed", "mixed-fused"]
+
+
+@pytest.mark.parametrize("body", BODIES)
+def test_engine_staggered_admission_equals_generate(demo, body):
+    """Requests admitted at different iterations into 3 rows (7 requests: rows are reused), with different budgets,
+    step limits and temperatures, give exactly `dg.generate`'s tokens and steps per block of each request run alone;
+    every iteration body (two forwards, one mixed-phase forward per iteration, and that with commit fusion, whose
+    reference is `generate(fuse_commit=True)`: a 1-step budget makes a fused commit end its block at once)."""
     model, tok = demo
     base = model.generation_config
     specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), ("add 123+045=", base, 2),
              ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=3), 4),
-             ("rev 4 4 1=", base.with_temperature(2.0), 5)]
-    kind = MixedBucket if mixed else EagerBucket
-    engine = Engine(model, kind(model, 3, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+             ("rev 4 4 1=", base.with_temperature(2.0), 5), (REV, base.replace(max_denoising_steps=1), 6)]
+    engine = Engine(model, _eager_bucket(model, 3, body), tokenizer=tok)
     reqs = []
     for k, (text, cfg, seed) in enumerate(specs):
         reqs.append(engine.submit(Request(prompt=_ids(tok, model, text), config=cfg, seed=seed)))
         for _ in range(k % 3):
             engine.step()
     _run_engine(engine)
+    fused = body == "mixed-fused"
+    fused_commits = 0
     for r, (text, cfg, seed) in zip(reqs, specs):
-        ref = dg.generate(model, [r.prompt], cfg, seed=seed, moe_impl="dense", max_seq_len=SLOTS)
+        ref = dg.generate(model, [r.prompt], cfg, seed=seed, moe_impl="dense", max_seq_len=SLOTS, fuse_commit=fused)
         assert r.sequence == ref.sequences[0], text
         assert r.stats.steps_per_block == ref.stats[0].steps_per_block
         assert r.stats.finish_reason == ref.stats[0].finish_reason
+        fused_commits += ref.fused_commits
     st = engine.stats
-    assert st.flag_reads == st.forwards and st.requests == {"eos": 5, "length": 1}
+    assert st.flag_reads == st.forwards and st.requests == {"eos": 6, "length": 1}
     assert st.tokens == sum(r.stats.num_tokens for r in reqs)
-    if mixed:  # one forward per iteration, none for encoder passes
+    if body != "two-unit":  # one forward per iteration, none for encoder passes
         assert st.encoder_forwards == 0 and st.forwards <= st.iterations
+        assert engine.bucket.plan.T == (2 if fused else 1) * model.config.canvas_length
+    assert fused_commits == (3 if fused else 0)  # the references fused (or not) as many commits
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["two-unit", "mixed"])
-def test_engine_events_stop_cancel_and_refusals(demo, mixed):
+@pytest.mark.parametrize("body", BODIES)
+def test_engine_events_stop_cancel_and_refusals(demo, body):
     """One event per finished block, text never holding a stop string across the block boundary; a cancelled
     request frees its row at the next iteration; a bad request is refused at submit and changes nothing. Mixed: the
     host retires a row the device would have committed (stop string, cancel)."""
     model, tok = demo
     cfg = model.generation_config
-    kind = MixedBucket if mixed else EagerBucket
-    engine = Engine(model, kind(model, 2, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    engine = Engine(model, _eager_bucket(model, 2, body), tokenizer=tok)
     events = []
     stop = engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, stops=("4 3",),
                                  on_event=events.append))
@@ -140,17 +154,16 @@ def test_engine_events_stop_cancel_and_refusals(demo, mixed):
     assert engine.stats.requests == {"stop": 1, "cancelled": 1}
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["two-unit", "mixed"])
-def test_engine_draft_events(demo, mixed):
+@pytest.mark.parametrize("body", BODIES)
+def test_engine_draft_events(demo, body):
     """draft_every=1: a draft event after every denoise step of each block still in flight (its step and block, the
     canvas cut at eos), before that block's own event; drafts change nothing else (same tokens and block events as
     without them); a bad draft_every is refused at submit."""
     model, tok = demo
     cfg = model.generation_config
     runs = {}
-    kind = MixedBucket if mixed else EagerBucket
     for k in (0, 1):
-        engine = Engine(model, kind(model, 2, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+        engine = Engine(model, _eager_bucket(model, 2, body), tokenizer=tok)
         events = []
         req = engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, draft_every=k,
                                     on_event=events.append))
@@ -407,6 +420,38 @@ def test_compiled_bucket(demo_serve):
     _alone_and_concurrent_equal_generate(*demo_serve)
     _streaming_chat_n_and_stop(*demo_serve)
     _two_unit_engine_equals_generate(*demo_serve)
+
+
+@pytest.mark.slow
+def test_compiled_fused_mixed_step(demo):
+    """The mixed step compiled with commit fusion (a generator built with `fuse_commit=True`: its bucket's cache has
+    2C block slots, the unit runs rows of 2C tokens) over two rows, staggered requests of the demo: each request's
+    tokens and steps per block equal its solo eager `generate(fuse_commit=True)` run with the generator's experts
+    implementation (the compiled generator equals eager token for token on the demo); no recompile after the first
+    call; the two-unit body refuses the fused bucket."""
+    from dgemma_compile.compile import CompileOptions, build
+
+    model, tok = demo
+    gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=SLOTS, fuse_commit=True))
+    engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, tokenizer=tok, generator=gen)
+    assert engine.bucket.fuse_commit and [u.name for u in engine.bucket.units] == ["mixed_step[B2_P1_stop]"]
+    with pytest.raises(dg.ConfigError, match="fuse_commit"):
+        build_engine(model, max_batch=2, max_seq_len=SLOTS, generator=gen, mixed=False)
+    base = model.generation_config
+    specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), (REV, base.with_temperature(2.0), 2),
+             ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=1), 4)]
+    reqs = []
+    for k, (text, cfg, seed) in enumerate(specs):
+        reqs.append(engine.submit(Request(prompt=_ids(tok, model, text), config=cfg, seed=seed)))
+        engine.step()
+    _run_engine(engine)
+    fused_commits = 0
+    for r, (text, cfg, seed) in zip(reqs, specs):
+        ref = dg.generate(model, [r.prompt], cfg, seed=seed, moe_impl=gen.moe_impl, max_seq_len=SLOTS,
+                          fuse_commit=True)
+        assert (r.sequence, r.stats.steps_per_block) == (ref.sequences[0], ref.stats[0].steps_per_block), text
+        fused_commits += ref.fused_commits
+    assert fused_commits >= 3 and engine.recompiles() == {}
 
 
 def _two_unit_engine_equals_generate(srv, gen, refs):

@@ -33,9 +33,9 @@ finished and must be written to the cache before the next block). Every iteratio
 
 Design of the two-unit body: two compiled units per iteration (encoder pass, then denoise step); the units are
 per-row deterministic within a bucket, so each request's tokens equal its solo `gen.generate` run whatever its batch
-mates and phases. An iteration that needs both passes costs two forwards; the mixed body always costs one. Neither
-body fuses commits (a generator with commit fusion is refused): fusion needs [B, 2C] rows in the mixed plan, which
-`plan.build_plan` allows only as a uniform plan (see `mixed_step.py`).
+mates and phases. An iteration that needs both passes costs two forwards; the mixed body always costs one. Only the
+mixed body fuses commits (rows of 2C tokens, a commit and its next block's first denoise step in one row; see
+`mixed_step.py`): the two-unit body refuses a bucket with commit fusion.
 
 Mixed iterations (`Engine.step` over a `MixedBucket`): admit queued requests into free rows (`RowState.admit`,
 `StepInputs.set_row`, `KVCache.reset_row`), and if the host changed any row (an admission, a retirement the device
@@ -449,7 +449,8 @@ class Engine:
         read_s = time.perf_counter() - t0
         st.flag_read_s += read_s
         st.flag_reads += 1
-        denoised = [b for b, r in enumerate(self.rows) if r.phase == Phase.DENOISE]
+        stepped = (Phase.DENOISE, Phase.COMMIT) if mb.fuse_commit else (Phase.DENOISE,)  # fused: a commit steps too
+        denoised = [b for b, r in enumerate(self.rows) if r.phase in stepped]
         denoising = len(denoised)
         for row in self.rows:  # the host's mirror of the device's transitions (metrics, drafts, `running`)
             if row.phase == Phase.PREFILL:
@@ -458,7 +459,7 @@ class Engine:
                 st.prefill_tokens += chunk
                 if row.prefilled >= len(row.request.prompt):
                     row.phase, row.steps = Phase.DENOISE, 0
-            elif row.phase == Phase.COMMIT:
+            elif row.phase == Phase.COMMIT:  # its next block began (fused: `_drafts` counts its first step)
                 row.block += 1
                 row.phase, row.steps = Phase.DENOISE, 0
         done = [b for b, e in enumerate(events) if e]
@@ -616,12 +617,16 @@ class Engine:
 def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
-                 prefix_cache: bool = True, batch_invariant: bool | None = None, mixed: bool | None = None) -> Engine:
+                 prefix_cache: bool = True, batch_invariant: bool | None = None, mixed: bool | None = None,
+                 fuse_commit: bool | None = None) -> Engine:
     """An engine over one bucket of `max_batch` rows: compiled (a generator with that one bucket, a cache of
-    `max_seq_len` committed slots -- default the model's context, at most `config.DEFAULT_MAX_SEQ_LEN` --, no commit
-    fusion; warmed up here, which compiles) or, with `eager`, eager steps. `generator`: reuse a
-    compiled generator built with `CompileOptions(batch_buckets=(max_batch,), fuse_commit=False, ...)` (tests share
-    one with `gen.generate`). `page_size` (a multiple of the canvas length with the prefix cache): a paged KV cache
+    `max_seq_len` committed slots -- default the model's context, at most `config.DEFAULT_MAX_SEQ_LEN`; warmed up
+    here, which compiles) or, with `eager`, eager steps. `generator`: reuse a compiled generator built with
+    `CompileOptions(batch_buckets=(max_batch,), ...)` (tests share one with `gen.generate`); its `fuse_commit`
+    decides fusion. `fuse_commit`: commit fusion in the mixed step (rows of 2C tokens, see `mixed_step.py`; the
+    tokens of `generate(fuse_commit=True)`); None: `CompileOptions.fuse_commit`'s default (on for CUDA, off for
+    CPU, where the doubled rows cost more than the forward they save). `page_size` (a multiple of the canvas length
+    with the prefix cache): a paged KV cache
     of `kv_pages` pages (default: the static cache's memory) shared by the rows, with a prefix cache unless
     `prefix_cache` is False (see the module docstring). `batch_invariant`: `CompileOptions.batch_invariant` (None: on
     for CPU); eagerly, on means moe "dense" (batch-invariant), off "loop" (transformers' order);
@@ -631,8 +636,9 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     static cache, two-unit over a paged one. The engine is not started (`Engine.start`).
 
     Raises:
-        ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); a generator with
-            commit fusion; `mixed` with a paged cache (not supported yet)."""
+        ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); commit fusion
+            (`fuse_commit`, or a `generator` that fuses) with the two-unit body; `fuse_commit` disagreeing with the
+            given `generator`; `mixed` with a paged cache (not supported yet)."""
     from ..compile import CompileOptions, build
     from ..config import DEFAULT_MAX_SEQ_LEN
 
@@ -643,12 +649,22 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     elif mixed and page_size is not None:
         raise ConfigError("mixed: the mixed-phase step runs over a static cache; pass mixed=False with page_size")
     config = model.generation_config
+    if generator is not None:
+        gen_fuses = generator.options.commit_fusion(model.device.type)
+        if fuse_commit is not None and fuse_commit != gen_fuses:
+            raise ConfigError(f"fuse_commit: {fuse_commit}, but the given generator was built with commit fusion "
+                              f"{'on' if gen_fuses else 'off'}")
+        fuse_commit = gen_fuses
+    fuse = bool(CompileOptions(fuse_commit=fuse_commit).commit_fusion(model.device.type) and (mixed or fuse_commit))
+    if fuse and not mixed:
+        raise ConfigError("fuse_commit: the two-unit engine runs commits as encoder passes; commit fusion needs the "
+                          "mixed step (mixed=True)")
     if eager:
         on = CompileOptions(batch_invariant=batch_invariant).batch_invariance(model.device.type)
         moe_impl = "dense" if on else "loop"
         if mixed:
             bucket = mx.MixedBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
-                                    moe_impl=moe_impl)
+                                    moe_impl=moe_impl, fuse_commit=fuse)
         else:
             bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
                                  page_size=page_size, kv_pages=kv_pages, moe_impl=moe_impl)
@@ -657,7 +673,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         engine.batch_invariant = on
         return engine
     gen = generator or build(model, CompileOptions(batch_buckets=(max_batch,), max_seq_len=max_seq_len,
-                                                   max_denoising_steps=max_denoising_steps, fuse_commit=False,
+                                                   max_denoising_steps=max_denoising_steps, fuse_commit=fuse,
                                                    batch_invariant=batch_invariant))
     paging = dict(page_size=page_size, kv_pages=kv_pages) if page_size is not None else {}
     bucket = gen.bucket(max_batch, config, **paging)

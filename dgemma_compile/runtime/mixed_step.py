@@ -20,15 +20,16 @@ Numerics: each row's tokens equal its solo `generate` run's (unfused commits, ch
 rows compute what the encoder / denoise passes compute (same shapes [B, C], same masks, same self-conditioning),
 given row-invariant GEMMs and experts (`moe_impl` "dense" eagerly; compiled, the bucket's).
 
-Commit fusion ([B, 2C] rows, the bucket table's fused buckets) is not part of this step: a bucket of a generator
-with commit fusion is refused (ConfigError). What it would take: a mixed plan of T = 2C in which a commit row is
-COMMIT_DENOISE with n_new = C, a denoise row COMMIT_DENOISE with n_new = 0 (its canvas in the second half) and a
-prefill row an encoder row over the first half; `plan.build_plan` accepts COMMIT_DENOISE only in a uniform plan (its
-mask, `masks.commit_denoise_mask_mod`, would have to be selected per row beside `block_mask_mod`), and at T = 2C every
-denoise step attends over S + 2C keys in [B, 2C] GEMMs, so its logits differ from `gen.generate`'s [B, C] steps by
-float reduction order: the same-token tests would need a reference that runs every step at 2C. No compiler error
-blocked it; it was left out for time. Without fusion a commit still costs no forward of its own here: it rides in
-the iteration's one forward beside the other rows' denoise steps (its row spends that iteration committing).
+Commit fusion (`MixedBucket.fuse_commit`: a cache of 2C block slots) makes every row 2C tokens (`plan.build_plan`
+with `canvas=C`): a COMMIT row is a `COMMIT_DENOISE` row that commits its finished block in the first half and runs
+its next block's first denoise step on the start canvas in the second half (as `steps.denoise_step(commit=True)`); a
+DENOISE row holds its canvas in the first half, a PREFILL row its chunk (up to C tokens, as the fused generator's
+prefill), the second half idle. A commit then costs no iteration of its own: the row moves from its block's last
+step to its next block's second in one iteration. Each row's tokens equal its solo `generate(fuse_commit=True)` run:
+a [2C] row with an idle second half computes what a [C] pass computes (the same queries and visible keys, the idle
+keys masked: tests/test_serve.py checks tokens and step counts bitwise). The cost: every row of every iteration is
+2C tokens (twice the work of an unfused iteration for denoise rows), so fusion pays where a forward is bound by
+reading the weights (a GPU at small batch), not where it is bound by compute (bench/results/mixed_step_*.md).
 
 Legend: B rows, C canvas (the block of every row), V vocab, S committed slots, P stability history.
 """
@@ -44,7 +45,7 @@ from .. import rng
 from ..kv_cache import KVCache, PagedKVCache
 from ..model import DiffusionGemma
 from ..plan import DENOISE as DENOISE_MODE
-from ..plan import ENCODER, IDLE, PlanBuffers
+from ..plan import COMMIT_DENOISE, ENCODER, IDLE, PlanBuffers
 from ..sampler import StepNoise, denoise_update
 from ..steps import DenoiseState, StepInputs
 
@@ -102,11 +103,14 @@ class RowState:
 
 def refresh_plan(rows: RowState, state: DenoiseState, plan: PlanBuffers) -> None:
     """Fill the mixed plan from the rows' phases and the cache's lengths: PREFILL rows encode their next chunk
-    (min(C, prompt tokens left) real), COMMIT rows encode C tokens, DENOISE rows denoise (self-conditioned where
-    `state.has_sc`), FREE rows are idle. Tensor ops only (no host synchronisation): eager between iterations, or
-    inside the compiled step."""
-    C, ph = plan.T, rows.phase
-    mode = torch.where((ph == PREFILL) | (ph == COMMIT), ENCODER, torch.where(ph == DENOISE, DENOISE_MODE, IDLE))
+    (min(C, prompt tokens left) real), COMMIT rows encode C tokens (with commit fusion: a `COMMIT_DENOISE` row, the
+    commit and its next block's first denoise step), DENOISE rows denoise (self-conditioned where `state.has_sc`),
+    FREE rows are idle. Tensor ops only (no host synchronisation): eager between iterations, or inside the compiled
+    step."""
+    C, ph = state.canvas.shape[1], rows.phase
+    commit_mode = COMMIT_DENOISE if plan.T != C else ENCODER
+    mode = torch.where(ph == PREFILL, ENCODER, torch.where(ph == COMMIT, commit_mode,
+                                                           torch.where(ph == DENOISE, DENOISE_MODE, IDLE)))
     n_new = torch.where(ph == PREFILL, (rows.prompt_len - rows.prefilled).clamp(0, C), torch.where(ph == COMMIT, C, 0))
     plan.fill(mode=mode, n_new=n_new, self_conditioning=state.has_sc & (ph == DENOISE))
 
@@ -115,53 +119,69 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
                plan: PlanBuffers, *, stop_early: bool, moe_impl: str) -> None:
     """One iteration over every row, in place, no host synchronisation (see the module docstring).
 
-    Reads the plan that `refresh_plan` filled for the current phases; the forward's ids per row are the next prompt
-    chunk (PREFILL), the argmax canvas (COMMIT), the canvas (DENOISE) or zeros (FREE), int64 [B, C]. Denoise rows:
-    temperature and noise as `steps.denoise_step`, `sampler.denoise_update`, step count, finished flags. Then the
-    transitions, `RowState.event` / `done`, and the plan for the next iteration. `inputs.block` advances on commit."""
-    C, V = state.canvas.shape[1], model.config.vocab_size
+    Reads the plan that `refresh_plan` filled for the current phases (T = `plan.T` tokens per row: C, or 2C with
+    commit fusion). The forward's ids per row, int64 [B, T]: the next prompt chunk (PREFILL), the argmax canvas
+    (COMMIT; fused: followed by the next block's start canvas), the canvas (DENOISE; fused: in the first half) or
+    zeros (FREE). Stepping rows (DENOISE; fused: COMMIT too, on its next block): temperature and noise as
+    `steps.denoise_step`, `sampler.denoise_update`, step count, finished flags. Then the transitions, `RowState.event`
+    / `done`, and the plan for the next iteration. `inputs.block` advances on commit."""
+    C, V, T = state.canvas.shape[1], model.config.vocab_size, plan.T
+    fused = T != C
     ph = rows.phase
     prefill, denoising, commit = ph == PREFILL, ph == DENOISE, ph == COMMIT
-    n_new = plan.n_new
     i_C = torch.arange(C, device=ph.device)
+    # a commit begins the row's next block: with fusion in this very forward (its first step), else after it
+    block = inputs.block + commit.long()
+    start = rng.start_canvas(inputs.seeds, block, C, V)
+    if fused:
+        first = commit[:, None]
+        canvas, argmax = torch.where(first, start, state.canvas), torch.where(first, start, state.argmax)
+        history = torch.where(commit[None, :, None], -1, state.history)
+        steps_in = torch.where(commit, 0, state.steps)
+        stepping = denoising | commit
+    else:
+        canvas, argmax, history, steps_in, stepping = state.canvas, state.argmax, state.history, state.steps, denoising
     # the forward's ids
     at = (rows.prefilled[:, None] + i_C[None, :]).clamp(max=rows.prompt.shape[1] - 1)
-    chunk = torch.where(i_C[None, :] < n_new[:, None], rows.prompt.gather(1, at), 0)
+    chunk = torch.where(i_C[None, :] < plan.n_new[:, None], rows.prompt.gather(1, at), 0)
     ids = torch.where(prefill[:, None], chunk, torch.where(commit[:, None], state.argmax,
-                                                           torch.where(denoising[:, None], state.canvas, 0)))
-    # denoise rows: as `steps.denoise_step`, every other row frozen
-    k_B1 = state.steps.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
-    uniform, renoise = rng.step_noise(inputs.seeds, inputs.block, inputs.budget - state.steps, C, V)
-    steps = state.steps + denoising.long()
+                                                           torch.where(denoising[:, None], canvas, 0)))
+    if fused:  # [B, 2C]: the second half is a commit row's new canvas, idle otherwise
+        ids = torch.cat([ids, torch.where(commit[:, None], canvas, 0)], dim=1)
+    # stepping rows: as `steps.denoise_step`, every other row frozen
+    k_B1 = steps_in.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
+    uniform, renoise = rng.step_noise(inputs.seeds, block, inputs.budget - steps_in, C, V)
+    steps = steps_in + stepping.long()
     hidden = model.forward_plan(ids, cache, plan.plan, moe_impl=moe_impl, self_conditioning_probs=state.sc_probs)
+    if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
+        hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
     logits = model.logits(hidden)
-    new = denoise_update(state.canvas, state.argmax, state.history, ~denoising, logits,
+    new = denoise_update(canvas, argmax, history, ~stepping, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
                          confidence_B=inputs.confidence, stop_early=stop_early)
-    ended = denoising & (new.finished | (steps >= inputs.budget))
+    ended = stepping & (new.finished | (steps >= inputs.budget))
     # the request ends on the device where `generate.finalize_row` would end it: eos inside the budget, or budget
     room = rows.max_new - rows.emitted
     eos_at = torch.where((new.argmax[..., None] == rows.eos).any(-1), i_C, C).amin(dim=-1)  # C: no eos
     request_done = ended & (((eos_at < C) & (eos_at < room)) | (room <= C))
-    # transitions
-    prefilled = rows.prefilled + torch.where(prefill, n_new, 0)
-    begin = (prefill & (prefilled >= rows.prompt_len)) | commit
-    block = inputs.block + commit.long()
-    start = rng.start_canvas(inputs.seeds, block, C, V)
+    # transitions: a row whose prompt is encoded (and, unfused, a commit row) begins its next block
+    prefilled = rows.prefilled + torch.where(prefill, plan.n_new, 0)
+    begin = (prefill & (prefilled >= rows.prompt_len)) | (commit & (not fused))
     begin_BC = begin[:, None]
     state.canvas.copy_(torch.where(begin_BC, start, new.canvas))
     state.argmax.copy_(torch.where(begin_BC, start, new.argmax))
     state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
     state.steps.copy_(torch.where(begin, 0, steps))
     state.sc_probs.copy_(new.sc_probs.to(state.sc_probs.dtype))
-    state.has_sc.copy_(torch.where(begin, False, state.has_sc | denoising))
+    state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
     inputs.block.copy_(block)
     rows.prefilled.copy_(prefilled)
     rows.emitted.add_(torch.where(ended, C, 0))
     rows.event.copy_(ended)
     rows.done.copy_(request_done)
-    phase = torch.where(begin, DENOISE, torch.where(ended, torch.where(request_done, FREE, COMMIT), ph))
+    phase = torch.where(begin, DENOISE, torch.where(ended, torch.where(request_done, FREE, COMMIT),
+                                                    torch.where(commit, DENOISE, ph)))
     rows.phase.copy_(phase)
     state.finished.copy_(phase != DENOISE)
     refresh_plan(rows, state, plan)
@@ -179,16 +199,19 @@ class MixedBucket:
         max_seq_len, max_denoising_steps: the cache's committed slots and the temperature table's width (eager).
         config: the structural config (stability history, stop_early, eos ids); default the model's.
         moe_impl: the experts' implementation of the eager step ("dense": batch-invariant rows).
+        fuse_commit: commit fusion in the eager step (rows of 2C tokens, a commit fused with its next block's first
+            denoise step; the tokens of `generate(fuse_commit=True)`). Compiled, the generator's
+            `CompileOptions.fuse_commit` decides.
         generator, bucket: a `CompiledGenerator` and one of its buckets (`gen.bucket(B)`) whose buffers and unit
-            factory the compiled step uses; the generator must not fuse commits.
+            factory the compiled step uses.
     Raises:
-        ConfigError: a generator with commit fusion; a bucket with a paged cache (not supported yet).
+        ConfigError: a bucket with a paged cache (not supported yet).
     """
 
     units: tuple = ()
 
     def __init__(self, model: DiffusionGemma, rows: int, *, max_seq_len: int = 256, max_denoising_steps: int = 64,
-                 config=None, moe_impl: str = "dense", generator=None, bucket=None):
+                 config=None, moe_impl: str = "dense", fuse_commit: bool = False, generator=None, bucket=None):
         from ..config import ConfigError
 
         cfg = (config or model.generation_config).resolved(model.config)
@@ -198,18 +221,19 @@ class MixedBucket:
         if bucket is not None:
             if isinstance(bucket.cache, PagedKVCache):
                 raise ConfigError("the mixed step runs over a static cache; this bucket's cache is paged")
-            if bucket.commit_denoise is not None or bucket.cache.block_size != C:
-                raise ConfigError("fuse_commit: the mixed step runs commits as encoder rows of [B, C]; build the "
-                                  "generator with CompileOptions(fuse_commit=False)")
             self.cache, self.state, self.inputs = bucket.cache, bucket.state, bucket.inputs
             kernels = generator.options.attention_kernels()
             moe_impl = generator.moe_impl
             tag = bucket.tag
         else:
-            self.cache = model.new_cache(rows, max_seq_len, block_size=C)
+            self.cache = model.new_cache(rows, max_seq_len, block_size=2 * C if fuse_commit else C)
             self.state = DenoiseState.allocate(model, rows, cfg.stability_threshold if cfg.stop_early else 0)
             self.inputs = StepInputs.allocate(model, rows, C, max_denoising_steps)
-        self.plan = PlanBuffers(model, self.cache, C, mixed=True, kernel_options=kernels, static_sparsity=True)
+        self.fuse_commit = self.cache.block_size == 2 * C
+        """Commits run fused with the next block's first denoise step: every row of the forward is [2C] tokens."""
+        T = 2 * C if self.fuse_commit else C
+        self.plan = PlanBuffers(model, self.cache, T, mixed=True, kernel_options=kernels, static_sparsity=True,
+                                canvas=C)
         self.row_state = RowState.allocate(rows, self.cache.max_seq_len, cfg.eos_token_ids, model.device)
         cache, state, inputs, plan, row_state = self.cache, self.state, self.inputs, self.plan, self.row_state
 
