@@ -1,10 +1,11 @@
 """`python -m bench.mixed_step`: the serving engine's iteration, two forwards (encoder pass + denoise step) vs one
-mixed-phase forward, side by side in one run on the demo model.
+mixed-phase forward vs that with commit fusion, side by side in one run on the demo model.
 
     OMP_NUM_THREADS=1 python -m bench.mixed_step --batch 8 --requests 32 --rounds 3
 
-One compiled generator (bucket of `--batch` rows, no commit fusion); two engines over that bucket's buffers:
-`build_engine(mixed=False)` (the encoder and denoise units) and `build_engine(mixed=True)` (the mixed_step unit).
+One compiled generator (bucket of `--batch` rows, no commit fusion) and two engines over that bucket's buffers:
+`build_engine(mixed=False)` (the encoder and denoise units) and `build_engine(mixed=True)` (the mixed_step unit); a
+second generator with commit fusion and its mixed engine (rows of 2C tokens).
 Per round and workload, each engine in turn (interleaved) serves the same `--requests` held-out demo prompts (prompt i,
 seed i, the checkpoint's config), "burst" (all submitted at once) and "staggered" (one submitted before each
 iteration), driven by `Engine.step` until idle; every `step` call is timed.
@@ -78,29 +79,38 @@ def main(argv=None) -> None:
     engines["one mixed-phase forward (mixed_step unit)"] = build_engine(model, max_batch=args.batch, max_seq_len=256,
                                                                         generator=gen, mixed=True)
     t2 = time.perf_counter()
-    compile_s = {"two": t1 - t0, "mixed": t2 - t1}
+    fused_gen = build(model, CompileOptions(batch_buckets=(args.batch,), max_seq_len=256, fuse_commit=True))
+    engines["one mixed-phase forward, commit fusion (2C rows)"] = build_engine(
+        model, max_batch=args.batch, max_seq_len=256, generator=fused_gen, mixed=True)
+    t3 = time.perf_counter()
+    compile_s = {"two": t1 - t0, "mixed": t2 - t1, "fused": t3 - t2}
     config = model.generation_config
     for engine in engines.values():  # warm-up round, untimed
         _round(engine, prompts[:args.batch], config)
-    base = dict(gen.compiles)
+    base = dict(gen.compiles) | dict(fused_gen.compiles)
     workloads = ("burst", "staggered")
     results = {(w, name): [] for w in workloads for name in engines}
     for _ in range(args.rounds):
         for w in workloads:
             for name, engine in engines.items():
                 results[(w, name)].append(_round(engine, prompts, config, staggered=w == "staggered"))
-    recompiles = {k: v - base.get(k, 0) for k, v in gen.compiles.items() if v != base.get(k, 0)}
+    compiles = dict(gen.compiles) | dict(fused_gen.compiles)
+    recompiles = {k: v - base.get(k, 0) for k, v in compiles.items() if v != base.get(k, 0)}
     names = list(engines)
     ref = results[("burst", names[0])][0]["answers"]
-    lines = [f"# Serving iteration: two forwards vs one mixed-phase forward, demo model, "
+    lines = [f"# Serving iteration: two forwards vs one mixed-phase forward (unfused and fused), demo model, "
              f"{environment.device_tag('cpu')} ({environment.today()})", "",
              f"`OMP_NUM_THREADS=1 python -m bench.mixed_step --batch {args.batch} --requests {args.requests} "
              f"--rounds {args.rounds}`", "",
              f"- device: {environment.device_name('cpu')}; load average at the end: {environment.load_average()}",
              f"- versions: {environment.versions()}; commit {environment.git_commit()}",
-             f"- one compiled generator, bucket of {args.batch} rows, 256 slots, no commit fusion; {args.requests} "
+             f"- compiled generators with one bucket of {args.batch} rows, 256 slots: one without commit fusion "
+             f"(the two-forward and mixed engines), one with it (the fused engine: numerics of "
+             f"`generate(fuse_commit=True)`); {args.requests} "
              f"held-out demo prompts (prompt i, seed i), burst: all submitted at once, staggered: one submitted per "
-             f"iteration; each engine in turn, {args.rounds} rounds (medians); compile excluded: two units {compile_s['two']:.1f} s, mixed unit {compile_s['mixed']:.1f} s",
+             f"iteration; each engine in turn, {args.rounds} rounds (medians); compile excluded: two units "
+             f"{compile_s['two']:.1f} s, mixed unit {compile_s['mixed']:.1f} s, fused mixed unit "
+             f"{compile_s['fused']:.1f} s",
              f"- recompiles during the rounds: {recompiles or 'none'}", "",
              "| arrivals | iteration | wall s | tok/s | iterations | forwards/iteration | iteration ms (median) | flag read us | "
              "host plan refreshes | refresh ms | answers differing from two-forward |",
@@ -113,9 +123,10 @@ def main(argv=None) -> None:
                      f"{med('refreshes'):.0f} | {med('refresh_ms'):.2f} | {differ} |")
     lines.append("")
     for w in workloads:
-        two, mix = (statistics.median(r["wall"] for r in results[(w, n)]) for n in names)
-        it2, itm = (statistics.median(r["iter_ms"] for r in results[(w, n)]) for n in names)
-        lines.append(f"- {w}: mixed vs two forwards, wall {mix / two:.2f}x, median iteration {itm / it2:.2f}x "
+        two, mix, fused = (statistics.median(r["wall"] for r in results[(w, n)]) for n in names)
+        it2, itm, itf = (statistics.median(r["iter_ms"] for r in results[(w, n)]) for n in names)
+        lines.append(f"- {w}: mixed vs two forwards, wall {mix / two:.2f}x, median iteration {itm / it2:.2f}x; "
+                     f"fused mixed vs mixed, wall {fused / mix:.2f}x, median iteration {itf / itm:.2f}x "
                      "(lower is better).")
     text = "\n".join(lines) + "\n"
     print(text)

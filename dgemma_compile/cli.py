@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
                    help="each row's logits bitwise those of its solo run whatever the bucket and batch mates "
                         "(CompileOptions.batch_invariant; auto: on for CPU, free there)")
+    s.add_argument("--fuse-commit", choices=("auto", "on", "off"), default="auto",
+                   help="commit fusion: each commit rides in its next block's first denoise step, every row of the "
+                        "mixed step 2C tokens (CompileOptions.fuse_commit; auto: on for CUDA, off for CPU, where "
+                        "the doubled rows cost more than the iteration they save)")
     s.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op CPU threads (as generate)")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     return p
@@ -456,7 +460,7 @@ def serve_command(args: argparse.Namespace) -> int:
               flush=True)
     engine = build_engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, eager=args.eager,
                           tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics, page_size=args.kv_page_size,
-                          kv_pages=args.kv_pages,
+                          kv_pages=args.kv_pages, fuse_commit={"auto": None, "on": True, "off": False}[args.fuse_commit],
                           batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics)
@@ -466,6 +470,10 @@ def serve_command(args: argparse.Namespace) -> int:
           f"kv={'static' if engine.memory is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
           f"batch_invariant={'on' if engine.batch_invariant else 'off'} "
           f"setup_s={time.perf_counter() - start:.1f} threads={threads}", file=sys.stderr, flush=True)
+    for b in engine.bucket_table():
+        print(f"dgemma: bucket rows={b['rows']} body={b['body']} tokens_per_row={b['tokens_per_row']} "
+              f"fuse_commit={'on' if b['fuse_commit'] else 'off'} kv={b['kv']} "
+              f"units={','.join(b['units']) or 'eager'}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -263,7 +263,9 @@ def test_openai_client_errors_and_routes(eager_server):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="sort 1 2=", logprobs=2)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(eager_server.url + "/health").json()["status"] == "ok"
+    health = httpx.get(eager_server.url + "/health").json()
+    assert health["status"] == "ok" and health["buckets"] == [dict(
+        rows=4, body="mixed", tokens_per_row=16, fuse_commit=False, kv="static", compiled=False, units=[])]
     out = client.completions.create(model=MODEL, prompt="sort 3 1 2 9 5=", max_tokens=16, seed=0)
     assert out.choices[0].text == "1 2 3 5 9" and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == len("1 2 3 5 9") + 1  # + eos, a returned token without text
@@ -530,10 +532,12 @@ def _streaming_chat_n_and_stop(srv, gen, refs):
 
 @pytest.mark.slow
 def test_cli_serve_subprocess(tmp_path):
-    """`dgemma serve` (eager steps: HTTP behaviour only) answers the openai client and exits on SIGINT."""
+    """`dgemma serve` (eager steps: HTTP behaviour only; commit fusion asked for) answers the openai client, prints
+    its bucket table and exits on SIGINT."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dgemma_compile.cli", "serve", "--eager", "--port", str(port),
-                             "--max-batch", "2", "--max-seq-len", str(SLOTS)], stderr=subprocess.PIPE, text=True)
+                             "--max-batch", "2", "--max-seq-len", str(SLOTS), "--fuse-commit", "on"],
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
         while True:
@@ -551,3 +555,4 @@ def test_cli_serve_subprocess(tmp_path):
         proc.send_signal(2)
         _, err = proc.communicate(timeout=30)
     assert "serving dgemma-demo" in err
+    assert "bucket rows=2 body=mixed tokens_per_row=32 fuse_commit=on kv=static units=eager" in err

@@ -270,6 +270,18 @@ class Engine:
     def max_seq_len(self) -> int:
         return self.bucket.cache.max_seq_len
 
+    def bucket_table(self) -> list[dict]:
+        """The engine's buckets (one), a row each: rows; body ("mixed": one forward per iteration, or "two-unit");
+        tokens per row of a forward (C, or 2C with commit fusion); fuse_commit (commits fused with the next block's
+        first denoise step); kv ("static" or "paged"); compiled (False: eager steps) and the compile units.
+        `dgemma serve` prints it at startup and `/health` returns it."""
+        bucket, C = self.bucket, self.C
+        fused = bool(getattr(bucket, "fuse_commit", False))
+        return [dict(rows=bucket.rows, body="mixed" if self.mixed else "two-unit", tokens_per_row=2 * C if fused else C,
+                     fuse_commit=fused, kv="paged" if self.memory is not None else "static",
+                     compiled=bool(getattr(bucket, "units", ())),
+                     units=[u.name for u in getattr(bucket, "units", ())])]
+
     def check_request(self, prompt: Sequence[int], config: GenerationConfig, seed: int) -> GenerationConfig:
         """Validate one request against the model and this engine's bucket; returns the resolved config.
 

@@ -4,21 +4,23 @@ Every row of a bucket is in one phase, held on the device (`RowState.phase`, int
 - FREE: no request; the row is idle in the forward (`plan.IDLE`).
 - PREFILL: its next prompt chunk (up to C tokens, gathered on the device from `RowState.prompt`) is an encoder row.
 - DENOISE: its canvas is a denoise row; the sampler and the per-row state update apply to it only.
-- COMMIT: its finished block (the argmax canvas, C tokens) is an encoder row that writes the cache.
+- COMMIT: its finished block (the argmax canvas, C tokens) is an encoder row that writes the cache (with commit
+  fusion, followed in the same row by its next block's first denoise step).
 
 `mixed_step` runs the forward of all rows under the plan held in `plan.PlanBuffers(mixed=True)` (built before the
 call: Inductor's CPU flex template rejects masks computed inside the graph that uses them), samples, and then decides
 every phase transition on the device: a prefill row whose prompt is encoded and a commit row begin their next block
-(its start canvas from the request's own stream, `rng.start_canvas`); a denoise row whose block finished (stopped
+(its start canvas from the request's own stream, `rng.start_canvas`; fused, the commit row has already taken that
+block's first step); a denoise row whose block finished (stopped
 early or ran its budget) raises `RowState.event`, and becomes COMMIT, or FREE when the request ended on the device
 (an eos inside its token budget, or the budget reached: `generate.finalize_row`'s rule). Last, it fills the plan for
 the next iteration from the new phases (`refresh_plan`, in the graph). The host reads `event` once per iteration (a
 [B] flag read) and the finished rows' tokens; it changes the device state only to admit a request, or to retire one
 the device did not (stop strings, cancellation), after which it calls `refresh_plan` once before the next step.
 
-Numerics: each row's tokens equal its solo `generate` run's (unfused commits, chunks of C): encoder rows and denoise
-rows compute what the encoder / denoise passes compute (same shapes [B, C], same masks, same self-conditioning),
-given row-invariant GEMMs and experts (`moe_impl` "dense" eagerly; compiled, the bucket's).
+Numerics: each row's tokens equal its solo `generate` run's (chunks of C; commits fused or not as the bucket's):
+encoder rows and denoise rows compute what the encoder / denoise passes compute (same shapes [B, C], same masks,
+same self-conditioning), given row-invariant GEMMs and experts (`moe_impl` "dense" eagerly; compiled, the bucket's).
 
 Commit fusion (`MixedBucket.fuse_commit`: a cache of 2C block slots) makes every row 2C tokens (`plan.build_plan`
 with `canvas=C`): a COMMIT row is a `COMMIT_DENOISE` row that commits its finished block in the first half and runs

@@ -63,7 +63,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None) -> F
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "running": engine.running, "queued": engine.queue_depth}
+        return {"status": "ok", "running": engine.running, "queued": engine.queue_depth,
+                "buckets": engine.bucket_table()}
 
     @app.get("/v1/models")
     async def models() -> dict:
