@@ -5,8 +5,12 @@ separate single-row calls, eager and compiled, FlexAttention and dense masks (fl
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_mask
 
 import dgemma_compile as dg
+from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask
 from dgemma_compile.plan import COMMIT_DENOISE, DENOISE, ENCODER, IDLE, PlanBuffers, build_plan
 
 S = 48  # committed slots per row
@@ -394,3 +398,45 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
     assert cache.lengths.tolist() == (before + torch.where(mode == DENOISE, 0, n_new) * (mode != IDLE)).tolist()
     for (k, v), (k0, v0) in zip(zip(cache.keys, cache.values), before_kv):  # the idle row: untouched
         assert torch.equal(k[-1, :, :S], k0[-1, :, :S]) and torch.equal(v[-1, :, :S], v0[-1, :, :S])
+
+
+@pytest.fixture(scope="module")
+def tiny_flex_and_dense(tiny_dir):
+    return dg.load(tiny_dir), dg.load(tiny_dir, attention="dense")
+
+
+@settings(derandomize=True, deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow,
+                                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fused_mixed_masks_are_the_unfused_passes_masks(tiny_flex_and_dense, data):
+    """Property of a fused mixed plan's masks (T = 2C), flex (the block mask's mask_mod) equal to dense: a commit +
+    denoise row's is `dense_commit_denoise_mask`'s; a denoise or encoder row's first C queries see exactly what the
+    [C] pass of that row sees (`dense_block_mask` at T = C) and no key of the second half. Why a [2C] row computes
+    bitwise what the [C] pass computes: the same visible keys, at the same slots."""
+    flex, dense = tiny_flex_and_dense
+    C = flex.config.canvas_length
+    B = data.draw(st.integers(1, 5))
+    mode = torch.tensor(data.draw(st.lists(st.sampled_from([IDLE, ENCODER, DENOISE, COMMIT_DENOISE]), min_size=B,
+                                           max_size=B)))
+    n_new = torch.tensor([data.draw(st.integers(0, C)) for _ in range(B)])
+    lengths = torch.tensor([data.draw(st.integers(0, S - C)) for _ in range(B)])
+    masks = {}
+    for model in (flex, dense):
+        cache = model.new_cache(B, S, block_size=2 * C)
+        cache.lengths.copy_(lengths)
+        masks[model.attention] = build_plan(model, cache, 2 * C, mode=mode, n_new=n_new, canvas=C).masks
+    for lt, m in masks["flex"].items():
+        window = dict(sliding_window=flex.config.sliding_window if lt == "sliding_attention" else None,
+                      window_kind=flex.window_kind)
+        got = create_mask(m.mask_mod, B, 1, 2 * C, S + 2 * C, device="cpu")[:, 0]
+        assert torch.equal(got, masks["dense"][lt]), lt
+        cd = dense_commit_denoise_mask(lengths, n_new, canvas=C, cache_slots=S, **window)
+        for b in range(B):
+            if mode[b] == COMMIT_DENOISE:
+                assert torch.equal(got[b], cd[b]), (lt, b)
+            elif mode[b] in (ENCODER, DENOISE):
+                enc = bool(mode[b] == ENCODER)
+                ref = dense_block_mask(lengths[b:b + 1], n_new[b:b + 1] if enc else torch.tensor([C]),
+                                       torch.tensor([enc]), block_len=C, cache_slots=S, **window)[0]
+                assert torch.equal(got[b, :C, :S + C], ref), (lt, b)
+                assert not got[b, :C, S + C:].any(), (lt, b)
