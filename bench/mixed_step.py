@@ -2,6 +2,7 @@
 mixed-phase forward vs that with commit fusion, side by side in one run on the demo model.
 
     OMP_NUM_THREADS=1 python -m bench.mixed_step --batch 8 --requests 32 --rounds 3
+    python -m bench.mixed_step --device cuda    # on a GPU: does commit fusion pay there? (not yet run)
 
 One compiled generator (bucket of `--batch` rows, no commit fusion) and two engines over that bucket's buffers:
 `build_engine(mixed=False)` (the encoder and denoise units) and `build_engine(mixed=True)` (the mixed_step unit); a
@@ -59,6 +60,7 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (where commit fusion is meant to pay)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -68,7 +70,7 @@ def main(argv=None) -> None:
     from dgemma_compile.runtime import build_engine
     from dgemma_compile.text import encode_prompt
 
-    model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
+    model, tok = dg.load(DEMO_MODEL, device=args.device), dg.load_tokenizer(DEMO_MODEL)
     texts = [q for _, q, _ in tasks.make_split("heldout", args.requests, seed=0)]
     prompts = [encode_prompt(tok, t, bos_token_id=model.config.bos_token_id) for t in texts]
     gen = build(model, CompileOptions(batch_buckets=(args.batch,), max_seq_len=256, fuse_commit=False))
@@ -99,10 +101,10 @@ def main(argv=None) -> None:
     names = list(engines)
     ref = results[("burst", names[0])][0]["answers"]
     lines = [f"# Serving iteration: two forwards vs one mixed-phase forward (unfused and fused), demo model, "
-             f"{environment.device_tag('cpu')} ({environment.today()})", "",
+             f"{environment.device_tag(args.device)} ({environment.today()})", "",
              f"`OMP_NUM_THREADS=1 python -m bench.mixed_step --batch {args.batch} --requests {args.requests} "
              f"--rounds {args.rounds}`", "",
-             f"- device: {environment.device_name('cpu')}; load average at the end: {environment.load_average()}",
+             f"- device: {environment.device_name(args.device)}; load average at the end: {environment.load_average()}",
              f"- versions: {environment.versions()}; commit {environment.git_commit()}",
              f"- compiled generators with one bucket of {args.batch} rows, 256 slots: one without commit fusion "
              f"(the two-forward and mixed engines), one with it (the fused engine: numerics of "
@@ -130,7 +132,7 @@ def main(argv=None) -> None:
                      "(lower is better).")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = args.out or RESULTS / f"mixed_step_{environment.device_tag('cpu')}_{environment.today()}.md"
+    out = args.out or RESULTS / f"mixed_step_{environment.device_tag(args.device)}_{environment.today()}.md"
     out.write_text(text)
 
 
