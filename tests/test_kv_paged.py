@@ -1,9 +1,10 @@
 """Paged KV memory (`kv_cache.PagedKVCache`, `runtime/kv_pool.py`, `runtime/prefix_cache.py`) and the engine over it.
 
 Every check compares tokens against `dg.generate` of each request alone (static cache, eager, moe "dense"): paging,
-prefix hits and eviction change no numerics. Free pages are filled with NaN after every engine iteration: a row
-that read one (even masked: 0 x NaN is NaN) would change its tokens. Eager only (the compiled bucket over a paged
-cache is `test_compiled_paged_engine`, slow).
+prefix hits (prompt pages and committed blocks) and eviction change no numerics. Free pages are filled with NaN after
+every engine iteration: a row that read one (even masked: 0 x NaN is NaN) would change its tokens. The engine tests
+run both iteration bodies (`mixed`, the default: one mixed-phase forward per iteration; `two-unit`, slow: encoder
+pass, then denoise step), eagerly (the compiled buckets over a paged cache are `test_compiled_paged_engine`, slow).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dgemma_compile as dg
 from dgemma_compile.kv_cache import ZERO_PAGE, new_paged_cache, paged_cache
 from dgemma_compile.runtime import EagerBucket, Engine, Request, build_engine
 from dgemma_compile.runtime.kv_pool import OutOfPagesError, PagePool
+from dgemma_compile.runtime.mixed_step import MixedBucket
 from dgemma_compile.runtime.prefix_cache import PrefixCache
 from dgemma_compile.text import encode_prompt
 
@@ -22,6 +24,9 @@ SLOTS = 256
 P = 16  # page size = the demo's canvas (the encoder chunk)
 REV = "rev 1 2 3 4 5 6 7 8 9 0 1="
 LONG = "rev 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 "  # 37 tokens with BOS: two full pages, then the request's own tail
+BODIES = pytest.mark.parametrize("mixed", [pytest.param(False, id="two-unit", marks=pytest.mark.slow),
+                                           pytest.param(True, id="mixed")])
+"""The engine's iteration bodies; the fast tier runs the default one (mixed)."""
 
 
 def _ids(tok, model, text: str) -> list[int]:
@@ -41,9 +46,24 @@ def _run(engine: Engine, *, poison: bool = True) -> None:
             _poison_free(engine)
 
 
+def _bucket(model, rows: int, mixed: bool, kv_pages: int):
+    kind = MixedBucket if mixed else EagerBucket
+    return kind(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P, kv_pages=kv_pages)
+
+
+_SOLO: dict = {}  # solo runs by (prompt, config, seed, moe_impl): both bodies compare against the same run
+
+
+def _solo(model, r: Request, moe_impl: str = "dense"):
+    key = (tuple(r.prompt), r.config, r.seed, moe_impl)
+    if key not in _SOLO:
+        _SOLO[key] = dg.generate(model, [r.prompt], r.config, seed=r.seed, moe_impl=moe_impl, max_seq_len=SLOTS)
+    return _SOLO[key]
+
+
 def _assert_solo(model, reqs) -> None:
     for r in reqs:
-        ref = dg.generate(model, [r.prompt], r.config, seed=r.seed, moe_impl="dense", max_seq_len=SLOTS)
+        ref = _solo(model, r)
         assert r.sequence == ref.sequences[0], r.prompt
         assert r.stats.steps_per_block == ref.stats[0].steps_per_block
         assert r.stats.finish_reason == ref.stats[0].finish_reason
@@ -113,7 +133,8 @@ def test_paged_cache_equals_static_cache(demo):
         paged_cache(model, B, 60, block_size=C, page_size=P)
 
 
-def test_engine_paged_equals_generate(demo):
+@BODIES
+def test_engine_paged_equals_generate(demo, mixed):
     """Staggered admission into 3 rows over a pool too small for three requests at once: requests wait for pages
     (never a running one), rows and pages are reused, the free pages hold NaN throughout, and every request's
     tokens equal its solo `dg.generate` run. A request larger than the whole pool is refused at submit."""
@@ -122,8 +143,8 @@ def test_engine_paged_equals_generate(demo):
     specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), ("add 123+045=", base, 2),
              ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=3), 4),
              ("rev 4 4 1=", base.with_temperature(2.0), 5)]
-    bucket = EagerBucket(model, 3, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P, kv_pages=7)
-    engine = Engine(model, bucket, tokenizer=tok, prefix_cache=False)
+    engine = Engine(model, _bucket(model, 3, mixed, kv_pages=7), tokenizer=tok, prefix_cache=False)
+    assert engine.mixed == mixed
     with pytest.raises(dg.ConfigError, match="KV pages"):
         engine.submit(Request(prompt=_ids(tok, model, REV), config=base.replace(max_new_tokens=160), seed=0))
     _poison_free(engine)
@@ -142,7 +163,8 @@ def test_engine_paged_equals_generate(demo):
     assert engine.memory.pool.available() == engine.memory.pool.capacity and engine.memory.pool.stats.evicted == 0
 
 
-def test_prefix_cache_shared_prefix_computed_once(demo):
+@BODIES
+def test_prefix_cache_shared_prefix_computed_once(demo, mixed):
     """A prompt's two full pages are encoded once: a request submitted with it waits while they are computed (a
     request of another prompt behind it is admitted meanwhile), three later requests starting with them (other
     tails, seeds and temperatures) map the cached pages at once (held by all three rows); each encodes only its
@@ -154,7 +176,8 @@ def test_prefix_cache_shared_prefix_computed_once(demo):
     later = [Request(prompt=_ids(tok, model, LONG + tail), config=cfg, seed=s)
              for s, (tail, cfg) in enumerate([("9=", base), ("7 8 9=", base.with_temperature(0)), ("7=", base)], 2)]
     engine = build_engine(model, max_batch=3, max_seq_len=SLOTS, max_denoising_steps=64, eager=True, tokenizer=tok,
-                          page_size=P)
+                          page_size=P, mixed=mixed)
+    assert engine.mixed == mixed
     other = Request(prompt=_ids(tok, model, "add 1234567+7654321 = 0 0 0="), config=base, seed=5)
     engine.submit(first), engine.submit(twin), engine.submit(other)
     engine.step()
@@ -177,7 +200,8 @@ def test_prefix_cache_shared_prefix_computed_once(demo):
     assert len(engine.memory.pool.cached) == 3 and not engine.memory.pending  # kept for the next request, evictable
 
 
-def test_eviction_under_memory_pressure(demo):
+@BODIES
+def test_eviction_under_memory_pressure(demo, mixed):
     """A pool of 6 pages for 2 rows, 6 requests of 4 prefixes (each needs 2-3 pages): cached prefix pages are evicted
     to admit new requests, later requests still hit the pages that survive, no running request is lost, and every
     answer equals its solo run (`test_page_pool_lru` checks the eviction order)."""
@@ -185,8 +209,7 @@ def test_eviction_under_memory_pressure(demo):
     base = model.generation_config.replace(max_new_tokens=16)
     texts = [LONG + "1=", "sort 9 8 7 6 5 4 3 2 1 0 9 8 7 6 5=", LONG + "2=", "add 1234567+7654321 = 0 0 0=",
              "dedup 1 1 2 2 3 3 4 4 5 5 6 6 7 7=", LONG + "3="]
-    engine = Engine(model, EagerBucket(model, 2, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P,
-                                       kv_pages=6), tokenizer=tok)
+    engine = Engine(model, _bucket(model, 2, mixed, kv_pages=6), tokenizer=tok)
     events = []
     reqs = [engine.submit(Request(prompt=_ids(tok, model, t), config=base, seed=k, on_event=events.append))
             for k, t in enumerate(texts)]
@@ -199,25 +222,65 @@ def test_eviction_under_memory_pressure(demo):
     _assert_solo(model, reqs)
 
 
+@BODIES
+def test_prefix_cache_committed_blocks(demo, mixed):
+    """The next turn of a chat maps the previous answer: a request whose prompt is a multiple of C tokens registers
+    the full pages of its committed block once the commit ran; a request whose prompt is its prompt + its answer + a
+    new question maps those pages beside the prompt's (`prefix_hit_tokens`) and its tokens equal its solo run (no
+    prefix cache). A request with an unaligned prompt, running beside the first, registers only its full prompt
+    pages (its committed block straddles the chunks a later prefill would run)."""
+    model, tok = demo
+    C = model.config.canvas_length
+    greedy = model.generation_config.replace(max_new_tokens=48).with_temperature(0)
+    first = Request(prompt=_ids(tok, model, "sort 1 2 3 4 5 6 7 8 9 0 1 2 3="), config=greedy, seed=0)
+    odd = Request(prompt=_ids(tok, model, "sort 1 2 3 4 5 6 7 8 9 0 1 2 3 4="), config=greedy, seed=1)
+    engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, max_denoising_steps=64, eager=True, tokenizer=tok,
+                          page_size=P, mixed=mixed)
+    engine.submit(first), engine.submit(odd)
+    _run(engine)
+    assert len(first.prompt) % C == 0 and len(odd.prompt) % C
+    assert first.stats.blocks == odd.stats.blocks == 2  # one committed block each
+    prefix = engine.memory.prefix
+    whole = [r.prompt + r.sequence for r in (first, odd)]
+    cached = [len(prefix.lookup(t, len(t) // P)) for t in whole]
+    assert cached == [(len(first.prompt) + C) // P, len(odd.prompt) // P] == [3, 2]
+    assert prefix.stats.hit_pages == 1 and prefix.stats.registered == 4  # odd maps first's page 0 (the same tokens)
+    # the committed page holds bitwise what a prefill of the same tokens writes (chunks of C from 0)
+    static, page = model.new_cache(1, SLOTS), prefix.lookup(whole[0], 3)[2]
+    model.encode(torch.tensor([whole[0][:3 * P]]), static, moe_impl="dense")
+    for layer in range(model.config.num_layers):
+        for pool, want in ((engine.bucket.cache.keys, static.keys), (engine.bucket.cache.values, static.values)):
+            assert torch.equal(pool[layer][page], want[layer][0, :, 2 * P:3 * P])
+    follow = Request(prompt=whole[0] + _ids(tok, model, "rev 1 2=")[1:], config=model.generation_config, seed=3)
+    hits = engine.stats.prefix_hit_tokens
+    engine.submit(follow)
+    _run(engine)
+    assert engine.stats.prefix_hit_tokens - hits == cached[0] * P > len(first.prompt)
+    _assert_solo(model, [first, odd, follow])
+
+
 @pytest.mark.slow
 def test_compiled_paged_engine(demo):
-    """A compiled bucket of 2 rows over a paged cache (its own units: the page table is a graph input, so admission
-    and page changes never recompile) gives, with prefix hits and NaN-filled free pages, the tokens of each request
-    alone under the eager generator with the compiled experts' implementation (`tests/test_compile.py` ties those to
-    the compiled generator's)."""
+    """A compiled bucket of 2 rows over a paged cache under both iteration bodies of one generator (the two-unit
+    engine's encoder and denoise units, then the mixed engine's mixed_step unit over the same bucket; the page table
+    is a graph input, so admission and page changes never recompile) gives, with prefix hits and NaN-filled free
+    pages, the tokens of each request alone under the eager generator with the compiled experts' implementation
+    (`tests/test_compile.py` ties those to the compiled generator's)."""
     from dgemma_compile.compile import CompileOptions, build
 
     model, tok = demo
     base = model.generation_config
     gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=SLOTS, fuse_commit=False))
-    engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, tokenizer=tok, generator=gen, page_size=P,
-                          kv_pages=10, max_denoising_steps=64)
-    reqs = [engine.submit(Request(prompt=_ids(tok, model, LONG + t), config=cfg, seed=s))
-            for s, (t, cfg) in enumerate([("1=", base), ("2=", base.with_temperature(0)), ("3 4=", base),
-                                          ("1=", base.replace(max_new_tokens=3))])]
-    _run(engine)
-    assert engine.stats.prefix_hit_tokens >= 2 * 2 * P
-    assert engine.recompiles() == {} and set(gen.compiles.values()) == {1}
-    for r in reqs:
-        ref = dg.generate(model, [r.prompt], r.config, seed=r.seed, moe_impl=gen.moe_impl, max_seq_len=SLOTS)
-        assert r.sequence == ref.sequences[0], r.prompt
+    for mixed in (False, True):
+        engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, tokenizer=tok, generator=gen, page_size=P,
+                              kv_pages=10, max_denoising_steps=64, mixed=mixed)
+        reqs = [engine.submit(Request(prompt=_ids(tok, model, LONG + t), config=cfg, seed=s))
+                for s, (t, cfg) in enumerate([("1=", base), ("2=", base.with_temperature(0)), ("3 4=", base),
+                                              ("1=", base.replace(max_new_tokens=3))])]
+        _run(engine)
+        assert engine.mixed == mixed and engine.stats.prefix_hit_tokens >= 2 * 2 * P
+        assert engine.recompiles() == {}
+        for r in reqs:
+            assert r.sequence == _solo(model, r, gen.moe_impl).sequences[0], (mixed, r.prompt)
+    assert sorted(name.split("[")[0] for name in gen.compiles) == ["denoise_step", "encoder_chunk", "mixed_step"]
+    assert set(gen.compiles.values()) == {1}

@@ -48,11 +48,15 @@ finalises those blocks as above. Rows the device ended (eos, budget) are already
 (COMMIT, then the next block) with no host write.
 
 KV memory: over a static cache each row owns max_seq_len committed slots. Over a `kv_cache.PagedKVCache`
-(`EagerBucket(page_size=..., kv_pages=...)`, `gen.bucket(..., page_size=...)`) the rows draw pages from one pool
-(`kv_memory.PagedMemory`): a request waits in the queue until its pages are available, holds them until it retires,
-and with the prefix cache (on by default) starts its prefill after the cached full pages its prompt starts with
-(`EngineStats.prefix_hit_tokens`, `prefill_tokens`), waiting for those another row is computing. Only prompt pages are shared; the tokens are those of the
-request's solo run either way (tests/test_kv_paged.py).
+(`MixedBucket` / `EagerBucket(page_size=..., kv_pages=...)`, `gen.bucket(..., page_size=...)`; either body) the rows
+draw pages from one pool (`kv_memory.PagedMemory`): a request waits in the queue until its pages are available,
+holds them until it retires, and with the prefix cache (on by default) starts its prefill after the cached full
+pages its prompt starts with (`EngineStats.prefix_hit_tokens`, `prefill_tokens`; mixed: `RowState.prefilled` and
+the cache row's length start at the hit), waiting for those another row is computing. Shared pages: full prompt
+pages, and the full pages of committed blocks of a request whose prompt length is a multiple of the canvas C (then
+its commit passes are the prefill chunks a later prompt over the same tokens runs; otherwise their chunking differs,
+and so would that request's numerics: `prefix_cache.py`), so the next turn of a chat maps the previous answer. The
+tokens are those of the request's solo run either way (tests/test_kv_paged.py).
 
 An engine owns its bucket's buffers while it runs: another engine or `gen.generate` on the same bucket overwrites
 its rows' cache (and, paged, the pages its prefix cache vouches for).
@@ -223,7 +227,8 @@ class Engine:
         compiles: returns the compile counter of the bucket's generator (`CompiledGenerator.compiles`), read by
             `recompiles` to assert admission never recompiles.
         metrics: receives per-iteration and per-block observations (`runtime.metrics.ServeMetrics`), optional.
-        prefix_cache: share full prompt pages between requests (a paged cache only; see the module docstring).
+        prefix_cache: share full prompt pages (and committed blocks of prompts of a multiple of C tokens) between
+            requests (a paged cache only; see the module docstring).
     Raises:
         ConfigError: a bucket with commit fusion; a prefix cache whose page size is not a multiple of the encoder
             chunk (hits must start the prefill on a chunk boundary).
@@ -421,6 +426,7 @@ class Engine:
                     self.memory.encoded(b, row.prefilled)
                 if row.phase == Phase.COMMIT:
                     row.block += 1
+                    self._committed(b, row)
                 if row.phase == Phase.COMMIT or row.prefilled >= len(row.request.prompt):
                     self._begin_block(b, row)
         denoising = [b for b, row in enumerate(self.rows) if row.phase == Phase.DENOISE]
@@ -464,15 +470,18 @@ class Engine:
         stepped = (Phase.DENOISE, Phase.COMMIT) if mb.fuse_commit else (Phase.DENOISE,)  # fused: a commit steps too
         denoised = [b for b, r in enumerate(self.rows) if r.phase in stepped]
         denoising = len(denoised)
-        for row in self.rows:  # the host's mirror of the device's transitions (metrics, drafts, `running`)
+        for b, row in enumerate(self.rows):  # the host's mirror of the device's transitions (metrics, drafts, pages)
             if row.phase == Phase.PREFILL:
                 chunk = min(self.C, len(row.request.prompt) - row.prefilled)
                 row.prefilled += chunk
                 st.prefill_tokens += chunk
+                if self.memory is not None:
+                    self.memory.encoded(b, row.prefilled)
                 if row.prefilled >= len(row.request.prompt):
                     row.phase, row.steps = Phase.DENOISE, 0
             elif row.phase == Phase.COMMIT:  # its next block began (fused: `_drafts` counts its first step)
                 row.block += 1
+                self._committed(b, row)
                 row.phase, row.steps = Phase.DENOISE, 0
         done = [b for b, e in enumerate(events) if e]
         if done:
@@ -519,8 +528,13 @@ class Engine:
             self.rows[b] = row
             if self.mixed:
                 self.bucket.inputs.block[b] = 0
-                self.bucket.row_state.admit(b, req.prompt, req.config.max_new_tokens)
+                self.bucket.row_state.admit(b, req.prompt, req.config.max_new_tokens, prefilled=row.prefilled)
                 self._dirty = True
+
+    def _committed(self, b: int, row: _Row) -> None:
+        """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`)."""
+        if self.memory is not None:
+            self.memory.committed(b, row.request.prompt, row.request.sequence[:row.block * self.C])
 
     def _begin_block(self, b: int, row: _Row) -> None:
         inputs = self.bucket.inputs
@@ -629,7 +643,7 @@ class Engine:
 def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
-                 prefix_cache: bool = True, batch_invariant: bool | None = None, mixed: bool | None = None,
+                 prefix_cache: bool = True, batch_invariant: bool | None = None, mixed: bool = True,
                  fuse_commit: bool | None = None) -> Engine:
     """An engine over one bucket of `max_batch` rows: compiled (a generator with that one bucket, a cache of
     `max_seq_len` committed slots -- default the model's context, at most `config.DEFAULT_MAX_SEQ_LEN`; warmed up
@@ -640,26 +654,24 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     CPU, where the doubled rows cost more than the forward they save). `page_size` (a multiple of the canvas length
     with the prefix cache): a paged KV cache
     of `kv_pages` pages (default: the static cache's memory) shared by the rows, with a prefix cache unless
-    `prefix_cache` is False (see the module docstring). `batch_invariant`: `CompileOptions.batch_invariant` (None: on
-    for CPU); eagerly, on means moe "dense" (batch-invariant), off "loop" (transformers' order);
-    `Engine.batch_invariant` tells which ran (tested on the static cache). `mixed`: one mixed-phase forward per
-    iteration (`mixed_step.MixedBucket`; compiled, the unit "mixed_step[tag]" of the generator); False: the two-unit
-    iteration (encoder pass, then denoise step; `EagerBucket` or `compile.Bucket`); None (default): mixed over a
-    static cache, two-unit over a paged one. The engine is not started (`Engine.start`).
+    `prefix_cache` is False (see the module docstring, "KV memory"); either iteration body runs over it.
+    `batch_invariant`: `CompileOptions.batch_invariant` (None: on for CPU); eagerly, on means moe "dense"
+    (batch-invariant), off "loop" (transformers' order);
+    `Engine.batch_invariant` tells which ran (tested on the static cache). `mixed` (default): one mixed-phase forward
+    per iteration (`mixed_step.MixedBucket`; compiled, the unit "mixed_step[tag]" of the generator); False: the
+    two-unit iteration (encoder pass, then denoise step; `EagerBucket` or `compile.Bucket`). The engine is not
+    started (`Engine.start`).
 
     Raises:
         ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); commit fusion
             (`fuse_commit`, or a `generator` that fuses) with the two-unit body; `fuse_commit` disagreeing with the
-            given `generator`; `mixed` with a paged cache (not supported yet)."""
+            given `generator`; with the prefix cache, a `page_size` that is not a multiple of the canvas length.
+        ValueError: `kv_cache.new_paged_cache`'s (max_seq_len not a multiple of page_size)."""
     from ..compile import CompileOptions, build
     from ..config import DEFAULT_MAX_SEQ_LEN
 
     if max_seq_len is None:
         max_seq_len = min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    if mixed is None:
-        mixed = page_size is None
-    elif mixed and page_size is not None:
-        raise ConfigError("mixed: the mixed-phase step runs over a static cache; pass mixed=False with page_size")
     config = model.generation_config
     if generator is not None:
         gen_fuses = generator.options.commit_fusion(model.device.type)
@@ -676,7 +688,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         moe_impl = "dense" if on else "loop"
         if mixed:
             bucket = mx.MixedBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
-                                    moe_impl=moe_impl, fuse_commit=fuse)
+                                    page_size=page_size, kv_pages=kv_pages, moe_impl=moe_impl, fuse_commit=fuse)
         else:
             bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
                                  page_size=page_size, kv_pages=kv_pages, moe_impl=moe_impl)

@@ -10,6 +10,13 @@ after them; its own full prompt pages are registered once the encoder pass that 
 Until then they are pending: a request whose prompt continues into a page another row is computing waits for it
 (`computing`; the engine admits the requests behind it meanwhile) instead of computing the same page again -- so
 the n choices of one prompt, admitted together, encode it once.
+
+Committed blocks: when a request's prompt length is a multiple of the encoder chunk T, each commit pass is the pass a
+later prompt's prefill runs over the same tokens (`prefix_cache.py`, "Exactness"), so the full pages of its committed
+tokens (prompt + generated blocks) are registered after each commit (`committed`), keyed like prompt pages by the hash
+chain of every token up to the page: a later request whose prompt is this prompt + its answer + more (the next turn
+of a chat) maps them. Other requests register only their prompt pages. Committed pages are never pending (a request
+admitted before they are written computes them itself).
 """
 
 from __future__ import annotations
@@ -47,11 +54,11 @@ class PagedMemory:
         if prefix_cache and cache.page_size % chunk:
             raise ConfigError(f"prefix_cache: page_size {cache.page_size} must be a multiple of the encoder chunk "
                               f"{chunk}")
-        self.cache = cache
+        self.cache, self.chunk = cache, chunk
         self.pool = PagePool(cache)
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
         self._keys: list[list[bytes]] = [[] for _ in range(cache.batch_size)]
-        self._cached = [0] * cache.batch_size  # leading full prompt pages of the row found in / given to the cache
+        self._cached = [0] * cache.batch_size  # leading full pages of the row found in / given to the cache
         self.pending: dict[bytes, int] = {}  # key of a full prompt page being computed -> the row computing it
 
     def check(self, slots: int) -> None:
@@ -109,6 +116,18 @@ class PagedMemory:
             if self.pending.get(key) == row:
                 del self.pending[key]
         self._cached[row] = max(self._cached[row], done)
+
+    def committed(self, row: int, prompt: Sequence[int], blocks: Sequence[int]) -> None:
+        """The row committed a block: `blocks` are its generated tokens committed so far (whole blocks, the cache row
+        holds prompt + blocks). Registers the full pages written so far when len(prompt) is a multiple of the chunk
+        (see the module docstring); nothing otherwise."""
+        if self.prefix is None or len(prompt) % self.chunk:
+            return
+        tokens = [*prompt, *blocks]
+        self._keys[row] = keys = self.prefix.chain(tokens, len(tokens) // self.cache.page_size, self._keys[row])
+        for j in range(self._cached[row], len(keys)):
+            self.prefix.insert(keys[j], self.pool.rows[row][j])
+        self._cached[row] = max(self._cached[row], len(keys))
 
     def release(self, row: int) -> None:
         """The row's request ended: its pages go back (`PagePool.release_row`), its table is unmapped."""

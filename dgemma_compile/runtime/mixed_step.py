@@ -22,6 +22,12 @@ Numerics: each row's tokens equal its solo `generate` run's (chunks of C; commit
 encoder rows and denoise rows compute what the encoder / denoise passes compute (same shapes [B, C], same masks,
 same self-conditioning), given row-invariant GEMMs and experts (`moe_impl` "dense" eagerly; compiled, the bucket's).
 
+KV memory: the cache is a static `KVCache` or a `kv_cache.PagedKVCache` (`MixedBucket(page_size=...)` eagerly, the
+cache of `gen.bucket(B, page_size=...)` compiled); the step is the same either way (the model reads and writes through
+the cache's `layer_kv` / `write_block`; the page table is a graph input, so page changes never recompile). The engine
+maps a row's pages before it admits the request (`runtime/kv_memory.py`); a prefix-cache hit of h tokens starts the
+row with `cache.lengths` = `RowState.prefilled` = h, so its prefill chunks are those after the hit.
+
 Commit fusion (`MixedBucket.fuse_commit`: a cache of 2C block slots) makes every row 2C tokens (`plan.build_plan`
 with `canvas=C`): a COMMIT row is a `COMMIT_DENOISE` row that commits its finished block in the first half and runs
 its next block's first denoise step on the start canvas in the second half (as `steps.denoise_step(commit=True)`); a
@@ -44,7 +50,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import rng
-from ..kv_cache import KVCache, PagedKVCache
+from ..kv_cache import KVCache, paged_cache
 from ..model import DiffusionGemma
 from ..plan import DENOISE as DENOISE_MODE
 from ..plan import COMMIT_DENOISE, ENCODER, IDLE, PlanBuffers
@@ -87,15 +93,16 @@ class RowState:
                    done=torch.zeros(rows, dtype=torch.bool, device=device),
                    eos=torch.tensor(sorted(eos_ids), **long))
 
-    def admit(self, row: int, prompt: list[int], max_new_tokens: int) -> None:
+    def admit(self, row: int, prompt: list[int], max_new_tokens: int, prefilled: int = 0) -> None:
         """Put a request into `row` in phase PREFILL (host writes; refresh the plan before the next step).
-        Raises ValueError for a prompt longer than the buffer (S)."""
+        `prefilled`: prompt tokens already in the row's cache (a prefix-cache hit; the cache row's length must equal
+        it), < len(prompt). Raises ValueError for a prompt longer than the buffer (S)."""
         if len(prompt) > self.prompt.shape[1]:
             raise ValueError(f"prompt: {len(prompt)} tokens, more than the {self.prompt.shape[1]} slots")
         self.prompt[row].zero_()
         self.prompt[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         self.prompt_len[row] = len(prompt)
-        self.prefilled[row] = 0
+        self.prefilled[row] = prefilled
         self.emitted[row] = 0
         self.max_new[row] = max_new_tokens
         self.event[row] = False
@@ -204,16 +211,20 @@ class MixedBucket:
         fuse_commit: commit fusion in the eager step (rows of 2C tokens, a commit fused with its next block's first
             denoise step; the tokens of `generate(fuse_commit=True)`). Compiled, the generator's
             `CompileOptions.fuse_commit` decides.
-        generator, bucket: a `CompiledGenerator` and one of its buckets (`gen.bucket(B)`) whose buffers and unit
-            factory the compiled step uses.
+        generator, bucket: a `CompiledGenerator` and one of its buckets (`gen.bucket(B)`, static or paged:
+            `gen.bucket(B, page_size=...)`) whose buffers and unit factory the compiled step uses.
+        page_size, kv_pages: the eager step's cache is a `kv_cache.PagedKVCache` of `kv_pages` pages of `page_size`
+            slots (default: the static cache's memory), as `EagerBucket`'s; None: a static cache.
     Raises:
-        ConfigError: a bucket with a paged cache (not supported yet).
+        ConfigError: `page_size` with a compiled bucket (its cache is given).
+        ValueError: `kv_cache.new_paged_cache`'s (max_seq_len not a multiple of page_size, a non-positive size).
     """
 
     units: tuple = ()
 
     def __init__(self, model: DiffusionGemma, rows: int, *, max_seq_len: int = 256, max_denoising_steps: int = 64,
-                 config=None, moe_impl: str = "dense", fuse_commit: bool = False, generator=None, bucket=None):
+                 config=None, moe_impl: str = "dense", fuse_commit: bool = False, generator=None, bucket=None,
+                 page_size: int | None = None, kv_pages: int | None = None):
         from ..config import ConfigError
 
         cfg = (config or model.generation_config).resolved(model.config)
@@ -221,14 +232,17 @@ class MixedBucket:
         self.rows = rows
         kernels = None
         if bucket is not None:
-            if isinstance(bucket.cache, PagedKVCache):
-                raise ConfigError("the mixed step runs over a static cache; this bucket's cache is paged")
+            if page_size is not None:
+                raise ConfigError("page_size: a compiled bucket brings its cache; pass gen.bucket(B, page_size=...)")
             self.cache, self.state, self.inputs = bucket.cache, bucket.state, bucket.inputs
             kernels = generator.options.attention_kernels()
             moe_impl = generator.moe_impl
             tag = bucket.tag
         else:
-            self.cache = model.new_cache(rows, max_seq_len, block_size=2 * C if fuse_commit else C)
+            block = 2 * C if fuse_commit else C
+            self.cache = (model.new_cache(rows, max_seq_len, block_size=block) if page_size is None else
+                          paged_cache(model, rows, max_seq_len, block_size=block, page_size=page_size,
+                                      kv_pages=kv_pages))
             self.state = DenoiseState.allocate(model, rows, cfg.stability_threshold if cfg.stop_early else 0)
             self.inputs = StepInputs.allocate(model, rows, C, max_denoising_steps)
         self.fuse_commit = self.cache.block_size == 2 * C

@@ -1,16 +1,30 @@
-"""A prefix cache over a `PagePool`: full prompt pages keyed by a hash of every token up to the page's end, so a
-request whose prompt starts with the same pages maps the pages already computed instead of encoding them again.
+"""A prefix cache over a `PagePool`: full pages of a row's committed tokens keyed by a hash of every token up to
+the page's end, so a request whose prompt starts with the same pages maps the pages already computed instead of
+encoding them again.
 
-Key of page j of a prompt: sha256 over the key of page j-1 and the page's P token ids (a chain: equal keys mean an
-equal prefix, positions included). Only pages whose every slot is a prompt token are registered, and only once the
-encoder pass that wrote them has run. Committed (generated) blocks are not registered: their keys/values were
-computed by commit passes whose chunk boundaries (len(prompt) + k*C) differ from a later prompt's prefill chunks,
-so reusing them would change that request's numerics (see `Engine`).
+Key of page j of a token sequence: sha256 over the key of page j-1 and the page's P token ids (a chain: equal keys
+mean an equal prefix, positions included). A page is registered once the encoder pass that wrote its last slot has
+run: full prompt pages always, and full pages of committed (generated) blocks when the request's prompt length is a
+multiple of the encoder chunk T (`kv_memory.PagedMemory.committed`), so that a later prompt that continues a
+conversation (prompt + answer + ...) maps them.
 
-Exactness: a prompt's keys/values depend on the chunk boundaries of the encoder passes that computed them (attention
-and GEMM reduction orders). A hit of k pages therefore starts the request's prefill at k*P, which must be a multiple
-of the encoder chunk T so its remaining chunks are the ones a solo run encodes; the engine requires P to be a
-multiple of T. A hit leaves at least one prompt token to encode (the pass that fills the next block's plan).
+Exactness: a page's keys/values depend on the chunk boundaries of the encoder passes that computed them (attention
+and GEMM reduction orders: a chunk's own keys sit in the block slots, its context in the committed slots). A later
+request encodes its prompt in chunks [kT, kT + T) (`steps.prefill`, the engine's prefill), so a cached page is its
+solo run's only if it was computed in chunks on those boundaries:
+- prompt pages are (a prefill runs its chunks from 0); a hit of k pages starts the request's prefill at k*P, which
+  must be a multiple of T so its remaining chunks are the ones a solo run encodes: the engine requires P to be a
+  multiple of T;
+- a committed block of a prompt of L tokens is one commit over [L + kC, L + (k+1)C) (T = C): an encoder row of
+  [B, C] (the two-unit body's encoder pass, or an ENCODER row of the mixed forward: plain embedding, no
+  self-conditioning) whose ids are the block's C tokens (its argmax canvas, which is what the request appended: a
+  committed block holds no eos and fits the budget), n_new = C, positions and the causal mask from the row's
+  length, over the committed context -- the computation of a full prefill chunk over the same tokens in either
+  body. It is the chunk a later prompt's prefill runs exactly when L is a multiple of T (then, P being a multiple
+  of T, a full page is whole chunks); otherwise each block straddles two of that prefill's chunks (different
+  numerics) and is not registered.
+A hit leaves at least one prompt token to encode (the pass that fills the next block's plan). Bitwise equality holds
+for batch-invariant rows (`tests/test_batch_invariance.py`), as every same-tokens claim of the engine.
 """
 
 from __future__ import annotations
@@ -43,12 +57,14 @@ class PrefixCache:
         self.keys: dict[int, bytes] = {}
         self.stats = PrefixStats()
 
-    def chain(self, prompt: Sequence[int], n: int) -> list[bytes]:
-        """The keys of the prompt's first n full pages (n <= len(prompt) // P)."""
-        P, key, out = self.page_size, b"", []
-        for j in range(n):
+    def chain(self, tokens: Sequence[int], n: int, known: Sequence[bytes] = ()) -> list[bytes]:
+        """The keys of the first n full pages of `tokens` (n <= len(tokens) // P); `known`: keys of its first pages
+        computed before (not hashed again)."""
+        P, out = self.page_size, list(known[:n])
+        key = out[-1] if out else b""
+        for j in range(len(out), n):
             h = hashlib.sha256(key)
-            h.update(",".join(map(str, prompt[j * P:(j + 1) * P])).encode())
+            h.update(",".join(map(str, tokens[j * P:(j + 1) * P])).encode())
             key = h.digest()
             out.append(key)
         return out
@@ -65,7 +81,7 @@ class PrefixCache:
         return found
 
     def insert(self, key: bytes, page: int) -> bool:
-        """Register `page` (held, holding the prompt page `key`); False when the key is cached already (another row
+        """Register `page` (held, holding the full page `key`); False when the key is cached already (another row
         computed the same prefix at the same time: this page stays private and is freed with its row)."""
         if key in self.pages:
             return False
