@@ -27,6 +27,11 @@ LONG = "rev 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 "  # 37 tokens with BOS: two full pa
 BODIES = pytest.mark.parametrize("mixed", [pytest.param(False, id="two-unit", marks=pytest.mark.slow),
                                            pytest.param(True, id="mixed")])
 """The engine's iteration bodies; the fast tier runs the default one (mixed)."""
+ALL_BODIES = pytest.mark.parametrize("mixed,fuse", [pytest.param(False, False, id="two-unit", marks=pytest.mark.slow),
+                                                    pytest.param(True, False, id="mixed"),
+                                                    pytest.param(True, True, id="mixed-fused",
+                                                                 marks=pytest.mark.slow)])
+"""The bodies and the mixed one with commit fusion (rows of 2C tokens; tokens of `generate(fuse_commit=True)`)."""
 
 
 def _ids(tok, model, text: str) -> list[int]:
@@ -46,24 +51,27 @@ def _run(engine: Engine, *, poison: bool = True) -> None:
             _poison_free(engine)
 
 
-def _bucket(model, rows: int, mixed: bool, kv_pages: int):
-    kind = MixedBucket if mixed else EagerBucket
-    return kind(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P, kv_pages=kv_pages)
+def _bucket(model, rows: int, mixed: bool, kv_pages: int, fuse: bool = False):
+    if mixed:
+        return MixedBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P, kv_pages=kv_pages,
+                           fuse_commit=fuse)
+    return EagerBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P, kv_pages=kv_pages)
 
 
 _SOLO: dict = {}  # solo runs by (prompt, config, seed, moe_impl): both bodies compare against the same run
 
 
-def _solo(model, r: Request, moe_impl: str = "dense"):
-    key = (tuple(r.prompt), r.config, r.seed, moe_impl)
+def _solo(model, r: Request, moe_impl: str = "dense", fuse_commit: bool = False):
+    key = (tuple(r.prompt), r.config, r.seed, moe_impl, fuse_commit)
     if key not in _SOLO:
-        _SOLO[key] = dg.generate(model, [r.prompt], r.config, seed=r.seed, moe_impl=moe_impl, max_seq_len=SLOTS)
+        _SOLO[key] = dg.generate(model, [r.prompt], r.config, seed=r.seed, moe_impl=moe_impl, max_seq_len=SLOTS,
+                                 fuse_commit=fuse_commit)
     return _SOLO[key]
 
 
-def _assert_solo(model, reqs) -> None:
+def _assert_solo(model, reqs, fuse_commit: bool = False) -> None:
     for r in reqs:
-        ref = _solo(model, r)
+        ref = _solo(model, r, fuse_commit=fuse_commit)
         assert r.sequence == ref.sequences[0], r.prompt
         assert r.stats.steps_per_block == ref.stats[0].steps_per_block
         assert r.stats.finish_reason == ref.stats[0].finish_reason
@@ -133,8 +141,8 @@ def test_paged_cache_equals_static_cache(demo):
         paged_cache(model, B, 60, block_size=C, page_size=P)
 
 
-@BODIES
-def test_engine_paged_equals_generate(demo, mixed):
+@ALL_BODIES
+def test_engine_paged_equals_generate(demo, mixed, fuse):
     """Staggered admission into 3 rows over a pool too small for three requests at once: requests wait for pages
     (never a running one), rows and pages are reused, the free pages hold NaN throughout, and every request's
     tokens equal its solo `dg.generate` run. A request larger than the whole pool is refused at submit."""
@@ -143,7 +151,7 @@ def test_engine_paged_equals_generate(demo, mixed):
     specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), ("add 123+045=", base, 2),
              ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=3), 4),
              ("rev 4 4 1=", base.with_temperature(2.0), 5)]
-    engine = Engine(model, _bucket(model, 3, mixed, kv_pages=7), tokenizer=tok, prefix_cache=False)
+    engine = Engine(model, _bucket(model, 3, mixed, kv_pages=7, fuse=fuse), tokenizer=tok, prefix_cache=False)
     assert engine.mixed == mixed
     with pytest.raises(dg.ConfigError, match="KV pages"):
         engine.submit(Request(prompt=_ids(tok, model, REV), config=base.replace(max_new_tokens=160), seed=0))
@@ -158,7 +166,7 @@ def test_engine_paged_equals_generate(demo, mixed):
             waited += engine.queue_depth > 0 and engine.running < 3
     _run(engine)
     assert waited  # a free row stood empty while a request waited for pages
-    _assert_solo(model, reqs)
+    _assert_solo(model, reqs, fuse_commit=fuse)
     assert engine.stats.requests == {"eos": 5, "length": 1}
     assert engine.memory.pool.available() == engine.memory.pool.capacity and engine.memory.pool.stats.evicted == 0
 
@@ -222,8 +230,8 @@ def test_eviction_under_memory_pressure(demo, mixed):
     _assert_solo(model, reqs)
 
 
-@BODIES
-def test_prefix_cache_committed_blocks(demo, mixed):
+@ALL_BODIES
+def test_prefix_cache_committed_blocks(demo, mixed, fuse):
     """The next turn of a chat maps the previous answer: a request whose prompt is a multiple of C tokens registers
     the full pages of its committed block once the commit ran; a request whose prompt is its prompt + its answer + a
     new question maps those pages beside the prompt's (`prefix_hit_tokens`) and its tokens equal its solo run (no
@@ -235,7 +243,7 @@ def test_prefix_cache_committed_blocks(demo, mixed):
     first = Request(prompt=_ids(tok, model, "sort 1 2 3 4 5 6 7 8 9 0 1 2 3="), config=greedy, seed=0)
     odd = Request(prompt=_ids(tok, model, "sort 1 2 3 4 5 6 7 8 9 0 1 2 3 4="), config=greedy, seed=1)
     engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, max_denoising_steps=64, eager=True, tokenizer=tok,
-                          page_size=P, mixed=mixed)
+                          page_size=P, mixed=mixed, fuse_commit=fuse)
     engine.submit(first), engine.submit(odd)
     _run(engine)
     assert len(first.prompt) % C == 0 and len(odd.prompt) % C
@@ -256,7 +264,7 @@ def test_prefix_cache_committed_blocks(demo, mixed):
     engine.submit(follow)
     _run(engine)
     assert engine.stats.prefix_hit_tokens - hits == cached[0] * P > len(first.prompt)
-    _assert_solo(model, [first, odd, follow])
+    _assert_solo(model, [first, odd, follow], fuse_commit=fuse)
 
 
 @pytest.mark.slow

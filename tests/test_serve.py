@@ -89,7 +89,8 @@ def _eager_bucket(model, rows: int, body: str):
     return MixedBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, fuse_commit=body == "mixed-fused")
 
 
-BODIES = ["two-unit", "mixed", "mixed-fused"]
+BODIES = ["two-unit", "mixed", pytest.param("mixed-fused", marks=pytest.mark.slow)]
+"""The iteration bodies; commit fusion (off by default on CPU) in the slow tier."""
 
 
 @pytest.mark.parametrize("body", BODIES)
