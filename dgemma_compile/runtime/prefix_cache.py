@@ -16,11 +16,12 @@ solo run's only if it was computed in chunks on those boundaries:
   must be a multiple of T so its remaining chunks are the ones a solo run encodes: the engine requires P to be a
   multiple of T;
 - a committed block of a prompt of L tokens is one commit over [L + kC, L + (k+1)C) (T = C): an encoder row of
-  [B, C] (the two-unit body's encoder pass, or an ENCODER row of the mixed forward: plain embedding, no
-  self-conditioning) whose ids are the block's C tokens (its argmax canvas, which is what the request appended: a
+  [B, C] (the two-unit body's encoder pass, an ENCODER row of the mixed forward, or with commit fusion the first
+  half of a COMMIT_DENOISE row, whose queries see only the committed context and their own half: plain embedding,
+  no self-conditioning) whose ids are the block's C tokens (its argmax canvas, which is what the request appended: a
   committed block holds no eos and fits the budget), n_new = C, positions and the causal mask from the row's
-  length, over the committed context -- the computation of a full prefill chunk over the same tokens in either
-  body. It is the chunk a later prompt's prefill runs exactly when L is a multiple of T (then, P being a multiple
+  length, over the committed context -- the computation of a full prefill chunk over the same tokens in every
+  body (tested bitwise, fused too). It is the chunk a later prompt's prefill runs exactly when L is a multiple of T (then, P being a multiple
   of T, a full page is whole chunks); otherwise each block straddles two of that prefill's chunks (different
   numerics) and is not registered.
 A hit leaves at least one prompt token to encode (the pass that fills the next block's plan). Bitwise equality holds
