@@ -230,7 +230,8 @@ class Engine:
         prefix_cache: share full prompt pages (and committed blocks of prompts of a multiple of C tokens) between
             requests (a paged cache only; see the module docstring).
     Raises:
-        ConfigError: a bucket with commit fusion; a prefix cache whose page size is not a multiple of the encoder
+        ConfigError: a two-unit bucket with commit fusion (a fusing generator's `compile.Bucket`; fusion runs in a
+            `MixedBucket`); a prefix cache whose page size is not a multiple of the encoder
             chunk (hits must start the prefill on a chunk boundary).
     """
 
