@@ -55,12 +55,13 @@ class ForwardPlan:
     Attributes:
         mode: int64 [B], `IDLE` / `ENCODER` / `DENOISE` / `COMMIT_DENOISE` per row.
         encoder_tokens: one bool (uniform) or a bool tensor broadcastable to [B, T] ([B, 1] per row for mixed
-            plans, [1, T] per token for commit fusion): tokens in encoder mode (the layers' encoder scalar).
+            plans, [1, T] per token for commit fusion, [B, T] for a fused mixed plan): tokens in encoder mode (the
+            layers' encoder scalar).
         denoise_tokens: like `encoder_tokens`, tokens in denoise mode (they take the self-conditioned embedding).
         real: int64 [B], real block tokens per row (the masks' count; for commit fusion the committed tokens of the
             first half), or None when every block token is real.
-        commit: int64 [B], tokens committed per row (n_new for encoder rows, 0 otherwise), or None when no row
-            commits (a uniform denoise plan); `cache.lengths` grows by it after the forward.
+        commit: int64 [B], tokens committed per row (n_new for encoder and commit + denoise rows, 0 otherwise), or
+            None when no row commits (a uniform denoise plan); `cache.lengths` grows by it after the forward.
         slots: int64 [B, T], the cache slot each block token's key/value is written to, or None when nothing is
             committed (keys/values stay in the block slots).
         self_conditioning: bool [B], denoise rows whose input carries the previous step's signal (mixed plans),
