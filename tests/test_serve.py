@@ -93,7 +93,7 @@ BODIES = ["two-unit", "mixed", pytest.param("mixed-fused", marks=pytest.mark.slo
 """The iteration bodies; commit fusion (off by default on CPU) in the slow tier."""
 
 
-@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("body", [pytest.param("two-unit", marks=pytest.mark.slow), *BODIES[1:]])
 def test_engine_staggered_admission_equals_generate(demo, body):
     """Requests admitted at different iterations into 3 rows (7 requests: rows are reused), with different budgets,
     step limits and temperatures, give exactly `dg.generate`'s tokens and steps per block of each request run alone;
