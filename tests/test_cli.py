@@ -1,7 +1,9 @@
 """`dgemma generate` end to end on checkpoint directories written by transformers' save_pretrained.
 
 References are computed in-process with the library (`dg.generate`, the tokenizer's own encode/decode and chat
-template); the CLI runs in a subprocess.
+template); the CLI runs in a subprocess (`run_cli`: the eager and the compiled paths end to end, streamed bytes,
+stdin, --threads, --quant, explain) or in this process (`run_main`: error paths, and what lies wholly inside
+`cli.main`, where a new interpreter would add only its start-up: flags, a prompts file, the compiled batch path).
 """
 
 import json
@@ -15,7 +17,7 @@ import pytest
 
 import dgemma_compile as dg
 
-pytestmark = pytest.mark.slow  # every test starts the CLI in a subprocess (torch + transformers imports: ~2-9 s)
+pytestmark = pytest.mark.slow  # CLI runs, most in a subprocess (torch + transformers imports: ~2-9 s)
 from dgemma_compile.text import REPLACEMENT
 from helpers import write_checkpoint
 from test_text import TEMPLATE_NO_BOS, write_byte_bpe
@@ -33,8 +35,8 @@ def run_cli(*args, timeout=300, stdin=None, env=None, text=True):
 
 
 def run_main(*args, stdin=None):
-    """`dgemma_compile.cli.main` in this process, for error paths (no interpreter start-up: ~4 s each); the result has
-    run_cli's shape. The real-process path is covered by the other tests."""
+    """`dgemma_compile.cli.main` in this process, for error paths and flags handled inside `main` (no interpreter
+    start-up: ~4 s each); the result has run_cli's shape. The real-process path is covered by the run_cli tests."""
     import contextlib
     import io
 
@@ -103,7 +105,7 @@ def test_errors_are_one_line_without_traceback(tiny_dir, args, message):
 
 def test_bad_checkpoint_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    res = run_cli("generate", "--model", str(tmp_path), "--eager", "abc")
+    res = run_main("generate", "--model", str(tmp_path), "--eager", "abc")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "not a DiffusionGemma checkpoint" in res.stderr
 
@@ -112,8 +114,8 @@ def test_bad_checkpoint_is_one_line(tmp_path):
 @pytest.mark.parametrize("system", [None, "sys 1 "])
 def test_chat_prompt_goes_through_the_chat_template_with_one_bos(tiny_dir, system):
     args = ["--system", system] if system is not None else ["--chat"]
-    res = run_cli("generate", "--model", str(tiny_dir), *args, "--max-new-tokens", "8", "--max-denoising-steps", "2",
-                  "--eager", "hi 3")
+    res = run_main("generate", "--model", str(tiny_dir), *args, "--max-new-tokens", "8", "--max-denoising-steps", "2",
+                   "--eager", "hi 3")
     assert res.returncode == 0, res.stderr
     model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi 3"}]
@@ -130,7 +132,7 @@ def test_chat_without_a_template_is_one_error_line(tiny_dir, tmp_path):
     shutil.copytree(tiny_dir, d)
     (d / "chat_template.jinja").unlink()
     assert "chat_template" not in json.loads((d / "tokenizer_config.json").read_text())
-    res = run_cli("generate", "--model", str(d), "--chat", "hi")  # compiled path: fails before compiling
+    res = run_main("generate", "--model", str(d), "--chat", "hi")  # compiled path: fails before compiling
     assert res.returncode == 2 and "compiling" not in res.stderr
     errors = error_lines(res)
     assert len(errors) == 1 and errors[0].startswith(f"dgemma: error: chat template: {d} has none"), res.stderr
@@ -258,8 +260,8 @@ def check_results(stdout: str, lines: list[str], model, tok, errors: dict[int, s
 def test_prompts_file_results_in_order_with_bad_lines_in_place(tiny_dir, tmp_path):
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join(PROMPT_LINES) + "\n")
-    res = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--batch-size", "2", "--eager",
-                  "--max-new-tokens", "12", "--max-denoising-steps", "3", "--seed", "5")
+    res = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--batch-size", "2", "--eager",
+                   "--max-new-tokens", "12", "--max-denoising-steps", "3", "--seed", "5")
     assert res.returncode == 2, res.stderr
     check_results(res.stdout, PROMPT_LINES, dg.load(tiny_dir), dg.load_tokenizer(tiny_dir), LINE_ERRORS)
     errors = error_lines(res)
@@ -297,26 +299,22 @@ def test_prompts_file_errors_come_before_anything_runs(args, message):
 def test_prompts_file_without_prompts(tiny_dir, tmp_path):
     f = tmp_path / "empty.txt"
     f.write_text("\n  \n")
-    res = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--eager")
+    res = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--eager")
     assert res.returncode == 2 and error_lines(res) == [f"dgemma: error: --prompts-file: {f}: no prompts"]
 
 
 # ----- compiled path (the default) ---------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_compiled_single_prompt_and_batch_match_eager(tiny_dir, tmp_path):
+def test_compiled_batch_matches_eager(tiny_dir, tmp_path):
+    """`--prompts-file` on the compiled path, in this process: two batches of 2 (the compiled path in a new interpreter,
+    a single prompt and its stats line: `test_quick_start_command_prints_the_answer`)."""
     model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
     moe = dg.build(model).moe_impl  # what the CLI's compiled generator runs
-    res = run_cli("generate", "--model", str(tiny_dir), "--max-new-tokens", "12", "--max-denoising-steps", "3",
-                  "--seed", "5", "abc 12=", timeout=600)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout == expected_line(model, tok, "abc 12=", moe_impl=moe)["text"] + "\n"
-    assert re.fullmatch(STATS.format(one_time="compile_s", threads=1), res.stderr.strip().splitlines()[-1]), res.stderr
-
     lines = ["abc 12=", '{"prompt": "hi 3", "seed": 7, "max_new_tokens": 5}', "cab", '{"prompt": "ab", "seed": 1}']
     f = tmp_path / "prompts.txt"
     f.write_text("\n".join(lines))
-    res = run_cli("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--batch-size", "2",
-                  "--max-new-tokens", "12", "--max-denoising-steps", "3", "--seed", "5", timeout=600)
+    res = run_main("generate", "--model", str(tiny_dir), "--prompts-file", str(f), "--batch-size", "2",
+                   "--max-new-tokens", "12", "--max-denoising-steps", "3", "--seed", "5")
     assert res.returncode == 0, res.stderr
     check_results(res.stdout, lines, model, tok, moe_impl=moe)  # two batches of 2, mixed max_new_tokens
     assert re.search(r" batch_size=2 compile_s=[\d.]+ ttfb_s=[\d.]+ threads=1$", res.stderr.strip()), res.stderr
@@ -347,8 +345,8 @@ def test_stop_string_temperature_and_entropy_bound_flags(tiny_dir):
     free = dg.generate(model, [tok("ab 1=")["input_ids"]], cfg, seed=0)
     text = decode(tok, free.sequences[0])
     stop = text[9:11]  # in the second block (canvas 8)
-    res = run_cli("generate", "--model", str(tiny_dir), "--eager", "--max-new-tokens", "24", "--max-denoising-steps",
-                  "3", "--entropy-bound", "0.7", "--temperature", "0", "--stop", stop, "ab 1=")
+    res = run_main("generate", "--model", str(tiny_dir), "--eager", "--max-new-tokens", "24", "--max-denoising-steps",
+                   "3", "--entropy-bound", "0.7", "--temperature", "0", "--stop", stop, "ab 1=")
     assert res.returncode == 0, res.stderr
     m = StopStrings(tok, [stop])
     dg.generate(model, [tok("ab 1=")["input_ids"]], cfg, seed=0, on_block=lambda _, new: m.push(new[0]),
@@ -358,22 +356,24 @@ def test_stop_string_temperature_and_entropy_bound_flags(tiny_dir):
 
 
 @pytest.mark.slow
-def test_quick_start_command_prints_the_answer():
-    """The README's main job, compiled, on the built-in demo model."""
-    res = run_cli("generate", "sort 3 1 2 9 5=", timeout=900)
+def test_quick_start_command_prints_the_answer(demo):
+    """The README's main job, compiled, on the built-in demo model; also the compiled single-prompt path against the
+    eager library on the same prompt, config, seed and cache size, and its stats line."""
+    from dgemma_compile.cli import SLOT_ROUNDING
+    from dgemma_compile.text import encode_prompt
+
+    prompt = "sort 3 1 2 9 5="
+    res = run_cli("generate", prompt, timeout=900)
     assert res.returncode == 0, res.stderr
     assert res.stdout == "1 2 3 5 9\n" and "finish=eos" in res.stderr
-
-
-def test_explain_json_reports_no_graph_breaks(tiny_dir):
-    """On the tiny checkpoint: its bucket of 2 rows and 256 slots is the one `tiny_compiled` compiles (cache hits)."""
-    res = run_cli("explain", "--json", "--model", str(tiny_dir), timeout=900)
-    assert res.returncode == 0, res.stderr
-    reports = json.loads(res.stdout)
-    assert [r["unit"].split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
-    assert all(r["graph_count"] == 1 and r["graph_break_count"] == 0 and r["recompiles_in_workload"] == 0
-               for r in reports)
-    assert all(r["pass_matches"]["sample_step_fusion"] == 0 for r in reports)  # the tiny region: below the threshold
+    model, tok = demo
+    ids = encode_prompt(tok, prompt, bos_token_id=model.config.bos_token_id)
+    expected = dg.generate(model, [ids], model.generation_config, seed=0, moe_impl=dg.build(model).moe_impl,
+                           max_seq_len=SLOT_ROUNDING)  # the CLI's defaults: seed 0, one rounded cache of 256 slots
+    assert res.stdout == decode(tok, expected.sequences[0]) + "\n"
+    stats = res.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(STATS.format(one_time="compile_s", threads=1), stats), res.stderr
+    assert f"tokens={expected.stats[0].num_tokens} blocks={expected.stats[0].blocks}" in stats
 
 
 @pytest.mark.slow

@@ -208,11 +208,21 @@ def test_compile_options_are_validated(kw, name):
         CompileOptions(**kw)
 
 
-def test_explain_reports_one_graph_and_no_breaks(tiny):
-    """`torch._dynamo.explain` on both units (CPU: no commit fusion), then a mixed workload: one graph each, zero breaks, zero recompiles.
-    (Last in this file: explain resets Dynamo.)"""
-    _, gen = tiny
-    reports = gen.explain(1)
+def test_explain_reports_one_graph_and_no_breaks(tiny_dir):
+    """`dgemma explain --json` on the tiny checkpoint, run in this process (`dgemma explain --quant` runs it in a
+    subprocess; its bucket of 2 rows and 256 slots is the one `tiny_compiled` compiles: Inductor cache hits):
+    `torch._dynamo.explain` on both units (CPU: no commit fusion), then a mixed workload: one graph each, zero breaks,
+    zero recompiles; the JSON holds every field of the reports. (Near the end of this file: explain resets Dynamo.)"""
+    import dataclasses
+    import json
+
+    from dgemma_compile.compile.explain import UnitReport
+    from test_cli import run_main
+
+    res = run_main("explain", "--json", "--model", str(tiny_dir))
+    assert res.returncode == 0, res.stderr
+    reports = [UnitReport(**r) for r in json.loads(res.stdout)]
+    assert json.loads(res.stdout) == [dataclasses.asdict(r) for r in reports]
     assert [r.unit.split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
     for r in reports:
         assert r.graph_count == 1 and r.graph_break_count == 0 and r.break_reasons == []
@@ -225,7 +235,7 @@ def test_explain_reports_one_graph_and_no_breaks(tiny):
                                   "sample_step_fusion.sc_dtype_folded": 0}, r.text()
         assert "passes=sample_step_fusion:0," in r.text()
     canvas = {"FORCE_USE_FLEX_ATTENTION": True}
-    assert reports[0].attention_kernel_options == {t: canvas for t in gen.model.config.layer_types}
+    assert reports[0].attention_kernel_options == {t: canvas for t in dg.load(tiny_dir).config.layer_types}
     assert "attention full_attention: kernel_options={'FORCE_USE_FLEX_ATTENTION': True}" in reports[0].text()
     assert reports[1].attention_kernel_options == {"sliding_attention": {}, "full_attention": {}}
 

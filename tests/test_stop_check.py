@@ -56,10 +56,16 @@ def _demo_run(check: StopCheck, fuse_commit: bool = False):
     return run_block_diffusion(model, runner, prompts, cfgs, stop_check=check)
 
 
+@pytest.fixture(scope="module")
+def oracle():
+    """The synchronous, unfused run every late policy is compared with (deterministic: computed once)."""
+    return _demo_run(StopCheck("sync"))
+
+
 @pytest.mark.parametrize("mode,k", [("deferred", 1), pytest.param("every_k", 3, marks=pytest.mark.slow)])
-def test_late_checks_give_the_oracles_tokens_with_bounded_waste(mode, k):
+def test_late_checks_give_the_oracles_tokens_with_bounded_waste(oracle, mode, k):
     """On the demo model (its blocks stop after ~2 of 8 steps), prompts long enough for several blocks."""
-    oracle, late = _demo_run(StopCheck("sync")), _demo_run(StopCheck(mode, k=k))
+    late = _demo_run(StopCheck(mode, k=k))
     assert late.sequences == oracle.sequences and late.stats == oracle.stats
     assert oracle.wasted_forwards == [0] * len(oracle.forwards_per_block)
     early = [b for b, n in enumerate(oracle.forwards_per_block) if n < DEMO_SETTINGS["max_denoising_steps"]]
@@ -70,11 +76,11 @@ def test_late_checks_give_the_oracles_tokens_with_bounded_waste(mode, k):
 
 
 @pytest.mark.slow
-def test_deferred_check_with_commit_fusion_issues_the_fused_forward_one_step_late():
+def test_deferred_check_with_commit_fusion_issues_the_fused_forward_one_step_late(oracle):
     """Commit fusion under the deferred check: the host learns a block finished one step late (at most one wasted,
     frozen-only forward), then the commit rides in the next block's first step; tokens and stats equal the
     synchronous, unfused oracle's on the demo model."""
-    oracle, late = _demo_run(StopCheck("sync")), _demo_run(StopCheck("deferred"), fuse_commit=True)
+    late = _demo_run(StopCheck("deferred"), fuse_commit=True)
     assert late.sequences == oracle.sequences and late.stats == oracle.stats
     blocks = len(oracle.forwards_per_block)
     assert blocks > 1 and (oracle.commits, oracle.fused_commits) == (blocks - 1, 0)
