@@ -11,12 +11,12 @@ Every row of a bucket is in one phase, held on the device (`RowState.phase`, int
 call: Inductor's CPU flex template rejects masks computed inside the graph that uses them), samples, and then decides
 every phase transition on the device: a prefill row whose prompt is encoded and a commit row begin their next block
 (its start canvas from the request's own stream, `rng.start_canvas`; fused, the commit row has already taken that
-block's first step); a denoise row whose block finished (stopped
-early or ran its budget) raises `RowState.event`, and becomes COMMIT, or FREE when the request ended on the device
-(an eos inside its token budget, or the budget reached: `generate.finalize_row`'s rule). Last, it fills the plan for
-the next iteration from the new phases (`refresh_plan`, in the graph). The host reads `event` once per iteration (a
-[B] flag read) and the finished rows' tokens; it changes the device state only to admit a request, or to retire one
-the device did not (stop strings, cancellation), after which it calls `refresh_plan` once before the next step.
+block's first step in the commit's own iteration); a denoise row whose block finished (stopped early or ran its
+budget) raises `RowState.event`, and becomes COMMIT, or FREE when the request ended on the device (an eos inside
+its token budget, or the budget reached: `generate.finalize_row`'s rule). Last, it fills the plan for the next
+iteration from the new phases (`refresh_plan`, in the graph). The host reads `event` once per iteration (a [B] flag
+read) and the finished rows' tokens; it changes the device state only to admit a request, or to retire one the
+device did not (stop strings, cancellation), after which it calls `refresh_plan` once before the next step.
 
 Numerics: each row's tokens equal its solo `generate` run's (chunks of C; commits fused or not as the bucket's):
 encoder rows and denoise rows compute what the encoder / denoise passes compute (same shapes [B, C], same masks,
@@ -32,8 +32,8 @@ Commit fusion (`MixedBucket.fuse_commit`: a cache of 2C block slots) makes every
 with `canvas=C`): a COMMIT row is a `COMMIT_DENOISE` row that commits its finished block in the first half and runs
 its next block's first denoise step on the start canvas in the second half (as `steps.denoise_step(commit=True)`); a
 DENOISE row holds its canvas in the first half, a PREFILL row its chunk (up to C tokens, as the fused generator's
-prefill), the second half idle. A commit then costs no iteration of its own: the row moves from its block's last
-step to its next block's second in one iteration. Each row's tokens equal its solo `generate(fuse_commit=True)` run:
+prefill), the second half idle. A commit then costs no iteration of its own: the iteration after a block's last
+step is the next block's first. Each row's tokens equal its solo `generate(fuse_commit=True)` run (bitwise):
 a [2C] row with an idle second half computes what a [C] pass computes (the same queries and visible keys, the idle
 keys masked: tests/test_serve.py checks tokens and step counts bitwise). The cost: every row of every iteration is
 2C tokens (twice the work of an unfused iteration for denoise rows), so fusion pays where a forward is bound by
