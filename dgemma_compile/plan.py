@@ -167,7 +167,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         slots = commit_slots(lengths, n_new, T, S) if commit is not None else None
     else:
         C = T if canvas is None else canvas
-        if C not in (T, T / 2):
+        if C != T and 2 * C != T:
             raise ValueError(f"canvas: a mixed plan's canvas is T or T / 2 (commit fusion), got {canvas} for T = {T}")
         fused = C != T
         if not isinstance(mode, torch.Tensor) or mode.shape != (B,) or mode.dtype != torch.long:

@@ -147,7 +147,7 @@ def test_engine_events_stop_cancel_and_refusals(demo, body):
     engine.step()
     engine.cancel(gone)
     engine.step()
-    assert gone.stats.finish_reason != "eos" and engine.running == 1
+    assert gone.stats.finish_reason == "cancelled" and engine.running == 1
     _run_engine(engine)
     assert [e.text for e in events] == ["1 0 9 8 7 6 5 ", ""]
     assert [e.finish_reason for e in events] == [None, "stop"]

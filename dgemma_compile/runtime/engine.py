@@ -612,6 +612,7 @@ class Engine:
         self._finish(req, reason, tokens or [], text)
 
     def _finish(self, req: Request, reason: str, tokens: list[int], text: str) -> None:
+        req.stats.finish_reason = reason  # also "cancelled" / "error", which finalize_row never sets
         m = req.matcher
         if m is not None and reason in ("eos", "length"):
             text += m.finish()

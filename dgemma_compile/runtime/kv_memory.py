@@ -15,8 +15,8 @@ Committed blocks: when a request's prompt length is a multiple of the encoder ch
 later prompt's prefill runs over the same tokens (`prefix_cache.py`, "Exactness"), so the full pages of its committed
 tokens (prompt + generated blocks) are registered after each commit (`committed`), keyed like prompt pages by the hash
 chain of every token up to the page: a later request whose prompt is this prompt + its answer + more (the next turn
-of a chat) maps them. Other requests register only their prompt pages. Committed pages are never pending (a request
-admitted before they are written computes them itself).
+of a chat) maps them. Other requests register only their prompt pages. Committed pages are never pending: a request
+admitted before they are written computes them itself (the same page twice; its later registration is a no-op).
 """
 
 from __future__ import annotations

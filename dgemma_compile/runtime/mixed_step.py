@@ -19,8 +19,8 @@ read) and the finished rows' tokens; it changes the device state only to admit a
 device did not (stop strings, cancellation), after which it calls `refresh_plan` once before the next step.
 
 Numerics: each row's tokens equal its solo `generate` run's (chunks of C; commits fused or not as the bucket's):
-encoder rows and denoise rows compute what the encoder / denoise passes compute (same shapes [B, C], same masks,
-same self-conditioning), given row-invariant GEMMs and experts (`moe_impl` "dense" eagerly; compiled, the bucket's).
+encoder rows and denoise rows compute what the encoder / denoise passes compute (same queries, visible keys and
+self-conditioning), given row-invariant GEMMs and experts (`moe_impl` "dense" eagerly; compiled, the bucket's).
 
 KV memory: the cache is a static `KVCache` or a `kv_cache.PagedKVCache` (`MixedBucket(page_size=...)` eagerly, the
 cache of `gen.bucket(B, page_size=...)` compiled); the step is the same either way (the model reads and writes through
@@ -33,7 +33,7 @@ with `canvas=C`): a COMMIT row is a `COMMIT_DENOISE` row that commits its finish
 its next block's first denoise step on the start canvas in the second half (as `steps.denoise_step(commit=True)`); a
 DENOISE row holds its canvas in the first half, a PREFILL row its chunk (up to C tokens, as the fused generator's
 prefill), the second half idle. A commit then costs no iteration of its own: the iteration after a block's last
-step is the next block's first. Each row's tokens equal its solo `generate(fuse_commit=True)` run (bitwise):
+step is the next block's first. Each row's tokens equal its solo `generate(fuse_commit=True)` run (bitwise, CPU):
 a [2C] row with an idle second half computes what a [C] pass computes (the same queries and visible keys, the idle
 keys masked: tests/test_serve.py checks tokens and step counts bitwise). The cost: every row of every iteration is
 2C tokens (twice the work of an unfused iteration for denoise rows), so fusion pays where a forward is bound by
