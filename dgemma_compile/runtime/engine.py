@@ -435,11 +435,7 @@ class Engine:
         if denoising:
             self.bucket.denoise()
             st.forwards += 1
-            t0 = time.perf_counter()
-            finished = state.finished.tolist()  # the iteration's one host read of flags
-            read_s = time.perf_counter() - t0
-            st.flag_read_s += read_s
-            st.flag_reads += 1
+            finished, read_s = self._read_flags(state.finished)
             done = [b for b in denoising if finished[b]]
             if done:
                 idx = torch.tensor(done)
@@ -449,6 +445,15 @@ class Engine:
             self._drafts([b for b in denoising if not finished[b]])
         if self.metrics is not None:
             self.metrics.iteration(self.queue_depth, self.running, len(denoising), read_s)
+
+    def _read_flags(self, flags: torch.Tensor) -> tuple[list[bool], float]:
+        """The iteration's one host read of flags (bool [B]), timed into `EngineStats.flag_read_s`: (values, s)."""
+        t0 = time.perf_counter()
+        values = flags.tolist()
+        read_s = time.perf_counter() - t0
+        self.stats.flag_read_s += read_s
+        self.stats.flag_reads += 1
+        return values, read_s
 
     def _step_mixed(self) -> None:
         st, mb = self.stats, self.bucket
@@ -463,11 +468,7 @@ class Engine:
             self._dirty = False
         mb.step()
         st.forwards += 1
-        t0 = time.perf_counter()
-        events = rows.event.tolist()  # the iteration's one host read of flags
-        read_s = time.perf_counter() - t0
-        st.flag_read_s += read_s
-        st.flag_reads += 1
+        events, read_s = self._read_flags(rows.event)
         stepped = (Phase.DENOISE, Phase.COMMIT) if mb.fuse_commit else (Phase.DENOISE,)  # fused: a commit steps too
         denoised = [b for b, r in enumerate(self.rows) if r.phase in stepped]
         denoising = len(denoised)

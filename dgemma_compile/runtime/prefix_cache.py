@@ -21,9 +21,9 @@ solo run's only if it was computed in chunks on those boundaries:
   no self-conditioning) whose ids are the block's C tokens (its argmax canvas, which is what the request appended: a
   committed block holds no eos and fits the budget), n_new = C, positions and the causal mask from the row's
   length, over the committed context -- the computation of a full prefill chunk over the same tokens in every
-  body (tested bitwise, fused too). It is the chunk a later prompt's prefill runs exactly when L is a multiple of T (then, P being a multiple
-  of T, a full page is whole chunks); otherwise each block straddles two of that prefill's chunks (different
-  numerics) and is not registered.
+  body (tested bitwise, fused too). It is the chunk a later prompt's prefill runs exactly when L is a multiple of T
+  (then, P being a multiple of T, a full page is whole chunks); otherwise each block straddles two of that
+  prefill's chunks (different numerics) and is not registered.
 A hit leaves at least one prompt token to encode (the pass that fills the next block's plan). Bitwise equality holds
 for batch-invariant rows (`tests/test_batch_invariance.py`), as every same-tokens claim of the engine.
 """
