@@ -227,8 +227,8 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
 
     gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=max_seq_len,
                                       max_denoising_steps=max(256, steps)))
-    print("dgemma: compiling the denoise step and encoder chunk (a minute or so on a CPU the first time; Inductor's "
-          "disk cache serves later runs)...",
+    print("dgemma: compiling the step (about 30 s on a 2-core CPU the first time; Inductor's disk cache serves later "
+          "runs)...",
           file=sys.stderr, flush=True)
     return gen.generate, f" compile_s={gen.warmup(rows, config):.1f}"
 
@@ -456,8 +456,8 @@ def serve_command(args: argparse.Namespace) -> int:
     metrics = ServeMetrics()
     start = time.perf_counter()
     if not args.eager:
-        print("dgemma: compiling the engine's bucket (a minute or so on a CPU the first time)...", file=sys.stderr,
-              flush=True)
+        print("dgemma: compiling the engine's step at batch 1 (about 30 s on a 2-core CPU the first time; larger batch "
+              "sizes compile on first use)...", file=sys.stderr, flush=True)
     engine = build_engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, eager=args.eager,
                           tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics, page_size=args.kv_page_size,
                           kv_pages=args.kv_pages, fuse_commit={"auto": None, "on": True, "off": False}[args.fuse_commit],
@@ -471,9 +471,9 @@ def serve_command(args: argparse.Namespace) -> int:
           f"batch_invariant={'on' if engine.batch_invariant else 'off'} "
           f"setup_s={time.perf_counter() - start:.1f} threads={threads}", file=sys.stderr, flush=True)
     for b in engine.bucket_table():
-        print(f"dgemma: bucket rows={b['rows']} body={b['body']} tokens_per_row={b['tokens_per_row']} "
-              f"fuse_commit={'on' if b['fuse_commit'] else 'off'} kv={b['kv']} "
-              f"units={','.join(b['units']) or 'eager'}", file=sys.stderr, flush=True)
+        print(f"dgemma: bucket rows={b['rows']} tokens_per_row={b['tokens_per_row']} "
+              f"fuse_commit={'on' if b['fuse_commit'] else 'off'} kv={b['kv']} unit={b['unit']} "
+              f"compiled={'eager' if b['compiled'] is None else b['compiled']}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -26,7 +27,11 @@ from .model import DiffusionGemma
 from .observe import STEP, Observer, SpanTimer
 from .ops.moe import resolve_moe_impl
 from .sampler import SCHEME
-from .steps import EagerSteps, StepRunner, prefill
+from .finish import finalize_row
+from .kv_cache import KVCache
+from .plan import PlanBuffers
+from . import rng
+from .steps import DenoiseState, StepInputs, denoise_step, encode_chunk
 from .stop_check import StopCheck
 
 
@@ -287,23 +292,120 @@ def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, cfgs: list[Ge
     return new_tokens
 
 
-def finalize_row(row: list[int], cfg: GenerationConfig, sequence: list[int], stats: RequestStats,
-                 steps: int) -> tuple[list[int], bool]:
-    """One live request's finished block: append `row` (its argmax canvas, C token ids) to `sequence` up to the first
-    eos (included) and the request's token budget, record `steps` (its decoder passes in the block) and the non-pad
-    tokens in `stats`, set `stats.finish_reason` ("eos" or "length") when the request is done. Returns (the tokens
-    appended, done). `cfg` is resolved (eos and pad ids set). Shared by the block loop and the serving engine."""
-    stats.steps_per_block.append(steps)
-    eos_at = next((i for i, t in enumerate(row) if t in cfg.eos_token_ids), None)
-    keep = row[:eos_at + 1] if eos_at is not None else row
-    room = cfg.max_new_tokens - len(sequence)
-    keep = keep[:room]
-    sequence.extend(keep)
-    stats.num_tokens += sum(t != cfg.pad_token_id for t in keep)
-    if eos_at is not None and eos_at < room:
-        stats.finish_reason = "eos"
-        return keep, True
-    if len(sequence) >= cfg.max_new_tokens:
-        stats.finish_reason = "length"
-        return keep, True
-    return keep, False
+# ----- the reference loop's steps: uniform passes over static buffers -------------------------------------------
+
+class StepRunner(Protocol):
+    """What the block loop drives. Tensors are [R, ...] for the R requests of the call."""
+
+    block_size: int
+    """T: tokens per encoder chunk (prefill chunks, and commits without fusion, are padded to it)."""
+    commits: int
+    """Commits run so far as their own encoder pass."""
+    fused_commits: int
+    """Commits run so far inside the next block's first denoise step (commit fusion)."""
+
+    def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        """Causal pass over T' <= T tokens, n_new_R[r] of row r real: a prefill chunk (or an unfused commit, through
+        `commit`); writes the KV."""
+
+    def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        """Commit a finished block (its argmax canvas, n_new_R[r] tokens of row r: C, or 0 for a done row) before
+        the next block begins. Either an encoder pass now, or (commit fusion) deferred into the next block's first
+        `step`, which then runs one forward for both."""
+
+    def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
+        """Start block `block` (0-based, per request) from each request's start canvas (`rng.start_canvas`); rows in
+        `frozen_R` (done requests) stay frozen."""
+
+    def step(self) -> torch.Tensor:
+        """One denoise step (every per-step value is already on the device); returns the finished flags, bool [R].
+        A row finishes when it stops early or has run its step budget."""
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's argmax canvas int64 [R, C] (what gets committed) and decoder passes int64 [R]."""
+
+
+def prefill(runner: StepRunner, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
+    """Encode right-padded prompts in fixed chunks of `runner.block_size` (the last one padded), so that prefill
+    runs the same shapes whatever the prompt lengths."""
+    T = runner.block_size
+    for start in range(0, input_ids_RT.shape[1], T):
+        runner.encode_chunk(input_ids_RT[:, start:start + T], (lengths_R - start).clamp(0, T))
+
+
+class BufferSteps:
+    """`StepRunner` over static buffers: every host-side fill lives here, the steps are the callables `denoise`,
+    `encode` and, for commit fusion, `commit_denoise` (zero-argument, over `state`, `inputs` and `cache`): eager
+    functions or compiled units. With `commit_denoise`, `commit` only fills the inputs and the next `step` runs
+    `commit_denoise` (`denoise_step(commit=True)`) instead of `denoise`."""
+
+    def __init__(self, *, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], cache: KVCache,
+                 state: DenoiseState, inputs: StepInputs, denoise: Callable[[], None], encode: Callable[[], None],
+                 commit_denoise: Callable[[], None] | None = None):
+        self.R, self.cache, self.state, self.inputs = len(cfgs), cache, state, inputs
+        self.denoise, self.encode, self.commit_denoise = denoise, encode, commit_denoise
+        self.block_size = inputs.ids.shape[1]
+        self.vocab_size = state.sc_probs.shape[-1]
+        self.commit_pending = False
+        self.commits = self.fused_commits = 0  # commits run as their own encoder pass / fused into a step
+        inputs.set_requests(cfgs, seeds)
+        cache.reset()
+
+    def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        self._set_chunk(ids_RT, n_new_R)
+        self.encode()
+
+    def _set_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        inp, R = self.inputs, self.R
+        inp.ids.zero_()
+        inp.ids[:R, :ids_RT.shape[1]] = ids_RT
+        inp.n_new.zero_()
+        inp.n_new[:R] = n_new_R
+
+    def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        if self.commit_denoise is None:
+            self.encode_chunk(ids_RC, n_new_R)
+            self.commits += 1
+            return
+        self._set_chunk(ids_RC, n_new_R)  # copied now: the next block's begin_block resets the argmax buffer
+        self.commit_pending = True
+
+    def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
+        inp, R, C = self.inputs, self.R, self.state.canvas.shape[1]
+        inp.block.fill_(block)
+        self.state.begin(rng.start_canvas(inp.seeds[:R], inp.block[:R], C, self.vocab_size), frozen_R)
+
+    def step(self) -> torch.Tensor:
+        if self.commit_pending:
+            self.commit_denoise()
+            self.commit_pending = False
+            self.fused_commits += 1
+        else:
+            self.denoise()
+        return self.state.finished[:self.R]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.state.argmax[:self.R], self.state.steps[:self.R]
+
+
+class EagerSteps(BufferSteps):
+    """The reference `StepRunner`: `denoise_step` and `encode_chunk` called eagerly over buffers of exactly R rows
+    and a cache of `max_seq_len` committed slots, with the routed experts run by `moe_impl`; with `fuse_commit`,
+    commits are fused into the next block's first step (`denoise_step(commit=True)`)."""
+
+    def __init__(self, model: DiffusionGemma, cfgs: Sequence[GenerationConfig], seeds: Sequence[int],
+                 max_seq_len: int, moe_impl: str, fuse_commit: bool = False):
+        structural = cfgs[0]
+        C = model.config.canvas_length
+        cache = model.new_cache(len(cfgs), max_seq_len, block_size=2 * C if fuse_commit else C)
+        state = DenoiseState.allocate(model, len(cfgs), structural.stability_threshold if structural.stop_early else 0)
+        inputs = StepInputs.allocate(model, len(cfgs), C, max(c.max_denoising_steps for c in cfgs))
+        plan = PlanBuffers(model, cache, C)
+
+        def denoise(commit: bool) -> Callable[[], None]:
+            return lambda: denoise_step(model, cache, state, inputs, plan, stop_early=structural.stop_early,
+                                        moe_impl=moe_impl, commit=commit)
+
+        super().__init__(cfgs=cfgs, seeds=seeds, cache=cache, state=state, inputs=inputs, denoise=denoise(False),
+                         encode=lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl),
+                         commit_denoise=denoise(True) if fuse_commit else None)

@@ -24,6 +24,7 @@ which page, the prefix cache) lives in `runtime/kv_pool.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,11 @@ class KVCache:
         self.lengths.zero_()
         for t in (*self.keys, *self.values):
             t.zero_()
+
+    def view(self, rows: int) -> "KVCache":
+        """The first `rows` rows: views of these buffers (a bucket's smaller batch sizes run over them)."""
+        return dataclasses.replace(self, keys=[k[:rows] for k in self.keys], values=[v[:rows] for v in self.values],
+                                   lengths=self.lengths[:rows])
 
     def reset_row(self, row: int) -> None:
         """`reset()` for one row (a serving engine reuses a row for the next request while the others run)."""
@@ -176,6 +182,10 @@ class PagedKVCache:
             t.zero_()
         for b in range(self.batch_size):
             self.unmap_row(b)
+
+    def view(self, rows: int) -> "PagedKVCache":
+        """The first `rows` rows: their page table and lengths (views), over the same page pool."""
+        return dataclasses.replace(self, lengths=self.lengths[:rows], page_table=self.page_table[:rows])
 
     def reset_row(self, row: int) -> None:
         """Row `row` empty: length 0, committed pages unmapped (whoever handed them out takes them back), its block

@@ -303,7 +303,7 @@ def all_blocks_partial(mask: BlockMask) -> BlockMask:
     B, H, Qb, Kb = mask.kv_indices.shape
     dev = mask.kv_indices.device
     kv_num = torch.full((B, H, Qb), Kb, dtype=torch.int32, device=dev)
-    kv_idx = torch.arange(Kb, dtype=torch.int32, device=dev).expand(B, H, Qb, Kb).contiguous()
+    kv_idx = torch.arange(Kb, dtype=torch.int32, device=dev).repeat(B, H, Qb, 1)  # a tensor of its own, never a view
     return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod,
                                     seq_lengths=mask.seq_lengths)
 

@@ -1,65 +1,49 @@
-"""The step contract: what the block loop drives, the one per-row state it drives, and the one denoise step.
+"""The one step of a bucket (`mixed_step`), the per-row device state it updates, and the eager reference steps.
 
-- `StepRunner` (a Protocol) is everything `generate.run_block_diffusion` needs: encode a prefill chunk, commit a
-  block (now, or fused into the next block's first step), begin a block, run a denoise step, read the block's result.
-- `DenoiseState` is the per-row state of the block in flight and `StepInputs` the per-step inputs, both static
-  device buffers; "no self-conditioning yet" is the `has_sc` flag in every path.
-- `denoise_step` (with `commit=True`: the fused commit + first denoise step) and `encode_chunk` are the steps, pure
-  functions of (model, cache, buffers) that update the buffers in place with no host synchronisation; the denoise step draws its own noise from the request's
-  counter-based stream (`rng.py`) and reads its temperature from a per-row table. The eager generator calls them directly; the compiled generator
-  compiles exactly these functions (`compile/generator.py`).
-- `BufferSteps` implements `StepRunner` over those buffers for any zero-argument step callables (denoise, encode,
-  and optionally the fused commit + denoise), so eager and compiled share every host-side fill; `EagerSteps` is the eager instance.
+- `DenoiseState` is the per-row state of the block in flight and `StepInputs` the per-request parameters, both
+  static device buffers (`bucket.Bucket` is their one constructor; `view(b)` gives the first b rows).
+- `mixed_step` is the only optimized step: one forward over every row of a bucket, each row in its own phase
+  (`phases.py`: prefill chunk, denoise step, commit -- fused with the next block's first step where the cache holds
+  2C block slots -- or idle), then the sampler for the stepping rows and every phase transition decided on the
+  device (`finish.request_done` for the end rule), and the plan of the next iteration. Compiled per bucket size as
+  one unit (`compile/generator.py`); driven by the compiled generator and the serving engine alike.
+- `denoise_step` (with `commit=True`: the fused commit + first denoise step) and `encode_chunk` are the eager
+  reference generator's uniform steps (`generate.py`, the oracle every optimized path is tested against).
 
-Legend: B rows of the buffers (a bucket; rows >= R are frozen padding), R requests, C canvas, V vocab,
-P stability_threshold (history depth), T block tokens (encoder chunk).
+Numerics: each row's tokens from `mixed_step` equal its solo `generate` run's (chunks of C; commits fused or not as
+the bucket's): encoder rows and denoise rows compute what the encoder / denoise passes compute (same queries,
+visible keys and self-conditioning), given row-invariant GEMMs and experts (`moe_impl` "dense" eagerly; compiled,
+the generator's). Commit fusion makes every row 2C tokens: a COMMIT row commits in its first half and runs its next
+block's first denoise step on the start canvas in its second half; a DENOISE row holds its canvas in the first half
+(the second idle and masked), so it computes what a [C] pass computes.
+
+Legend: B rows of the buffers, C canvas, V vocab, P stability_threshold (history depth), T block tokens per row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from . import rng
 from .config import GenerationConfig
+from .finish import request_done
 from .kv_cache import KVCache
 from .model import DiffusionGemma
+from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
 from .plan import PlanBuffers
-from . import rng
+from .rows import RowState
 from .sampler import StepNoise, denoise_update, temperature_table
 
 
-class StepRunner(Protocol):
-    """What the block loop drives. Tensors are [R, ...] for the R requests of the call."""
-
-    block_size: int
-    """T: tokens per encoder chunk (prefill chunks, and commits without fusion, are padded to it)."""
-    commits: int
-    """Commits run so far as their own encoder pass."""
-    fused_commits: int
-    """Commits run so far inside the next block's first denoise step (commit fusion)."""
-
-    def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
-        """Causal pass over T' <= T tokens, n_new_R[r] of row r real: a prefill chunk (or an unfused commit, through
-        `commit`); writes the KV."""
-
-    def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
-        """Commit a finished block (its argmax canvas, n_new_R[r] tokens of row r: C, or 0 for a done row) before
-        the next block begins. Either an encoder pass now, or (commit fusion) deferred into the next block's first
-        `step`, which then runs one forward for both."""
-
-    def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
-        """Start block `block` (0-based, per request) from each request's start canvas (`rng.start_canvas`); rows in
-        `frozen_R` (done requests) stay frozen."""
-
-    def step(self) -> torch.Tensor:
-        """One denoise step (every per-step value is already on the device); returns the finished flags, bool [R].
-        A row finishes when it stops early or has run its step budget."""
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's argmax canvas int64 [R, C] (what gets committed) and decoder passes int64 [R]."""
+def _rows_view(obj, rows: int, dims: dict[str, int] | None = None):
+    """A dataclass of [B, ...] tensors viewed at its first `rows` rows (`dims`: fields whose row dim is not 0)."""
+    dims = dims or {}
+    return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).narrow(dims.get(f.name, 0), 0, rows)
+                                       for f in dataclasses.fields(obj)})
 
 
 @dataclass
@@ -89,6 +73,10 @@ class DenoiseState:
                    finished=torch.zeros(rows, dtype=torch.bool, device=dev), steps=torch.zeros(rows, **long),
                    sc_probs=torch.zeros(rows, C, V, dtype=model.dtype, device=dev),
                    has_sc=torch.zeros(rows, dtype=torch.bool, device=dev))
+
+    def view(self, rows: int) -> "DenoiseState":
+        """The first `rows` rows (views of these buffers)."""
+        return _rows_view(self, rows, {"history": 1})
 
     def begin(self, canvas_RC: torch.Tensor, frozen_R: torch.Tensor) -> None:
         """Reset in place for a new block: the first R rows start from `canvas_RC` (frozen where `frozen_R`), the
@@ -145,6 +133,10 @@ class StepInputs:
                    greedy=torch.zeros(rows, width, dtype=torch.bool, device=dev), budget=torch.ones(rows, **long),
                    entropy_bound=torch.ones(rows, **f32), confidence=torch.zeros(rows, **f32),
                    ids=torch.zeros(rows, block_size, **long), n_new=torch.zeros(rows, **long))
+
+    def view(self, rows: int) -> "StepInputs":
+        """The first `rows` rows (views of these buffers)."""
+        return _rows_view(self, rows)
 
     def set_requests(self, cfgs: Sequence[GenerationConfig], seeds: Sequence[int]) -> None:
         """Fill the per-request rows from one resolved config and seed per request; padding rows get harmless
@@ -233,87 +225,87 @@ def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, plan
         plan.fill()
 
 
-def prefill(runner: StepRunner, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
-    """Encode right-padded prompts in fixed chunks of `runner.block_size` (the last one padded), so that prefill
-    runs the same shapes whatever the prompt lengths."""
-    T = runner.block_size
-    for start in range(0, input_ids_RT.shape[1], T):
-        runner.encode_chunk(input_ids_RT[:, start:start + T], (lengths_R - start).clamp(0, T))
 
 
-class BufferSteps:
-    """`StepRunner` over static buffers: every host-side fill lives here, the steps are the callables `denoise`,
-    `encode` and, for commit fusion, `commit_denoise` (zero-argument, over `state`, `inputs` and `cache`): eager
-    functions or compiled units. With `commit_denoise`, `commit` only fills the inputs and the next `step` runs
-    `commit_denoise` (`denoise_step(commit=True)`) instead of `denoise`."""
-
-    def __init__(self, *, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], cache: KVCache,
-                 state: DenoiseState, inputs: StepInputs, denoise: Callable[[], None], encode: Callable[[], None],
-                 commit_denoise: Callable[[], None] | None = None):
-        self.R, self.cache, self.state, self.inputs = len(cfgs), cache, state, inputs
-        self.denoise, self.encode, self.commit_denoise = denoise, encode, commit_denoise
-        self.block_size = inputs.ids.shape[1]
-        self.vocab_size = state.sc_probs.shape[-1]
-        self.commit_pending = False
-        self.commits = self.fused_commits = 0  # commits run as their own encoder pass / fused into a step
-        inputs.set_requests(cfgs, seeds)
-        cache.reset()
-
-    def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
-        self._set_chunk(ids_RT, n_new_R)
-        self.encode()
-
-    def _set_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
-        inp, R = self.inputs, self.R
-        inp.ids.zero_()
-        inp.ids[:R, :ids_RT.shape[1]] = ids_RT
-        inp.n_new.zero_()
-        inp.n_new[:R] = n_new_R
-
-    def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
-        if self.commit_denoise is None:
-            self.encode_chunk(ids_RC, n_new_R)
-            self.commits += 1
-            return
-        self._set_chunk(ids_RC, n_new_R)  # copied now: the next block's begin_block resets the argmax buffer
-        self.commit_pending = True
-
-    def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
-        inp, R, C = self.inputs, self.R, self.state.canvas.shape[1]
-        inp.block.fill_(block)
-        self.state.begin(rng.start_canvas(inp.seeds[:R], inp.block[:R], C, self.vocab_size), frozen_R)
-
-    def step(self) -> torch.Tensor:
-        if self.commit_pending:
-            self.commit_denoise()
-            self.commit_pending = False
-            self.fused_commits += 1
-        else:
-            self.denoise()
-        return self.state.finished[:self.R]
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.state.argmax[:self.R], self.state.steps[:self.R]
+def refresh_plan(rows: RowState, state: DenoiseState, plan: PlanBuffers) -> None:
+    """Fill the mixed plan from the rows' phases and the cache's lengths (`phases.forward_mode`): PREFILL rows encode
+    their next chunk (min(C, prompt tokens left) real), COMMIT rows encode C tokens (with commit fusion: the commit
+    and its next block's first denoise step), DENOISE rows denoise (self-conditioned where `state.has_sc`), FREE
+    rows are idle. Tensor ops only: run inside the compiled step for the next iteration, and eagerly by a driver
+    after it changed a row (admission, retirement) or the bucket size."""
+    C, ph = state.canvas.shape[1], rows.phase
+    mode = forward_mode(ph, fused=plan.T != C)
+    n_new = torch.where(ph == PREFILL, (rows.prompt_len - rows.prefilled).clamp(0, C), torch.where(ph == COMMIT, C, 0))
+    plan.fill(mode=mode, n_new=n_new, self_conditioning=state.has_sc & (ph == DENOISE))
 
 
-class EagerSteps(BufferSteps):
-    """The reference `StepRunner`: `denoise_step` and `encode_chunk` called eagerly over buffers of exactly R rows
-    and a cache of `max_seq_len` committed slots, with the routed experts run by `moe_impl`; with `fuse_commit`,
-    commits are fused into the next block's first step (`denoise_step(commit=True)`)."""
+def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs, rows: RowState,
+               plan: PlanBuffers, *, stop_early: bool, moe_impl: str) -> None:
+    """One iteration over every row, in place, no host synchronisation (see the module docstring).
 
-    def __init__(self, model: DiffusionGemma, cfgs: Sequence[GenerationConfig], seeds: Sequence[int],
-                 max_seq_len: int, moe_impl: str, fuse_commit: bool = False):
-        structural = cfgs[0]
-        C = model.config.canvas_length
-        cache = model.new_cache(len(cfgs), max_seq_len, block_size=2 * C if fuse_commit else C)
-        state = DenoiseState.allocate(model, len(cfgs), structural.stability_threshold if structural.stop_early else 0)
-        inputs = StepInputs.allocate(model, len(cfgs), C, max(c.max_denoising_steps for c in cfgs))
-        plan = PlanBuffers(model, cache, C)
-
-        def denoise(commit: bool) -> Callable[[], None]:
-            return lambda: denoise_step(model, cache, state, inputs, plan, stop_early=structural.stop_early,
-                                        moe_impl=moe_impl, commit=commit)
-
-        super().__init__(cfgs=cfgs, seeds=seeds, cache=cache, state=state, inputs=inputs, denoise=denoise(False),
-                         encode=lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl),
-                         commit_denoise=denoise(True) if fuse_commit else None)
+    Reads the plan `refresh_plan` filled for the current phases (T = `plan.T` tokens per row: C, or 2C with commit
+    fusion). The forward's ids per row, int64 [B, T]: the next prompt chunk (PREFILL), the argmax canvas (COMMIT;
+    fused: followed by the next block's start canvas), the canvas (DENOISE; fused: in the first half) or zeros
+    (FREE). Stepping rows (`phases.stepping`): temperature from the row's table at its step counter k, noise from
+    `rng.step_noise` at step n = budget - k, `sampler.denoise_update`, step count, finished flags. Transitions: a
+    row whose prompt is encoded and (unfused) a commit row begin their next block (start canvas from the request's
+    own stream, `rng.start_canvas`); a stepping row whose block finished (stopped early or ran its budget) raises
+    `rows.event` and becomes COMMIT, or FREE when the request ended on the device (`finish.request_done`, with
+    `rows.done`). Last, the plan of the next iteration. `inputs.block` advances on commit."""
+    C, V, T = state.canvas.shape[1], model.config.vocab_size, plan.T
+    fused = T != C
+    ph = rows.phase
+    prefill, denoising, commit = ph == PREFILL, ph == DENOISE, ph == COMMIT
+    stepping = stepping_rows(ph, fused=fused)
+    i_C = torch.arange(C, device=ph.device)
+    # a commit begins the row's next block: with fusion in this very forward (its first step), else after it
+    block = inputs.block + commit.long()
+    start = rng.start_canvas(inputs.seeds, block, C, V)
+    if fused:
+        first = commit[:, None]
+        canvas, argmax = torch.where(first, start, state.canvas), torch.where(first, start, state.argmax)
+        history = torch.where(commit[None, :, None], -1, state.history)
+        steps_in = torch.where(commit, 0, state.steps)
+    else:
+        canvas, argmax, history, steps_in = state.canvas, state.argmax, state.history, state.steps
+    # the forward's ids
+    at = (rows.prefilled[:, None] + i_C[None, :]).clamp(max=rows.prompt.shape[1] - 1)
+    chunk = torch.where(i_C[None, :] < plan.n_new[:, None], rows.prompt.gather(1, at), 0)
+    ids = torch.where(prefill[:, None], chunk, torch.where(commit[:, None], state.argmax,
+                                                           torch.where(denoising[:, None], canvas, 0)))
+    if fused:  # [B, 2C]: the second half is a commit row's new canvas, idle otherwise
+        ids = torch.cat([ids, torch.where(commit[:, None], canvas, 0)], dim=1)
+    # stepping rows: as `denoise_step`, every other row frozen
+    k_B1 = steps_in.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
+    uniform, renoise = rng.step_noise(inputs.seeds, block, inputs.budget - steps_in, C, V)
+    steps = steps_in + stepping.long()
+    hidden = model.forward_plan(ids, cache, plan.plan, moe_impl=moe_impl, self_conditioning_probs=state.sc_probs)
+    if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
+        hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
+    logits = model.logits(hidden)
+    new = denoise_update(canvas, argmax, history, ~stepping, logits,
+                         inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
+                         StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
+                         confidence_B=inputs.confidence, stop_early=stop_early)
+    ended = stepping & (new.finished | (steps >= inputs.budget))
+    done = ended & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos)
+    # transitions: a row whose prompt is encoded (and, unfused, a commit row) begins its next block
+    prefilled = rows.prefilled + torch.where(prefill, plan.n_new, 0)
+    begin = (prefill & (prefilled >= rows.prompt_len)) | (commit & (not fused))
+    begin_BC = begin[:, None]
+    state.canvas.copy_(torch.where(begin_BC, start, new.canvas))
+    state.argmax.copy_(torch.where(begin_BC, start, new.argmax))
+    state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
+    state.steps.copy_(torch.where(begin, 0, steps))
+    state.sc_probs.copy_(new.sc_probs.to(state.sc_probs.dtype))
+    state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
+    inputs.block.copy_(block)
+    rows.prefilled.copy_(prefilled)
+    rows.emitted.add_(torch.where(ended, C, 0))
+    rows.event.copy_(ended)
+    rows.done.copy_(done)
+    phase = torch.where(begin, DENOISE, torch.where(ended, torch.where(done, FREE, COMMIT),
+                                                    torch.where(commit, DENOISE, ph)))
+    rows.phase.copy_(phase)
+    state.finished.copy_(phase != DENOISE)
+    refresh_plan(rows, state, plan)

@@ -23,7 +23,7 @@ import torch
 import dgemma_compile as dg
 from dgemma_compile.generate import plan, run_block_diffusion
 from dgemma_compile.observe import SpanTimer
-from dgemma_compile.steps import EagerSteps
+from dgemma_compile.generate import EagerSteps
 
 # the settings: no row stops on confidence, at most 8 denoise steps per block
 SETTINGS = dict(confidence_threshold=1e9, max_denoising_steps=8, max_new_tokens=48)

@@ -3,8 +3,9 @@
 Every check compares tokens against `dg.generate` of each request alone (static cache, eager, moe "dense"): paging,
 prefix hits (prompt pages and committed blocks) and eviction change no numerics. Free pages are filled with NaN after
 every engine iteration: a row that read one (even masked: 0 x NaN is NaN) would change its tokens. The engine tests
-run both iteration bodies (`mixed`, the default: one mixed-phase forward per iteration; `two-unit`, slow: encoder
-pass, then denoise step), eagerly (the compiled buckets over a paged cache are `test_compiled_paged_engine`, slow).
+run the step eagerly over every batch size 1..B of their bucket (the engine steps at the smallest size holding its
+busy rows), without and (slow) with commit fusion; the compiled bucket over a paged cache is
+`test_compiled_paged_engine` (slow).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 
 import dgemma_compile as dg
 from dgemma_compile.kv_cache import ZERO_PAGE, new_paged_cache, paged_cache
-from dgemma_compile.runtime import EagerBucket, Engine, Request, build_engine
+from dgemma_compile.bucket import Bucket
+from dgemma_compile.runtime import Engine, Request, build_engine
 from dgemma_compile.runtime.kv_pool import OutOfPagesError, PagePool
-from dgemma_compile.runtime.mixed_step import MixedBucket
 from dgemma_compile.runtime.prefix_cache import PrefixCache
 from dgemma_compile.text import encode_prompt
 
@@ -24,14 +25,9 @@ SLOTS = 256
 P = 16  # page size = the demo's canvas (the encoder chunk)
 REV = "rev 1 2 3 4 5 6 7 8 9 0 1="
 LONG = "rev 1 2 3 4 5 6 7 8 9 0 1 2 3 4 5 6 "  # 37 tokens with BOS: two full pages, then the request's own tail
-BODIES = pytest.mark.parametrize("mixed", [pytest.param(False, id="two-unit", marks=pytest.mark.slow),
-                                           pytest.param(True, id="mixed")])
-"""The engine's iteration bodies; the fast tier runs the default one (mixed)."""
-ALL_BODIES = pytest.mark.parametrize("mixed,fuse", [pytest.param(False, False, id="two-unit", marks=pytest.mark.slow),
-                                                    pytest.param(True, False, id="mixed"),
-                                                    pytest.param(True, True, id="mixed-fused",
-                                                                 marks=pytest.mark.slow)])
-"""The bodies and the mixed one with commit fusion (rows of 2C tokens; tokens of `generate(fuse_commit=True)`)."""
+FUSION = pytest.mark.parametrize("fuse", [pytest.param(False, id="separate"),
+                                          pytest.param(True, id="fused", marks=pytest.mark.slow)])
+"""Commits separate (the CPU default) and fused (rows of 2C tokens; tokens of `generate(fuse_commit=True)`)."""
 
 
 def _ids(tok, model, text: str) -> list[int]:
@@ -51,11 +47,10 @@ def _run(engine: Engine, *, poison: bool = True) -> None:
             _poison_free(engine)
 
 
-def _bucket(model, rows: int, mixed: bool, kv_pages: int, fuse: bool = False):
-    if mixed:
-        return MixedBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P, kv_pages=kv_pages,
-                           fuse_commit=fuse)
-    return EagerBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, page_size=P, kv_pages=kv_pages)
+def _bucket(model, rows: int, kv_pages: int, fuse: bool = False) -> Bucket:
+    """An eager bucket of `rows` rows stepping at every batch size 1..rows, over a pool of `kv_pages` pages."""
+    return Bucket(model, range(1, rows + 1), max_seq_len=SLOTS, max_denoising_steps=64, page_size=P,
+                  kv_pages=kv_pages, fuse_commit=fuse)
 
 
 _SOLO: dict = {}  # solo runs by (prompt, config, seed, moe_impl): both bodies compare against the same run
@@ -141,8 +136,8 @@ def test_paged_cache_equals_static_cache(demo):
         paged_cache(model, B, 60, block_size=C, page_size=P)
 
 
-@ALL_BODIES
-def test_engine_paged_equals_generate(demo, mixed, fuse):
+@FUSION
+def test_engine_paged_equals_generate(demo, fuse):
     """Staggered admission into 3 rows over a pool too small for three requests at once: requests wait for pages
     (never a running one), rows and pages are reused, the free pages hold NaN throughout, and every request's
     tokens equal its solo `dg.generate` run. A request larger than the whole pool is refused at submit."""
@@ -151,8 +146,7 @@ def test_engine_paged_equals_generate(demo, mixed, fuse):
     specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), ("add 123+045=", base, 2),
              ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=3), 4),
              ("rev 4 4 1=", base.with_temperature(2.0), 5)]
-    engine = Engine(model, _bucket(model, 3, mixed, kv_pages=7, fuse=fuse), tokenizer=tok, prefix_cache=False)
-    assert engine.mixed == mixed
+    engine = Engine(model, _bucket(model, 3, kv_pages=7, fuse=fuse), tokenizer=tok, prefix_cache=False)
     with pytest.raises(dg.ConfigError, match="KV pages"):
         engine.submit(Request(prompt=_ids(tok, model, REV), config=base.replace(max_new_tokens=160), seed=0))
     _poison_free(engine)
@@ -168,11 +162,11 @@ def test_engine_paged_equals_generate(demo, mixed, fuse):
     assert waited  # a free row stood empty while a request waited for pages
     _assert_solo(model, reqs, fuse_commit=fuse)
     assert engine.stats.requests == {"eos": 5, "length": 1}
+    assert len(engine.stats.forwards_by_size) > 1  # the step ran at several sizes as rows came and went
     assert engine.memory.pool.available() == engine.memory.pool.capacity and engine.memory.pool.stats.evicted == 0
 
 
-@BODIES
-def test_prefix_cache_shared_prefix_computed_once(demo, mixed):
+def test_prefix_cache_shared_prefix_computed_once(demo):
     """A prompt's two full pages are encoded once: a request submitted with it waits while they are computed (a
     request of another prompt behind it is admitted meanwhile), three later requests starting with them (other
     tails, seeds and temperatures) map the cached pages at once (held by all three rows); each encodes only its
@@ -184,8 +178,7 @@ def test_prefix_cache_shared_prefix_computed_once(demo, mixed):
     later = [Request(prompt=_ids(tok, model, LONG + tail), config=cfg, seed=s)
              for s, (tail, cfg) in enumerate([("9=", base), ("7 8 9=", base.with_temperature(0)), ("7=", base)], 2)]
     engine = build_engine(model, max_batch=3, max_seq_len=SLOTS, max_denoising_steps=64, eager=True, tokenizer=tok,
-                          page_size=P, mixed=mixed)
-    assert engine.mixed == mixed
+                          page_size=P)
     other = Request(prompt=_ids(tok, model, "add 1234567+7654321 = 0 0 0="), config=base, seed=5)
     engine.submit(first), engine.submit(twin), engine.submit(other)
     engine.step()
@@ -208,8 +201,7 @@ def test_prefix_cache_shared_prefix_computed_once(demo, mixed):
     assert len(engine.memory.pool.cached) == 3 and not engine.memory.pending  # kept for the next request, evictable
 
 
-@BODIES
-def test_eviction_under_memory_pressure(demo, mixed):
+def test_eviction_under_memory_pressure(demo):
     """A pool of 6 pages for 2 rows, 6 requests of 4 prefixes (each needs 2-3 pages): cached prefix pages are evicted
     to admit new requests, later requests still hit the pages that survive, no running request is lost, and every
     answer equals its solo run (`test_page_pool_lru` checks the eviction order)."""
@@ -217,7 +209,7 @@ def test_eviction_under_memory_pressure(demo, mixed):
     base = model.generation_config.replace(max_new_tokens=16)
     texts = [LONG + "1=", "sort 9 8 7 6 5 4 3 2 1 0 9 8 7 6 5=", LONG + "2=", "add 1234567+7654321 = 0 0 0=",
              "dedup 1 1 2 2 3 3 4 4 5 5 6 6 7 7=", LONG + "3="]
-    engine = Engine(model, _bucket(model, 2, mixed, kv_pages=6), tokenizer=tok)
+    engine = Engine(model, _bucket(model, 2, kv_pages=6), tokenizer=tok)
     events = []
     reqs = [engine.submit(Request(prompt=_ids(tok, model, t), config=base, seed=k, on_event=events.append))
             for k, t in enumerate(texts)]
@@ -230,8 +222,8 @@ def test_eviction_under_memory_pressure(demo, mixed):
     _assert_solo(model, reqs)
 
 
-@ALL_BODIES
-def test_prefix_cache_committed_blocks(demo, mixed, fuse):
+@FUSION
+def test_prefix_cache_committed_blocks(demo, fuse):
     """The next turn of a chat maps the previous answer: a request whose prompt is a multiple of C tokens registers
     the full pages of its committed block once the commit ran; a request whose prompt is its prompt + its answer + a
     new question maps those pages beside the prompt's (`prefix_hit_tokens`) and its tokens equal its solo run (no
@@ -243,7 +235,7 @@ def test_prefix_cache_committed_blocks(demo, mixed, fuse):
     first = Request(prompt=_ids(tok, model, "sort 1 2 3 4 5 6 7 8 9 0 1 2 3="), config=greedy, seed=0)
     odd = Request(prompt=_ids(tok, model, "sort 1 2 3 4 5 6 7 8 9 0 1 2 3 4="), config=greedy, seed=1)
     engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, max_denoising_steps=64, eager=True, tokenizer=tok,
-                          page_size=P, mixed=mixed, fuse_commit=fuse)
+                          page_size=P, fuse_commit=fuse)
     engine.submit(first), engine.submit(odd)
     _run(engine)
     assert len(first.prompt) % C == 0 and len(odd.prompt) % C
@@ -269,26 +261,23 @@ def test_prefix_cache_committed_blocks(demo, mixed, fuse):
 
 @pytest.mark.slow
 def test_compiled_paged_engine(demo):
-    """A compiled bucket of 2 rows over a paged cache under both iteration bodies of one generator (the two-unit
-    engine's encoder and denoise units, then the mixed engine's mixed_step unit over the same bucket; the page table
-    is a graph input, so admission and page changes never recompile) gives, with prefix hits and NaN-filled free
+    """A compiled bucket of 2 rows over a paged cache, stepping at batch sizes 1 and 2 (the page table is a graph
+    input, so admission, page changes and size changes never recompile), gives, with prefix hits and NaN-filled free
     pages, the tokens of each request alone under the eager generator with the compiled experts' implementation
     (`tests/test_compile.py` ties those to the compiled generator's)."""
     from dgemma_compile.compile import CompileOptions, build
 
     model, tok = demo
     base = model.generation_config
-    gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=SLOTS, fuse_commit=False))
-    for mixed in (False, True):
-        engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, tokenizer=tok, generator=gen, page_size=P,
-                              kv_pages=10, max_denoising_steps=64, mixed=mixed)
-        reqs = [engine.submit(Request(prompt=_ids(tok, model, LONG + t), config=cfg, seed=s))
-                for s, (t, cfg) in enumerate([("1=", base), ("2=", base.with_temperature(0)), ("3 4=", base),
-                                              ("1=", base.replace(max_new_tokens=3))])]
-        _run(engine)
-        assert engine.mixed == mixed and engine.stats.prefix_hit_tokens >= 2 * 2 * P
-        assert engine.recompiles() == {}
-        for r in reqs:
-            assert r.sequence == _solo(model, r, gen.moe_impl).sequences[0], (mixed, r.prompt)
-    assert sorted(name.split("[")[0] for name in gen.compiles) == ["denoise_step", "encoder_chunk", "mixed_step"]
-    assert set(gen.compiles.values()) == {1}
+    gen = build(model, CompileOptions(batch_buckets=(1, 2), max_seq_len=SLOTS, fuse_commit=False))
+    engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, tokenizer=tok, generator=gen, page_size=P,
+                          kv_pages=10, max_denoising_steps=64)
+    reqs = [engine.submit(Request(prompt=_ids(tok, model, LONG + t), config=cfg, seed=s))
+            for s, (t, cfg) in enumerate([("1=", base), ("2=", base.with_temperature(0)), ("3 4=", base),
+                                          ("1=", base.replace(max_new_tokens=3))])]
+    _run(engine)
+    assert engine.stats.prefix_hit_tokens >= 2 * 2 * P and engine.recompiles() == {}
+    for r in reqs:
+        assert r.sequence == _solo(model, r, gen.moe_impl).sequences[0], r.prompt
+    tag = engine.bucket.tag
+    assert dict(gen.compiles) == {f"step[B1_{tag}]": 1, f"step[B2_{tag}]": 1}

@@ -1,7 +1,7 @@
 """The serving runtime (`dgemma_compile/runtime/`): the engine against the generators, and the OpenAI-compatible
 server on loopback through the official `openai` client.
 
-Fast tier: the engine over eager steps (`EagerBucket`, moe "dense": batch-invariant rows) against `dg.generate`, and
+Fast tier: the engine over the eager step (`bucket.Bucket`, moe "dense": batch-invariant rows) against `dg.generate`, and
 the HTTP behaviour (refusals, queue limit, disconnect, metrics) against eager servers. Slow tier: one compiled bucket
 of 8 rows shared by the module (`demo_serve`), whose answers must equal `gen.generate`'s on the same bucket alone and
 among 16 concurrent requests, and `dgemma serve` as a subprocess.
@@ -24,7 +24,8 @@ import torch
 
 import dgemma_compile as dg
 from dgemma_compile.demo import tasks
-from dgemma_compile.runtime import EagerBucket, Engine, MixedBucket, Request, build_engine
+from dgemma_compile.bucket import Bucket
+from dgemma_compile.runtime import Engine, Request, build_engine
 from dgemma_compile.text import encode_prompt
 
 openai = pytest.importorskip("openai")
@@ -82,23 +83,21 @@ def _run_engine(engine: Engine) -> None:
 
 
 # ----- the engine, eager ----------------------------------------------------------------------------------------
-def _eager_bucket(model, rows: int, body: str):
-    """An eager bucket of `rows` rows for the iteration body "two-unit", "mixed" or "mixed-fused" (commit fusion)."""
-    if body == "two-unit":
-        return EagerBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64)
-    return MixedBucket(model, rows, max_seq_len=SLOTS, max_denoising_steps=64, fuse_commit=body == "mixed-fused")
+def _eager_bucket(model, rows: int, body: str) -> Bucket:
+    """An eager bucket of `rows` rows stepping at every batch size 1..rows, commits "separate" or "fused"."""
+    return Bucket(model, range(1, rows + 1), max_seq_len=SLOTS, max_denoising_steps=64, fuse_commit=body == "fused")
 
 
-BODIES = ["two-unit", "mixed", pytest.param("mixed-fused", marks=pytest.mark.slow)]
-"""The iteration bodies; commit fusion (off by default on CPU) in the slow tier."""
+BODIES = ["separate", pytest.param("fused", marks=pytest.mark.slow)]
+"""Commits separate (the CPU default) and fused (rows of 2C tokens), the latter in the slow tier."""
 
 
-@pytest.mark.parametrize("body", [pytest.param("two-unit", marks=pytest.mark.slow), *BODIES[1:]])
+@pytest.mark.parametrize("body", BODIES)
 def test_engine_staggered_admission_equals_generate(demo, body):
-    """Requests admitted at different iterations into 3 rows (7 requests: rows are reused), with different budgets,
-    step limits and temperatures, give exactly `dg.generate`'s tokens and steps per block of each request run alone;
-    every iteration body (two forwards, one mixed-phase forward per iteration, and that with commit fusion, whose
-    reference is `generate(fuse_commit=True)`: a 1-step budget makes a fused commit end its block at once)."""
+    """Requests admitted at different iterations into 3 rows (7 requests: rows are reused, and the step runs at
+    batch sizes 1, 2 and 3 as rows come and go), with different budgets, step limits and temperatures, give exactly
+    `dg.generate`'s tokens and steps per block of each request run alone; with commit fusion the reference is
+    `generate(fuse_commit=True)` (a 1-step budget makes a fused commit end its block at once)."""
     model, tok = demo
     base = model.generation_config
     specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), ("add 123+045=", base, 2),
@@ -111,7 +110,7 @@ def test_engine_staggered_admission_equals_generate(demo, body):
         for _ in range(k % 3):
             engine.step()
     _run_engine(engine)
-    fused = body == "mixed-fused"
+    fused = body == "fused"
     fused_commits = 0
     for r, (text, cfg, seed) in zip(reqs, specs):
         ref = dg.generate(model, [r.prompt], cfg, seed=seed, moe_impl="dense", max_seq_len=SLOTS, fuse_commit=fused)
@@ -122,9 +121,8 @@ def test_engine_staggered_admission_equals_generate(demo, body):
     st = engine.stats
     assert st.flag_reads == st.forwards and st.requests == {"eos": 6, "length": 1}
     assert st.tokens == sum(r.stats.num_tokens for r in reqs)
-    if body != "two-unit":  # one forward per iteration, none for encoder passes
-        assert st.encoder_forwards == 0 and st.forwards <= st.iterations
-        assert engine.bucket.plan.T == (2 if fused else 1) * model.config.canvas_length
+    assert st.forwards <= st.iterations and set(st.forwards_by_size) == {1, 2, 3}
+    assert engine.bucket.tokens_per_row == (2 if fused else 1) * model.config.canvas_length
     assert fused_commits == (3 if fused else 0)  # the references fused (or not) as many commits
 
 
@@ -185,7 +183,7 @@ def test_engine_draft_events(demo, body):
         assert e.finish_reason is None and len(e.tokens) <= model.config.canvas_length
         assert not set(e.tokens) & set(cfg.resolved(model.config).eos_token_ids)
         assert e.text == tok.decode(e.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    engine = Engine(model, EagerBucket(model, 1, max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    engine = Engine(model, Bucket(model, (1,), max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
     with pytest.raises(dg.ConfigError, match="draft_every"):
         engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, draft_every=-1))
 
@@ -200,20 +198,26 @@ def eager_server(demo):
         yield srv
 
 
-class SlowBucket(EagerBucket):
-    """Eager steps slowed down, so that requests are still running when a test acts on them."""
+class SlowBucket(Bucket):
+    """The eager step slowed down, so that requests are still running when a test acts on them."""
 
     def __init__(self, *a, delay: float, **kw):
         super().__init__(*a, **kw)
-        denoise = self.denoise
-        self.denoise = lambda: (time.sleep(delay), denoise())
+        self.delay = delay
+
+    def view(self, size: int):
+        view = super().view(size)
+        if not getattr(view, "slowed", False):
+            step = view.step
+            view.step, view.slowed = (lambda: (time.sleep(self.delay), step())), True
+        return view
 
 
 @pytest.fixture
 def slow_server(demo):
     """One row, one queue slot, 0.3 s per denoise step."""
     model, tok = demo
-    engine = Engine(model, SlowBucket(model, 1, max_seq_len=SLOTS, max_denoising_steps=64, delay=0.3),
+    engine = Engine(model, SlowBucket(model, (1,), max_seq_len=SLOTS, max_denoising_steps=64, delay=0.3),
                     tokenizer=tok, max_queue=1)
     with ServerThread(engine, tok) as srv:
         yield srv
@@ -265,8 +269,9 @@ def test_openai_client_errors_and_routes(eager_server):
         client.completions.create(model=MODEL, prompt="sort 1 2=", logprobs=2)
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(eager_server.url + "/health").json()
-    assert health["status"] == "ok" and health["buckets"] == [dict(
-        rows=4, body="mixed", tokens_per_row=16, fuse_commit=False, kv="static", compiled=False, units=[])]
+    assert health["status"] == "ok" and health["buckets"] == [
+        dict(rows=b, tokens_per_row=16, fuse_commit=False, kv="static", unit=f"step[B{b}_P1_stop]", compiled=None)
+        for b in (1, 2, 4)]
     out = client.completions.create(model=MODEL, prompt="sort 3 1 2 9 5=", max_tokens=16, seed=0)
     assert out.choices[0].text == "1 2 3 5 9" and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == len("1 2 3 5 9") + 1  # + eos, a returned token without text
@@ -367,31 +372,32 @@ def test_queue_full_429_and_disconnect_frees_row(slow_server):
 # ----- one compiled bucket ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_serve(demo):
-    """(server, gen, references): one compiled bucket of 8 rows serving the demo; `references(prompt, seed, **kw)`
-    is `gen.generate`'s text for one request alone on the same bucket, computed before the engine starts."""
+    """(server, gen, references): one compiled bucket of 8 rows stepping at batch sizes 1 and 8, serving the demo;
+    `references[(prompt, seed, kw)]` is the eager oracle's text for that request alone (`dg.generate` with the
+    generator's experts implementation), and `gen.generate` of each request alone on the same bucket must agree."""
     from dgemma_compile.compile import CompileOptions, build
     from dgemma_compile.text import Detokenizer
 
     model, tok = demo
-    gen = build(model, CompileOptions(batch_buckets=(8,), max_seq_len=SLOTS, fuse_commit=False))
+    gen = build(model, CompileOptions(batch_buckets=(1, 8), max_seq_len=SLOTS, fuse_commit=False))
     cases = _cases()
     refs = {}
     for text, seed, kw in cases:
         cfg = _config(model, **kw)
-        out = gen.generate([_ids(tok, model, text)], cfg, seed=seed)
+        out = dg.generate(model, [_ids(tok, model, text)], cfg, seed=seed, moe_impl=gen.moe_impl, max_seq_len=SLOTS)
+        assert gen.generate([_ids(tok, model, text)], cfg, seed=seed).sequences == out.sequences, text
         detok = Detokenizer(tok)
         detok.push(out.sequences[0])
         detok.finish()
         refs[(text, seed, tuple(sorted(kw.items())))] = (detok.text, out.stats[0])
     metrics = ServeMetrics()
     engine = build_engine(model, max_batch=8, max_seq_len=SLOTS, tokenizer=tok, metrics=metrics, generator=gen)
-    assert engine.mixed and [u.name for u in engine.bucket.units] == ["mixed_step[B8_P1_stop]"]
     with ServerThread(engine, tok, metrics) as srv:
         yield srv, gen, refs
     assert engine.recompiles() == {}
-    assert set(gen.compiles.values()) == {1}
-    # the server's engine ran one mixed-phase forward per iteration and never an encoder pass
-    assert engine.stats.encoder_forwards == 0 and 0 < engine.stats.forwards <= engine.stats.iterations
+    assert dict(gen.compiles) == {"step[B1_P1_stop]": 1, "step[B8_P1_stop]": 1}
+    # one forward per iteration, at batch 1 while a lone request runs and at 8 under concurrency
+    assert 0 < engine.stats.forwards <= engine.stats.iterations and set(engine.stats.forwards_by_size) == {1, 8}
 
 
 def _config(model, temperature=None, max_tokens=None, max_denoising_steps=None):
@@ -418,11 +424,9 @@ def _complete(client, text, seed, kw, **extra):
 
 @pytest.mark.slow
 def test_compiled_bucket(demo_serve):
-    """Every check on the compiled bucket in one test, so that pytest-xdist never compiles it in two workers. The
-    server's engine runs the mixed-phase unit; the two-unit engine runs the generator's own units."""
+    """Every check on the compiled bucket in one test, so that pytest-xdist never compiles it in two workers."""
     _alone_and_concurrent_equal_generate(*demo_serve)
     _streaming_chat_n_and_stop(*demo_serve)
-    _two_unit_engine_equals_generate(*demo_serve)
 
 
 @pytest.mark.slow
@@ -431,15 +435,13 @@ def test_compiled_fused_mixed_step(demo):
     2C block slots, the unit runs rows of 2C tokens) over two rows, staggered requests of the demo: each request's
     tokens and steps per block equal its solo eager `generate(fuse_commit=True)` run with the generator's experts
     implementation (the compiled generator equals eager token for token on the demo); no recompile after the first
-    call; the two-unit body refuses the fused bucket."""
+    call."""
     from dgemma_compile.compile import CompileOptions, build
 
     model, tok = demo
     gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=SLOTS, fuse_commit=True))
     engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, tokenizer=tok, generator=gen)
-    assert engine.bucket.fuse_commit and [u.name for u in engine.bucket.units] == ["mixed_step[B2_P1_stop]"]
-    with pytest.raises(dg.ConfigError, match="fuse_commit"):
-        build_engine(model, max_batch=2, max_seq_len=SLOTS, generator=gen, mixed=False)
+    assert engine.bucket.fuse_commit and [v.name for v in engine.bucket.views()] == ["step[B2_P1_stop]"]
     base = model.generation_config
     specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), (REV, base.with_temperature(2.0), 2),
              ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=1), 4)]
@@ -457,34 +459,9 @@ def test_compiled_fused_mixed_step(demo):
     assert fused_commits >= 3 and engine.recompiles() == {}
 
 
-def _two_unit_engine_equals_generate(srv, gen, refs):
-    """The two-forward iteration over the generator's encoder and denoise units (no new compile: `gen.generate`
-    compiled them), all cases at once with staggered admission, gives `gen.generate`'s text; the mixed engine is idle
-    meanwhile (the two share the bucket's buffers)."""
-    from dgemma_compile.text import Detokenizer
-
-    model, tok = srv.engine.model, srv.engine.tokenizer
-    assert srv.engine.idle()
-    engine = build_engine(model, max_batch=8, max_seq_len=SLOTS, tokenizer=tok, generator=gen, mixed=False)
-    cases = _cases()
-    reqs = []
-    for k, (text, seed, kw) in enumerate(cases):
-        reqs.append(engine.submit(Request(prompt=_ids(tok, model, text), config=_config(model, **kw), seed=seed)))
-        if k % 3 == 0:
-            engine.step()
-    _run_engine(engine)
-    for r, (text, seed, kw) in zip(reqs, cases):
-        detok = Detokenizer(tok)
-        detok.push(r.sequence)
-        detok.finish()
-        assert detok.text == refs[(text, seed, tuple(sorted(kw.items())))][0], text
-    assert engine.recompiles() == {} and engine.stats.encoder_forwards > 0
-    srv.engine.bucket.refresh()  # the mixed engine's plan, over the cache the two-unit engine left
-
-
 def _alone_and_concurrent_equal_generate(srv, gen, refs):
     """Each request alone, then all 16 at once (more than the 8 rows: some wait and are admitted mid-flight), gives
-    exactly `gen.generate`'s text on the same bucket; the demo's answers are right."""
+    exactly the reference's text; the demo's answers are right."""
     client = srv.client()
     cases = _cases()
     expected = [refs[(t, s, tuple(sorted(kw.items())))][0] for t, s, kw in cases]
@@ -556,4 +533,5 @@ def test_cli_serve_subprocess(tmp_path):
         proc.send_signal(2)
         _, err = proc.communicate(timeout=30)
     assert "serving dgemma-demo" in err
-    assert "bucket rows=2 body=mixed tokens_per_row=32 fuse_commit=on kv=static units=eager" in err
+    assert "bucket rows=1 tokens_per_row=32 fuse_commit=on kv=static unit=step[B1_P1_stop] compiled=eager" in err
+    assert "bucket rows=2 tokens_per_row=32 fuse_commit=on kv=static unit=step[B2_P1_stop] compiled=eager" in err

@@ -6,7 +6,7 @@ import torch
 import dgemma_compile as dg
 from dgemma_compile.demo import DEMO_MODEL, tasks
 from dgemma_compile.generate import plan, run_block_diffusion
-from dgemma_compile.steps import EagerSteps
+from dgemma_compile.generate import EagerSteps
 from dgemma_compile.stop_check import StopCheck, resolve
 
 

@@ -59,20 +59,18 @@ def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationCon
             workload: Callable[["CompiledGenerator"], None] | None = None) -> list[UnitReport]:
     """Per compile unit: `torch._dynamo.explain` of the bucket serving `batch_size`, then the compiles seen while
     `workload(gen)` runs (default: `default_workload`)."""
-    bucket = gen.bucket(batch_size, config)
+    bucket = gen.bucket(config)
+    view = bucket.view(bucket.size_for(gen.bucket_for(batch_size)))
     reports = []
     with torch.no_grad(), applied(gen.options):
-        for unit in bucket.units:
-            bucket.inputs.n_new.zero_()
-            ex = torch._dynamo.explain(unit.fn)()
-            reports.append(UnitReport(
-                unit=unit.name, graph_count=ex.graph_count, graph_break_count=ex.graph_break_count,
-                break_reasons=[{"reason": str(b.reason), "user_stack": [str(f) for f in b.user_stack]}
-                               for b in ex.break_reasons],
-                ops_per_graph=[len(ops) for ops in ex.ops_per_graph], guard_count=len(ex.out_guards),
-                moe_impl=gen.moe_impl,
-                attention_kernel_options=gen.options.attention_kernels()[
-                    "encoder" if unit.name.startswith("encoder_chunk") else "canvas"]))
+        view.refresh()  # every row FREE: the step changes no row
+        ex = torch._dynamo.explain(view.step.fn)()
+        reports.append(UnitReport(
+            unit=view.name, graph_count=ex.graph_count, graph_break_count=ex.graph_break_count,
+            break_reasons=[{"reason": str(b.reason), "user_stack": [str(f) for f in b.user_stack]}
+                           for b in ex.break_reasons],
+            ops_per_graph=[len(ops) for ops in ex.ops_per_graph], guard_count=len(ex.out_guards),
+            moe_impl=gen.moe_impl, attention_kernel_options=gen.options.attention_kernels()["canvas"]))
     gen.reset()  # explain reset Dynamo; start from fresh compiled units
     gen.units.pass_matches.clear()  # report only what the workload's compiles matched
     before = Counter(gen.compiles)

@@ -1,109 +1,58 @@
-"""`build(model)`: the compiled block-diffusion generator, with its static batch buckets.
+"""`build(model)`: the compiled block-diffusion generator over one bucket of rows and its batch sizes.
 
-Compile units per batch bucket (`units.CompiledUnit`, `torch.compile(fullgraph=True, dynamic=False)` over the
-bucket's static buffers), each a step function the eager generator calls (`steps.py`):
-- the denoise step (`steps.denoise_step`): decoder forward + the whole sampler + convergence and per-row state update,
-  in place, with no host synchronisation inside;
-- the encoder chunk (`steps.encode_chunk`): one causal pass over a fixed-size block, used for prefill chunks (and
-  for commits without commit fusion);
-- with `CompileOptions.fuse_commit` (default on CUDA), the fused commit + denoise step (`steps.denoise_step(commit=True)`):
-  a block's first denoise step that also commits the previous block, one forward of 2C tokens.
-Per-step scalars (temperature, bounds, lengths, flags) live in device tensors, so prompts of other lengths, other
-block counts and batch sizes within a bucket reuse the same graphs. On CUDA each unit of each bucket is captured
-as a CUDA graph; a failed capture is logged and that unit runs compiled without a graph (never silently).
+The generator drives the one step (`steps.mixed_step`) over a `bucket.Bucket`: it admits the call's requests into
+the lowest free rows (more requests than rows wait and take rows as earlier ones end), runs each iteration at the
+smallest batch size that holds the live rows (`Bucket.size_for`), reads the rows whose block finished (one [b] flag
+read per iteration, then their canvases), finalises those blocks on the host (`finish.finalize_row`, `on_block`,
+`stop`) and retires rows only the host can end (the `stop` hook). Each batch size is one compile unit
+(`units.CompiledUnit`, `torch.compile(fullgraph=True, dynamic=False)` over the bucket's static buffers: prefill
+chunks, denoise steps, commits and commit fusion in one graph), compiled on first use or by `warmup`; on CUDA
+captured as one CUDA graph. Per-step scalars (temperature, bounds, lengths, phases) live in device tensors, so
+prompts of other lengths, other block counts and other requests reuse the same graphs.
 
-The block loop is the eager generator's (`generate.run_block_diffusion`) and so are the host-side buffer fills
-(`steps.BufferSteps`): compiled and eager differ only in whether the two step functions are compiled; tests assert
-identical tokens.
+Numerics: a request's tokens equal its eager `generate(..., moe_impl=gen.moe_impl, fuse_commit=...)` run, whatever
+its batch mates, row and batch size, where rows are batch-invariant (`CompileOptions.batch_invariant`, the CPU
+default; tests/test_compile.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..bucket import Bucket, BucketView
 from ..config import ConfigError, GenerationConfig
-from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan, run_block_diffusion
-from ..kv_cache import paged_cache
+from ..finish import finalize_row
+from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan
 from ..model import DiffusionGemma
-from ..observe import UNIT, Observer, SpanTimer
+from ..observe import STEP, UNIT, Observer, SpanTimer
 from ..ops.moe import resolve_moe_impl
-from ..plan import PlanBuffers
-from ..steps import BufferSteps, DenoiseState, StepInputs, denoise_step, encode_chunk
-from ..stop_check import PinnedCopy, StopCheck
-from ..stop_check import resolve as resolve_stop_check
+from ..phases import Phase, stepping_phases
 from .options import CompileOptions, check_batch_invariant
 from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 log = logging.getLogger("dgemma_compile")
 
 
-class Bucket:
-    """One static batch size and structural config: its KV cache, `DenoiseState`, `StepInputs` and `PlanBuffers`
-    buffers, and the compile units `denoise`, `encode` and (commit fusion) `commit_denoise`, zero-argument callables over them.
-    `paging` (page_size, kv_pages): a `kv_cache.PagedKVCache` instead of the static cache (the serving engine's)."""
+@dataclass
+class _Row:
+    """The host's mirror of one busy row: its request (index in the call), phase, prompt tokens encoded, block."""
 
-    def __init__(self, model: DiffusionGemma, factory: UnitFactory, rows: int, stability: int, stop_early: bool,
-                 moe_impl: str, paging: tuple[int, int | None] | None = None):
-        self.rows = rows
-        C, fuse = model.config.canvas_length, factory.options.commit_fusion(model.device.type)
-        S, block = factory.options.max_seq_len, 2 * C if fuse else C
-        if paging is None:
-            self.cache = model.new_cache(rows, S, block_size=block)
-        else:
-            self.cache = paged_cache(model, rows, S, block_size=block, page_size=paging[0], kv_pages=paging[1])
-        self.state = DenoiseState.allocate(model, rows, stability)
-        self.inputs = StepInputs.allocate(model, rows, C, factory.options.max_denoising_steps)
-        kernels = factory.options.attention_kernels()
-        self.plan = PlanBuffers(model, self.cache, C, kernel_options=kernels)  # the block's denoise plan, per block
-        self.tag = f"B{rows}_P{stability}_{'stop' if stop_early else 'fixed'}"
-        if paging is not None:
-            self.tag += f"_pages{self.cache.page_size}x{self.cache.num_pages}"
-        cache, state, inputs, plan = self.cache, self.state, self.inputs, self.plan
-        owners = (model, cache, state, inputs, plan)  # every tensor the units read
-
-        def step(commit: bool) -> Callable[[], None]:
-            return lambda: denoise_step(model, cache, state, inputs, plan, stop_early=stop_early, moe_impl=moe_impl,
-                                        commit=commit, kernel_options=kernels)
-
-        self.denoise: CompiledUnit = factory.unit(f"denoise_step[{self.tag}]", step(False), owners)
-        self.encode: CompiledUnit = factory.unit(
-            f"encoder_chunk[{self.tag}]", lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl,
-                                                          kernel_options=kernels), owners)
-        self.commit_denoise: CompiledUnit | None = (
-            factory.unit(f"commit_denoise_step[{self.tag}]", step(True), owners) if fuse else None)
-
-    @property
-    def units(self) -> tuple[CompiledUnit, ...]:
-        return tuple(u for u in (self.denoise, self.encode, self.commit_denoise) if u is not None)
-
-    def steps(self, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], timer: SpanTimer) -> BufferSteps:
-        """A `StepRunner` for len(cfgs) <= rows requests (one resolved config and seed each) over this bucket's
-        buffers and units (resets the cache); each unit call is a `UNIT` span of `timer`. Checks that the units'
-        owners still hold the tensors their direct calls read (`CompiledUnit.check_owners`)."""
-        for unit in self.units:
-            unit.check_owners()
-
-        def timed(unit: CompiledUnit) -> Callable[[], None]:
-            def call() -> None:
-                with timer.span(UNIT, unit.name):
-                    unit()
-            return call
-
-        return BufferSteps(cfgs=cfgs, seeds=seeds, cache=self.cache, state=self.state, inputs=self.inputs,
-                           denoise=timed(self.denoise), encode=timed(self.encode),
-                           commit_denoise=timed(self.commit_denoise) if self.commit_denoise is not None else None)
+    request: int
+    phase: Phase = Phase.PREFILL
+    prefilled: int = 0
+    block: int = 0
 
 
 @dataclass
 class CompiledGenerator:
     """The compiled block-diffusion generator returned by `build`; `generate` has the eager generator's interface
-    and outputs. Compiles lazily, per bucket, on first use (or `warmup`)."""
+    and outputs. Compiles lazily, per batch size, on first use (or `warmup`)."""
 
     model: DiffusionGemma
     options: CompileOptions
@@ -130,12 +79,11 @@ class CompiledGenerator:
                     raise
                 log.info("batch-invariant rows off: %s", e)
                 self.batch_invariant = False
-        cuda = self.model.device.type == "cuda"
-        self._copy = PinnedCopy() if cuda else None  # the deferred stop check's copy (CPU: a plain read)
+        self.fuse_commit = self.options.commit_fusion(self.model.device.type)
 
     @property
     def compiles(self) -> Counter:
-        """Inductor compiles per unit name "kind[bucket tag]" (above one: a recompile)."""
+        """Inductor compiles per unit name "step[B{b}_{tag}]" (above one: a recompile)."""
         return self.units.compiles
 
     @property
@@ -149,42 +97,55 @@ class CompiledGenerator:
         return list(self._buckets.values())
 
     def bucket_for(self, requests: int) -> int:
-        """The static batch size that runs `requests` rows (the largest bucket if more; callers split)."""
+        """The batch size that runs `requests` rows at once (the largest if more: the rest wait for rows)."""
         return next((b for b in self.options.batch_buckets if b >= requests), self.options.batch_buckets[-1])
 
-    def bucket(self, batch_size: int, config: GenerationConfig | None = None, *, page_size: int | None = None,
+    def bucket(self, config: GenerationConfig | None = None, *, page_size: int | None = None,
                kv_pages: int | None = None) -> Bucket:
-        """The bucket (cache, buffers, compile units) that serves `batch_size` requests under `config` (default: the
-        model's generation config). Buckets are keyed by batch size and the structural config: the stability
-        history depth (none when early stopping is off) and stop_early; and by the paging: `page_size` gives a
-        bucket over a `kv_cache.PagedKVCache` of `kv_pages` pages (default the static cache's memory; the serving
-        engine's, never `generate`'s). Raises ValueError as `kv_cache.new_paged_cache`."""
+        """The bucket (its `CompileOptions.batch_buckets` sizes over one row table, their compiled steps) that serves
+        requests under `config` (default: the model's generation config). Buckets are keyed by the structural config
+        (the stability history depth, none when early stopping is off; stop_early; eos ids) and by the paging:
+        `page_size` gives a bucket over a `kv_cache.PagedKVCache` of `kv_pages` pages (default the static cache's
+        memory; the serving engine's, never `generate`'s). Raises ValueError as `kv_cache.new_paged_cache`."""
         cfg = (config or self.model.generation_config).resolved(self.model.config)
-        rows = self.bucket_for(batch_size)
         depth = cfg.stability_threshold if cfg.stop_early else 0
-        paging = (page_size, kv_pages) if page_size is not None else None
-        key = (rows, depth, cfg.stop_early) + ((paging,) if paging is not None else ())
+        key = (depth, cfg.stop_early, tuple(sorted(cfg.eos_token_ids)), page_size, kv_pages)
         if key not in self._buckets:
-            self._buckets[key] = Bucket(self.model, self.units, rows, depth, cfg.stop_early, self.moe_impl, paging)
+            model = self.model
+
+            def unit(name: str, fn: Callable[[], None], tensors: list[torch.Tensor]) -> CompiledUnit:
+                return self.units.unit(name, fn, owners=(model, *tensors))
+
+            o = self.options
+            self._buckets[key] = Bucket(model, o.batch_buckets, max_seq_len=o.max_seq_len,
+                                        max_denoising_steps=o.max_denoising_steps, config=cfg,
+                                        fuse_commit=self.fuse_commit, moe_impl=self.moe_impl, page_size=page_size,
+                                        kv_pages=kv_pages, kernel_options=o.attention_kernels(), unit=unit)
         return self._buckets[key]
 
     def reset(self) -> None:
         """Drop every bucket (after `torch._dynamo.reset()`; the next call recompiles)."""
         self._buckets.clear()
 
+    @staticmethod
+    def warm(bucket: Bucket) -> Callable[[int], bool]:
+        """Whether a size of `bucket` has compiled (for `Bucket.size_for`)."""
+        return lambda b: b in bucket._views and getattr(bucket._views[b].step, "calls", 0) > 0
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]],
                  config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
                  seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
                  observer: Observer | None = None) -> GenerationOutput:
-        """Same contract as `dgemma_compile.generate(model, ...)`; more requests than the largest bucket run in
-        consecutive groups (outputs do not depend on grouping; `on_block` and `stop` always see request indices of
-        the whole call, and block indices counted per request). `observer` also receives per-unit timings.
+        """Same contract as `dgemma_compile.generate(model, ...)` (requests progress independently here: `on_block`
+        and `stop` are called for the requests whose block `block` ended in one iteration, the others' entries
+        empty; block indices are counted per request). `observer` also receives per-unit timings.
 
         Raises:
             ConfigError: as the eager generator; `max_seq_len` when a request needs more committed slots than
                 `CompileOptions.max_seq_len`; `max_denoising_steps` above `CompileOptions.max_denoising_steps`.
             ModelChangedError: the model's parameters, buffers or attributes changed since `build()`.
+            ValueError: `stop` returned an index outside the call.
         """
         self.fingerprint.check(self.model)
         cfgs, prompts, seeds, needed = plan(self.model, prompts, config, seed)
@@ -193,51 +154,27 @@ class CompiledGenerator:
         if steps > self.options.max_denoising_steps:
             raise ConfigError(f"max_denoising_steps: {steps} is more than this generator's temperature table holds "
                               f"(CompileOptions.max_denoising_steps={self.options.max_denoising_steps})")
-        timer = SpanTimer(self.model.device, observer)
-        group = self.options.batch_buckets[-1]
-        sequences: list[list[int]] = []
-        stats: list[RequestStats] = []
-        forwards: list[int] = []
-        wasted: list[int] = []
-        commits = fused_commits = 0
-        for start in range(0, len(prompts), group):
-            ps, ss, cs = prompts[start:start + group], seeds[start:start + group], cfgs[start:start + group]
-            runner = self.bucket(len(ps), cs[0]).steps(cs, ss, timer)
-            check = StopCheck(resolve_stop_check(self.options.stop_check, self.model.device), k=self.options.stop_check_k,
-                              copy=self._copy)
-            out = run_block_diffusion(self.model, runner, ps, cs, timer=timer, stop_check=check,
-                                      on_block=_global_rows(on_block, start, len(ps), len(prompts)),
-                                      stop=_global_stop(stop, start, len(ps), len(prompts)))
-            sequences += out.sequences
-            stats += out.stats
-            commits, fused_commits = commits + out.commits, fused_commits + out.fused_commits
-            for b, (f, w) in enumerate(zip(out.forwards_per_block, out.wasted_forwards)):  # per block index
-                if b == len(forwards):
-                    forwards.append(0)
-                    wasted.append(0)
-                forwards[b] += f
-                wasted[b] += w
-        return GenerationOutput(sequences=sequences, stats=stats, forwards_per_block=forwards, wasted_forwards=wasted,
-                                commits=commits, fused_commits=fused_commits,
-                                fuse_commit=self.options.commit_fusion(self.model.device.type),
-                                moe_impl=self.moe_impl)
+        bucket = self.bucket(cfgs[0])
+        for view in bucket.views():
+            if isinstance(view.step, CompiledUnit):
+                view.step.check_owners()
+        return _Driver(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer)).run(on_block, stop)
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> float:
-        """Compile the bucket that serves `batch_size` requests (all its units; `paging`: `bucket`'s page_size and
-        kv_pages) and return the seconds it took. Raises `ModelChangedError` as `generate` does."""
+        """Compile the step of the batch size that serves `batch_size` requests (`paging`: `bucket`'s page_size and
+        kv_pages) and return the seconds it took: one call with every row FREE (idle), which changes no row. Raises
+        `ModelChangedError` as `generate` does."""
         self.fingerprint.check(self.model)
         start = time.perf_counter()
-        bucket = self.bucket(batch_size, config, **paging)
-        bucket.inputs.n_new.zero_()
-        bucket.cache.reset()
-        bucket.encode()
-        bucket.state.finished.zero_()
-        bucket.denoise()
-        if bucket.commit_denoise is not None:
-            bucket.commit_denoise()
-            bucket.cache.reset()
-        bucket.state.finished.fill_(True)
+        bucket = self.bucket(config, **paging)
+        view = bucket.view(bucket.size_for(self.bucket_for(batch_size)))
+        if getattr(view.step, "calls", 1) == 0:
+            busy = bucket.row_state.phase[:view.rows].ne(int(Phase.FREE)).any()
+            if bool(busy):
+                raise ConfigError("warmup: the bucket has busy rows (an engine is running on it)")
+            view.refresh()
+            view.step()
         return time.perf_counter() - start
 
     def explain(self, batch_size: int = 1, config: GenerationConfig | None = None,
@@ -249,35 +186,120 @@ class CompiledGenerator:
         return explain(self, batch_size, config, workload)
 
 
-def _padded(toks: list[list[int]], start: int, total: int) -> list[list[int]]:
-    """A group's per-request new tokens placed at the call's request indices (empty lists elsewhere)."""
-    return [[] for _ in range(start)] + toks + [[] for _ in range(total - start - len(toks))]
+class _Driver:
+    """One `generate` call over a bucket: admit, step, read the finished blocks, finalise (see the module docstring)."""
 
+    def __init__(self, gen: CompiledGenerator, bucket: Bucket, prompts: list[list[int]],
+                 cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer):
+        self.gen, self.bucket, self.prompts, self.cfgs, self.seeds, self.timer = gen, bucket, prompts, cfgs, seeds, timer
+        R = len(prompts)
+        self.out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
+                                    fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl)
+        self.queue = deque(range(R))
+        self.rows: list[_Row | None] = [None] * bucket.rows
+        self.done = [False] * R
 
-def _global_rows(on_block: BlockCallback | None, start: int, n: int, total: int) -> BlockCallback | None:
-    """on_block of a group of n requests starting at `start`, seen with the call's request indices."""
-    if on_block is None:
-        return None
+    def run(self, on_block: BlockCallback | None, stop: StopHook | None) -> GenerationOutput:
+        bucket, out, C = self.bucket, self.out, self.gen.model.config.canvas_length
+        stepped_phases = stepping_phases(bucket.fuse_commit)
+        size, dirty = 0, True
+        bucket.clear()
+        while True:
+            dirty |= self._admit()
+            busy = [b for b, r in enumerate(self.rows) if r is not None]
+            if not busy:
+                break
+            new = bucket.size_for(busy[-1] + 1, CompiledGenerator.warm(bucket))
+            view = bucket.view(new)
+            if dirty or new != size:
+                view.refresh()
+                size, dirty = new, False
+            with self.timer.span(STEP), self.timer.span(UNIT, view.name):
+                view.step()
+            events = view.row_state.event.tolist()
+            blocks = set()  # block indices some row stepped in this iteration
+            for b in busy:  # the host's mirror of the device's transitions
+                row = self.rows[b]
+                if row.phase == Phase.PREFILL:
+                    row.prefilled += min(C, len(self.prompts[row.request]) - row.prefilled)
+                    if row.prefilled >= len(self.prompts[row.request]):
+                        row.phase = Phase.DENOISE
+                    continue
+                if row.phase == Phase.COMMIT:  # committed; its next block began (fused: and took its first step)
+                    row.block += 1
+                    row.phase = Phase.DENOISE
+                    if bucket.fuse_commit:
+                        out.fused_commits += 1
+                    else:
+                        out.commits += 1
+                        continue
+                if row.phase in stepped_phases:
+                    blocks.add(row.block)
+            for blk in blocks:
+                while len(out.forwards_per_block) <= blk:
+                    out.forwards_per_block.append(0)
+                    out.wasted_forwards.append(0)  # never a frozen-only forward: a finished block leaves at once
+                out.forwards_per_block[blk] += 1
+            ended = [b for b in busy if events[b]]
+            dirty |= self._finalize(ended, bucket.read_blocks(ended), on_block, stop)
+        self.timer.flush(max(len(out.forwards_per_block) - 1, 0))
+        return out
 
-    def forward(block: int, toks: list[list[int]]) -> None:
-        on_block(block, _padded(toks, start, total))
+    def _admit(self) -> bool:
+        admitted = False
+        for b, row in enumerate(self.rows):
+            if row is None and self.queue:
+                r = self.queue.popleft()
+                self.bucket.admit(b, self.prompts[r], self.cfgs[r], self.seeds[r])
+                self.rows[b] = _Row(request=r)
+                admitted = True
+        return admitted
 
-    return forward
-
-
-def _global_stop(stop: StopHook | None, start: int, n: int, total: int) -> StopHook | None:
-    """The stop hook of a group, called with the call's request indices and answering in the group's."""
-    if stop is None:
-        return None
-
-    def forward(block: int, toks: list[list[int]]) -> list[int]:
-        rows = list(stop(block, _padded(toks, start, total)))
-        bad = [r for r in rows if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < total]
-        if bad:
-            raise ValueError(f"stop: returned request index {bad[0]!r}, not an integer in [0, {total})")
-        return [r - start for r in rows if start <= r < start + n]
-
-    return forward
+    def _finalize(self, ended: list[int], blocks: list[tuple[bool, int, list[int]]], on_block: BlockCallback | None,
+                  stop: StopHook | None) -> bool:
+        """Finalise the blocks that ended in this iteration, by block index (`on_block`, then `stop`); retire the
+        rows whose request ended. Returns whether the host freed a row the device had not."""
+        out, R = self.out, len(self.prompts)
+        by_block: dict[int, list[tuple[int, bool, bool, list[int]]]] = {}
+        for b, (device_done, steps, argmax) in zip(ended, blocks):
+            row = self.rows[b]
+            r = row.request
+            keep, done = finalize_row(argmax, self.cfgs[r], out.sequences[r], out.stats[r], steps)
+            by_block.setdefault(row.block, []).append((b, done, device_done, keep))
+        freed = False
+        for blk in sorted(by_block):
+            toks: list[list[int]] = [[] for _ in range(R)]
+            for b, _, _, keep in by_block[blk]:
+                toks[self.rows[b].request] = keep
+            if on_block is not None:
+                on_block(blk, toks)
+            stopped: set[int] = set()
+            if stop is not None:
+                for r in stop(blk, toks):
+                    if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < R:
+                        raise ValueError(f"stop: returned request index {r!r}, not an integer in [0, {R})")
+                    stopped.add(r)
+            for b, done, device_done, _ in by_block[blk]:
+                r = self.rows[b].request
+                if r in stopped:
+                    out.stats[r].finish_reason = "stop"
+                if done or device_done or r in stopped:  # device_done implies done (tests/test_finish.py)
+                    self.done[r] = True
+                    if not device_done:  # only the host ended it (the stop hook): its row is COMMIT on the device
+                        self.bucket.retire(b)
+                        freed = True
+                    self.rows[b] = None
+                else:
+                    self.rows[b].phase = Phase.COMMIT
+            # a running request the hook named that did not end a block now: ended before its next block finishes
+            for b, row in enumerate(self.rows):
+                if row is not None and row.request in stopped and not self.done[row.request]:
+                    out.stats[row.request].finish_reason = "stop"
+                    self.done[row.request] = True
+                    self.bucket.retire(b)
+                    self.rows[b] = None
+                    freed = True
+        return freed
 
 
 def build(model: DiffusionGemma, options: CompileOptions | None = None, *, graphs: CudaGraphs | None = None

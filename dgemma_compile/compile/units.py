@@ -114,10 +114,14 @@ class ModelFingerprint:
 
 
 def static_tensors(*owners) -> list[torch.Tensor]:
-    """Every tensor `owners` hold: an `nn.Module`'s parameters and buffers; for any other object, its tensor
-    attributes and the tensors in its list/tuple attributes (a bucket's `DenoiseState`, `StepInputs`, `KVCache`)."""
+    """Every tensor `owners` hold: a tensor itself (the generator's units list their buffers explicitly,
+    `bucket.BucketView.tensors`); an `nn.Module`'s parameters and buffers; for any other object, its tensor
+    attributes and the tensors in its list/tuple attributes."""
     out: list[torch.Tensor] = []
     for owner in owners:
+        if isinstance(owner, torch.Tensor):
+            out.append(owner)
+            continue
         if isinstance(owner, torch.nn.Module):
             out += list(owner.parameters()) + list(owner.buffers())
             continue

@@ -1,65 +1,44 @@
-"""The serving engine: continuous batching of requests over the rows of one bucket.
+"""The serving engine: continuous batching of requests over the rows of one `bucket.Bucket`.
 
-Two iteration bodies, chosen by the bucket:
-- a `mixed_step.MixedBucket` (`build_engine`'s default): every iteration runs ONE forward over all rows, each in its
-  own phase (prefill chunk, denoise step, commit, idle), with the phase transitions decided on the device (see
-  `mixed_step.py` and "Mixed iterations" below);
-- a `compile.Bucket` or `EagerBucket`: up to two forwards per iteration (an encoder pass, then a denoise step), the
-  transitions decided on the host (the numbered steps below).
+Every iteration (`Engine.step`) runs ONE forward, the bucket's step (`steps.mixed_step`), over the smallest of the
+bucket's batch sizes that holds every busy row (`Bucket.size_for`: requests are admitted into the lowest free row,
+so a lone request runs at batch 1 whatever `max_batch` is); each row is in its own phase (`phases.py`: prefill
+chunk, denoise step, commit -- fused with the next block's first step where the bucket fuses commits -- or idle),
+with the phase transitions decided on the device. An iteration:
 
-An `Engine` owns one bucket of B rows (a compiled `compile.Bucket` from `gen.bucket(B)`, or an `EagerBucket`): its
-KV cache, `steps.DenoiseState`, `steps.StepInputs` and denoise plan, all preallocated. Each row is FREE or serves
-one request in one phase: PREFILL (prompt chunks left to encode), DENOISE (a block in flight) or COMMIT (its block
-finished and must be written to the cache before the next block). Every iteration (`step`):
-
-1. retires cancelled requests and admits queued ones into free rows (their per-row inputs, `StepInputs.set_row`;
-   their cache row reset, `KVCache.reset_row`); nothing is recompiled, every value is written into the bucket's
-   static buffers;
-2. runs the bucket's encoder unit once if any row needs an encoder pass (its next prefill chunk, or its commit: the
-   argmax canvas copied on the device), rows with nothing to encode taking part with 0 real tokens (they write no
-   committed slot and keep their length); rows whose prefill or commit completed begin their next block
-   (`DenoiseState.begin_row`, the start canvas from the request's own stream);
-3. runs the bucket's denoise unit once if any row is denoising; every other row is frozen (`finished`), so the step
-   leaves it untouched;
-4. reads `state.finished` (bool [B]) once -- the iteration's one host read of flags -- and, only for rows whose
-   block finished in this iteration, their argmax canvas and step count (one more read); finalises those blocks
-   exactly as the eager block loop does (`generate.finalize_row`: eos, exact token budget), runs stop strings
-   (`text.StopStrings`: never shown, also across a block boundary), emits one `BlockEvent` per finished block, and
-   retires done requests or marks the others for commit;
-5. draft events (opt-in per request, `Request.draft_every` = k): every k-th denoise step of a block still in
+1. retires cancelled requests and admits queued ones into free rows (`Bucket.admit`: the per-row inputs, the row
+   state, the cache row; nothing is recompiled, every value is written into the bucket's static buffers); if the
+   host changed any row, or the batch size changes, refills the plan of the size it runs (`BucketView.refresh`);
+2. runs the step (compiled: one unit per batch size, compiled on first use with a log line; `build_engine` compiles
+   the smallest before the engine starts);
+3. reads `RowState.event` (bool [b]) -- the per-iteration flag read, chosen over learning finished requests one
+   iteration late because the host can then retire a request (stop string, cancel) before the device commits its
+   block; ~10 us on CPU (`EngineStats.flag_read_s`) -- and, for the rows whose block finished, their argmax canvas,
+   step count and the device's done flag (one more read); finalises those blocks exactly as the eager block loop
+   does (`finish.finalize_row`: eos, exact token budget), runs stop strings (`text.StopStrings`: never shown, also
+   across a block boundary), emits one `BlockEvent` per finished block, and retires requests only the host can end
+   (stop strings, cancellation). Rows the device ended (eos, budget) are already FREE; others go on on the device
+   (COMMIT, then the next block) with no host write;
+4. draft events (opt-in per request, `Request.draft_every` = k): every k-th denoise step of a block still in
    flight, the request gets its current argmax canvas as a `BlockEvent` with `draft=True` (cut at eos and at its
    token budget, text cut before a stop string; nothing committed). The rows asking for one this iteration are read
    together: one more host read of [rows, C] ids, only in iterations where some row asks.
 
-Design of the two-unit body: two compiled units per iteration (encoder pass, then denoise step); the units are
-per-row deterministic within a bucket, so each request's tokens equal its solo `gen.generate` run whatever its batch
-mates and phases. An iteration that needs both passes costs two forwards; the mixed body always costs one. Only the
-mixed body fuses commits (rows of 2C tokens, a commit and its next block's first denoise step in one row; see
-`mixed_step.py`): the two-unit body refuses a bucket with commit fusion.
+Numerics: the step is per-row deterministic within a bucket (batch-invariant rows, the CPU default), so each
+request's tokens equal its solo `gen.generate` run whatever its batch mates, phases, row and batch size.
 
-Mixed iterations (`Engine.step` over a `MixedBucket`): admit queued requests into free rows (`RowState.admit`,
-`StepInputs.set_row`, `KVCache.reset_row`), and if the host changed any row (an admission, a retirement the device
-did not make) refill the plan once (`MixedBucket.refresh`, eager); run the step (one compiled forward + sampler +
-transitions + the next iteration's plan); then read `RowState.event` (bool [B]) -- the per-iteration [B] flag read,
-chosen over learning finished requests one iteration late because the host can then retire a request (stop string,
-cancel) before the device commits its block, and costs ~10 us on CPU (`EngineStats.flag_read_s`) -- and, for the
-rows whose block finished, their argmax canvas, step count and the device's done flag (one more read); the host
-finalises those blocks as above. Rows the device ended (eos, budget) are already FREE; others continue on the device
-(COMMIT, then the next block) with no host write.
-
-KV memory: over a static cache each row owns max_seq_len committed slots. Over a `kv_cache.PagedKVCache`
-(`MixedBucket` / `EagerBucket(page_size=..., kv_pages=...)`, `gen.bucket(..., page_size=...)`; either body) the rows
-draw pages from one pool (`kv_memory.PagedMemory`): a request waits in the queue until its pages are available,
-holds them until it retires, and with the prefix cache (on by default) starts its prefill after the cached full
-pages its prompt starts with (`EngineStats.prefix_hit_tokens`, `prefill_tokens`; mixed: `RowState.prefilled` and
-the cache row's length start at the hit), waiting for those another row is computing. Shared pages: full prompt
-pages, and the full pages of committed blocks of a request whose prompt length is a multiple of the canvas C (then
-its commit passes are the prefill chunks a later prompt over the same tokens runs; otherwise their chunking differs,
-and so would that request's numerics: `prefix_cache.py`), so the next turn of a chat maps the previous answer. The
-tokens are those of the request's solo run either way (tests/test_kv_paged.py).
+KV memory: over a static cache each row owns max_seq_len committed slots. Over a `kv_cache.PagedKVCache` (a bucket
+built with `page_size`) the rows draw pages from one pool (`kv_memory.PagedMemory`): a request waits in the queue
+until its pages are available, holds them until it retires, and with the prefix cache (on by default) starts its
+prefill after the cached full pages its prompt starts with (`EngineStats.prefix_hit_tokens`, `prefill_tokens`:
+`RowState.prefilled` and the cache row's length start at the hit), waiting for those another row is computing.
+Shared pages: full prompt pages, and the full pages of committed blocks of a request whose prompt length is a
+multiple of the canvas C (then its commit passes are the prefill chunks a later prompt over the same tokens runs;
+otherwise their chunking differs, and so would that request's numerics: `prefix_cache.py`), so the next turn of a
+chat maps the previous answer. The tokens are those of the request's solo run either way (tests/test_kv_paged.py).
 
 An engine owns its bucket's buffers while it runs: another engine or `gen.generate` on the same bucket overwrites
-its rows' cache (and, paged, the pages its prefix cache vouches for).
+its rows.
 
 Requests are validated at `submit` (`check_request`), so a bad request never reaches the rows. `submit` and `cancel`
 are thread-safe; `step` and `run` belong to one engine thread. Events are delivered by calling the request's
@@ -68,7 +47,6 @@ are thread-safe; `step` and `run` belong to one engine thread. Events are delive
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -79,25 +57,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import rng
 from ..config import ConfigError, GenerationConfig
-from ..generate import STRUCTURAL, RequestStats, check_slots, finalize_row, plan
+from ..bucket import Bucket
+from ..finish import finalize_row
+from ..generate import STRUCTURAL, RequestStats, check_slots, plan
 from ..model import DiffusionGemma
-from ..kv_cache import PagedKVCache, paged_cache
-from ..plan import PlanBuffers
-from ..steps import DenoiseState, StepInputs, denoise_step, encode_chunk
+from ..phases import Phase, stepping_phases
 from ..text import StopStrings
 from .kv_memory import PagedMemory
-from . import mixed_step as mx
 
 log = logging.getLogger(__name__)
-
-
-class Phase(enum.IntEnum):
-    FREE = 0
-    PREFILL = 1
-    DENOISE = 2
-    COMMIT = 3
 
 
 class QueueFullError(RuntimeError):
@@ -158,16 +127,15 @@ class _Row:
 
 @dataclass
 class EngineStats:
-    """Counters since the engine started. forwards: denoise-unit calls (one serves every denoising row);
-    row_passes: decoder passes summed over rows (the denominator of tokens per forward, as `RequestStats`);
-    flag_read_s: seconds spent in the per-iteration read of the finished flags; prefill_tokens: prompt tokens run
-    through the encoder; prefix_hit_tokens: prompt tokens mapped from the prefix cache instead. Mixed buckets:
-    forwards counts mixed steps (every iteration one, encoder_forwards stays 0); plan_refreshes / refresh_s: host
-    refills of the plan after the host changed rows."""
+    """Counters since the engine started. forwards: steps run (one forward each, serving every busy row);
+    forwards_by_size: steps per batch size; row_passes: decoder passes summed over rows (the denominator of tokens
+    per forward, as `RequestStats`); flag_read_s: seconds spent in the per-iteration read of the finished flags;
+    prefill_tokens: prompt tokens run through the encoder; prefix_hit_tokens: prompt tokens mapped from the prefix
+    cache instead; plan_refreshes / refresh_s: host refills of the plan after the host changed rows or the size."""
 
     iterations: int = 0
-    encoder_forwards: int = 0
     forwards: int = 0
+    forwards_by_size: Counter = field(default_factory=Counter)
     row_passes: int = 0
     tokens: int = 0
     blocks: int = 0
@@ -180,47 +148,12 @@ class EngineStats:
     refresh_s: float = 0.0
 
 
-class EagerBucket:
-    """The eager counterpart of `compile.Bucket` for the engine: the same buffers (KV cache of `max_seq_len`
-    committed slots, `DenoiseState`, `StepInputs` with a temperature table of `max_denoising_steps`, the denoise plan)
-    and `steps.denoise_step` / `steps.encode_chunk` called eagerly. `moe_impl` "dense" keeps rows batch-invariant
-    (`tests/test_batch_invariance.py`); "loop" does not. With `page_size`, the cache is a `kv_cache.PagedKVCache`
-    of `kv_pages` committed-data pages of `page_size` slots (default: rows * max_seq_len / page_size, the static
-    cache's memory) shared by the rows.
-
-    Raises:
-        ValueError: `new_paged_cache`'s (max_seq_len not a multiple of page_size, a non-positive size).
-    """
-
-    commit_denoise = None
-    units: tuple = ()
-
-    def __init__(self, model: DiffusionGemma, rows: int, *, max_seq_len: int, max_denoising_steps: int,
-                 config: GenerationConfig | None = None, moe_impl: str = "dense", page_size: int | None = None,
-                 kv_pages: int | None = None):
-        cfg = (config or model.generation_config).resolved(model.config)
-        C = model.config.canvas_length
-        self.rows = rows
-        if page_size is None:
-            self.cache = cache = model.new_cache(rows, max_seq_len, block_size=C)
-        else:
-            self.cache = cache = paged_cache(model, rows, max_seq_len, block_size=C, page_size=page_size,
-                                             kv_pages=kv_pages)
-        self.state = state = DenoiseState.allocate(model, rows, cfg.stability_threshold if cfg.stop_early else 0)
-        self.inputs = inputs = StepInputs.allocate(model, rows, C, max_denoising_steps)
-        self.plan = plan_ = PlanBuffers(model, cache, C)
-        self.encode = lambda: encode_chunk(model, cache, inputs, plan_, moe_impl=moe_impl)
-        self.denoise = lambda: denoise_step(model, cache, state, inputs, plan_, stop_early=cfg.stop_early,
-                                            moe_impl=moe_impl)
-
-
 class Engine:
     """Continuous batching over one bucket (see the module docstring).
 
     Args:
-        model: the model the bucket's units run.
-        bucket: a `mixed_step.MixedBucket` (one forward per iteration), a `compile.Bucket` (compiled; warm it first,
-            `gen.warmup`) or an `EagerBucket`; its rows are the engine's B.
+        model: the model the bucket's step runs.
+        bucket: a `bucket.Bucket` (eager, or a compiled generator's: `gen.bucket(...)`); its rows are the engine's B.
         config: the structural config every request must share (`generate.STRUCTURAL`); default the model's.
         tokenizer: detokenizes events (`BlockEvent.text`) and matches stop strings; None: no text.
         max_queue: requests waiting for a row at most; more raise `QueueFullError`.
@@ -229,18 +162,16 @@ class Engine:
         metrics: receives per-iteration and per-block observations (`runtime.metrics.ServeMetrics`), optional.
         prefix_cache: share full prompt pages (and committed blocks of prompts of a multiple of C tokens) between
             requests (a paged cache only; see the module docstring).
+        warm: whether a batch size has compiled (`CompiledGenerator.warm(bucket)`): the engine then steps down only
+            to compiled sizes; None: every size is ready (eager).
     Raises:
-        ConfigError: a two-unit bucket with commit fusion (a fusing generator's `compile.Bucket`; fusion runs in a
-            `MixedBucket`); a prefix cache whose page size is not a multiple of the encoder
-            chunk (hits must start the prefill on a chunk boundary).
+        ConfigError: a prefix cache whose page size is not a multiple of the encoder chunk (hits must start the
+            prefill on a chunk boundary).
     """
 
-    def __init__(self, model: DiffusionGemma, bucket, *, config: GenerationConfig | None = None, tokenizer=None,
-                 max_queue: int = 256, compiles: Callable[[], Counter] | None = None, metrics=None,
-                 prefix_cache: bool = True):
-        if getattr(bucket, "commit_denoise", None) is not None:
-            raise ConfigError("fuse_commit: the engine runs commits as encoder passes; build the generator with "
-                              "CompileOptions(fuse_commit=False)")
+    def __init__(self, model: DiffusionGemma, bucket: Bucket, *, config: GenerationConfig | None = None,
+                 tokenizer=None, max_queue: int = 256, compiles: Callable[[], Counter] | None = None, metrics=None,
+                 prefix_cache: bool = True, warm: Callable[[int], bool] | None = None):
         self.model, self.bucket, self.tokenizer = model, bucket, tokenizer
         self.config = (config or model.generation_config).resolved(model.config)
         self.structural = {f: getattr(self.config, f) for f in STRUCTURAL}
@@ -251,7 +182,7 @@ class Engine:
         self.stats = EngineStats()
         self.batch_invariant = False  # whether rows are batch-invariant across buckets (`build_engine` sets it)
         self.C = model.config.canvas_length
-        self.T = bucket.inputs.ids.shape[1]
+        self._warm = warm
         self._queue: deque[Request] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -259,17 +190,14 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._baseline = Counter(compiles()) if compiles is not None else Counter()
-        for unit in getattr(bucket, "units", ()):
-            unit.check_owners()
-        self.mixed = isinstance(bucket, mx.MixedBucket)
-        self._dirty = False  # mixed: the host changed a row since the plan was filled
-        bucket.cache.reset()
-        self.memory = (PagedMemory(bucket.cache, self.T, prefix_cache) if isinstance(bucket.cache, PagedKVCache)
-                       else None)
-        bucket.state.finished.fill_(True)  # every row frozen until a request begins a block in it
-        if self.mixed:
-            bucket.row_state.phase.fill_(mx.FREE)
-            bucket.refresh()
+        for view in bucket.views():
+            check = getattr(view.step, "check_owners", None)
+            if check is not None:
+                check()
+        self._dirty = True  # the host changed a row (or the size) since the plan was filled
+        self._size = 0  # the batch size of the latest step
+        bucket.clear()
+        self.memory = PagedMemory(bucket.cache, self.C, prefix_cache) if bucket.paged else None
 
     # ----- requests ------------------------------------------------------------------------------------------------
     @property
@@ -277,16 +205,19 @@ class Engine:
         return self.bucket.cache.max_seq_len
 
     def bucket_table(self) -> list[dict]:
-        """The engine's buckets (one), a row each: rows; body ("mixed": one forward per iteration, or "two-unit");
-        tokens per row of a forward (C, or 2C with commit fusion); fuse_commit (commits fused with the next block's
-        first denoise step); kv ("static" or "paged"); compiled (False: eager steps) and the compile units.
+        """The engine's batch sizes over its one row table, a row each: rows (the size); tokens per row of a forward
+        (C, or 2C with commit fusion); fuse_commit (commits fused with the next block's first denoise step); kv
+        ("static" or "paged"); unit (the step's name) and compiled (whether it has compiled yet; eager: None).
         `dgemma serve` prints it at startup and `/health` returns it."""
-        bucket, C = self.bucket, self.C
-        fused = bool(getattr(bucket, "fuse_commit", False))
-        return [dict(rows=bucket.rows, body="mixed" if self.mixed else "two-unit", tokens_per_row=2 * C if fused else C,
-                     fuse_commit=fused, kv="paged" if self.memory is not None else "static",
-                     compiled=bool(getattr(bucket, "units", ())),
-                     units=[u.name for u in getattr(bucket, "units", ())])]
+        bk = self.bucket
+        out = []
+        for size in bk.sizes:
+            view = bk._views.get(size)
+            calls = getattr(view.step, "calls", None) if view is not None else None
+            out.append(dict(rows=size, tokens_per_row=bk.tokens_per_row, fuse_commit=bk.fuse_commit,
+                            kv="paged" if bk.paged else "static", unit=f"step[B{size}_{bk.tag}]",
+                            compiled=None if bk.unit is None else bool(calls)))
+        return out
 
     def check_request(self, prompt: Sequence[int], config: GenerationConfig, seed: int) -> GenerationConfig:
         """Validate one request against the model and this engine's bucket; returns the resolved config.
@@ -391,88 +322,36 @@ class Engine:
                 for row in self.rows:
                     if row.request is not None:
                         self._retire(row, "error")
-                self.bucket.state.finished.fill_(True)
-                if self.mixed:
-                    self.bucket.row_state.phase.fill_(mx.FREE)
-                    self._dirty = True
+                self.bucket.clear()
+                self._dirty = True
 
     @torch.no_grad()
     def step(self) -> None:
         """One iteration (see the module docstring). Runs on the engine thread only."""
-        st, state, inputs = self.stats, self.bucket.state, self.bucket.inputs
-        st.iterations += 1
+        self.stats.iterations += 1
         self._admit()
-        if self.mixed:
-            self._step_mixed()
+        busy = [b for b, r in enumerate(self.rows) if r.phase != Phase.FREE]
+        if not busy:
             return
-        # encoder pass: prefill chunks and commits
-        encoding = [(b, row) for b, row in enumerate(self.rows) if row.phase in (Phase.PREFILL, Phase.COMMIT)]
-        if encoding:
-            inputs.ids.zero_()
-            inputs.n_new.zero_()
-            for b, row in encoding:
-                if row.phase == Phase.PREFILL:
-                    chunk = row.request.prompt[row.prefilled:row.prefilled + self.T]
-                    inputs.ids[b, :len(chunk)] = torch.tensor(chunk, dtype=torch.long)
-                    inputs.n_new[b] = len(chunk)
-                    row.prefilled += len(chunk)
-                    st.prefill_tokens += len(chunk)
-                else:
-                    inputs.ids[b, :self.C] = state.argmax[b]
-                    inputs.n_new[b] = self.C
-            self.bucket.encode()
-            st.encoder_forwards += 1
-            for b, row in encoding:
-                if self.memory is not None and row.phase == Phase.PREFILL:
-                    self.memory.encoded(b, row.prefilled)
-                if row.phase == Phase.COMMIT:
-                    row.block += 1
-                    self._committed(b, row)
-                if row.phase == Phase.COMMIT or row.prefilled >= len(row.request.prompt):
-                    self._begin_block(b, row)
-        denoising = [b for b, row in enumerate(self.rows) if row.phase == Phase.DENOISE]
-        read_s = 0.0
-        if denoising:
-            self.bucket.denoise()
-            st.forwards += 1
-            finished, read_s = self._read_flags(state.finished)
-            done = [b for b in denoising if finished[b]]
-            if done:
-                idx = torch.tensor(done)
-                host = torch.cat([state.steps[idx, None], state.argmax[idx]], dim=1).tolist()
-                for b, (steps, *argmax) in zip(done, host):
-                    self._end_block(self.rows[b], argmax, steps)
-            self._drafts([b for b in denoising if not finished[b]])
-        if self.metrics is not None:
-            self.metrics.iteration(self.queue_depth, self.running, len(denoising), read_s)
-
-    def _read_flags(self, flags: torch.Tensor) -> tuple[list[bool], float]:
-        """The iteration's one host read of flags (bool [B]), timed into `EngineStats.flag_read_s`: (values, s)."""
-        t0 = time.perf_counter()
-        values = flags.tolist()
-        read_s = time.perf_counter() - t0
-        self.stats.flag_read_s += read_s
-        self.stats.flag_reads += 1
-        return values, read_s
-
-    def _step_mixed(self) -> None:
-        st, mb = self.stats, self.bucket
-        rows = mb.row_state
-        if self.running == 0:
-            return
-        if self._dirty:
+        st, bk = self.stats, self.bucket
+        size = bk.size_for(busy[-1] + 1, self._warm)
+        view = bk.view(size)
+        if self._dirty or size != self._size:
+            if self._warm is not None and not self._warm(size):
+                log.info("engine: batch size %d compiles now (first use)", size)
             t0 = time.perf_counter()
-            mb.refresh()
+            view.refresh()
             st.refresh_s += time.perf_counter() - t0
             st.plan_refreshes += 1
-            self._dirty = False
-        mb.step()
+            self._dirty, self._size = False, size
+        view.step()
         st.forwards += 1
-        events, read_s = self._read_flags(rows.event)
-        stepped = (Phase.DENOISE, Phase.COMMIT) if mb.fuse_commit else (Phase.DENOISE,)  # fused: a commit steps too
-        denoised = [b for b, r in enumerate(self.rows) if r.phase in stepped]
-        denoising = len(denoised)
-        for b, row in enumerate(self.rows):  # the host's mirror of the device's transitions (metrics, drafts, pages)
+        st.forwards_by_size[size] += 1
+        events, read_s = self._read_flags(view.row_state.event)
+        stepped = stepping_phases(bk.fuse_commit)  # fused: a commit row steps its next block too
+        denoised = [b for b in busy if self.rows[b].phase in stepped]
+        for b in busy:  # the host's mirror of the device's transitions (metrics, drafts, pages)
+            row = self.rows[b]
             if row.phase == Phase.PREFILL:
                 chunk = min(self.C, len(row.request.prompt) - row.prefilled)
                 row.prefilled += chunk
@@ -485,16 +364,21 @@ class Engine:
                 row.block += 1
                 self._committed(b, row)
                 row.phase, row.steps = Phase.DENOISE, 0
-        done = [b for b, e in enumerate(events) if e]
-        if done:
-            idx = torch.tensor(done)
-            host = torch.cat([rows.done[idx, None].long(), mb.state.steps[idx, None], mb.state.argmax[idx]],
-                             dim=1).tolist()
-            for b, (device_done, steps, *argmax) in zip(done, host):
-                self._end_block(self.rows[b], argmax, steps, device_free=bool(device_done))
+        done = [b for b in busy if events[b]]
+        for b, (device_done, steps, argmax) in zip(done, bk.read_blocks(done)):
+            self._end_block(self.rows[b], argmax, steps, device_free=device_done)
         self._drafts([b for b in denoised if not events[b]])
         if self.metrics is not None:
-            self.metrics.iteration(self.queue_depth, self.running, denoising, read_s)
+            self.metrics.iteration(self.queue_depth, self.running, len(denoised), read_s)
+
+    def _read_flags(self, flags: torch.Tensor) -> tuple[list[bool], float]:
+        """The iteration's one host read of flags (bool [B]), timed into `EngineStats.flag_read_s`: (values, s)."""
+        t0 = time.perf_counter()
+        values = flags.tolist()
+        read_s = time.perf_counter() - t0
+        self.stats.flag_read_s += read_s
+        self.stats.flag_reads += 1
+        return values, read_s
 
     def _admit(self) -> None:
         for row in self.rows:
@@ -519,32 +403,20 @@ class Engine:
             if req.cancelled:
                 self._finish(req, "cancelled", [], "")
                 continue
-            b = free.pop(0)
-            self.bucket.inputs.set_row(b, req.config, req.seed)
+            b = free.pop(0)  # the lowest free row: busy rows stay low, so the step runs at the smallest size
             row = _Row(request=req, phase=Phase.PREFILL)
-            if pages is None:
-                self.bucket.cache.reset_row(b)
-            else:
+            if pages is not None:
                 row.prefilled = self.memory.admit(b, pages)
                 self.stats.prefix_hit_tokens += row.prefilled
+            self.bucket.admit(b, req.prompt, req.config, req.seed,
+                              prefilled=row.prefilled if pages is not None else None)
             self.rows[b] = row
-            if self.mixed:
-                self.bucket.inputs.block[b] = 0
-                self.bucket.row_state.admit(b, req.prompt, req.config.max_new_tokens, prefilled=row.prefilled)
-                self._dirty = True
+            self._dirty = True
 
     def _committed(self, b: int, row: _Row) -> None:
         """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`)."""
         if self.memory is not None:
             self.memory.committed(b, row.request.prompt, row.request.sequence[:row.block * self.C])
-
-    def _begin_block(self, b: int, row: _Row) -> None:
-        inputs = self.bucket.inputs
-        inputs.block[b] = row.block
-        canvas = rng.start_canvas(inputs.seeds[b:b + 1], inputs.block[b:b + 1], self.C, self.model.config.vocab_size)
-        self.bucket.state.begin_row(b, canvas[0])
-        row.phase = Phase.DENOISE
-        row.steps = 0
 
     def _drafts(self, running: list[int]) -> None:
         """Draft events of the rows in `running` (denoised this iteration, block still in flight) whose request asks
@@ -586,9 +458,6 @@ class Engine:
         text = req.matcher.push(keep) if req.matcher is not None else ""
         if req.matcher is not None and req.matcher.stopped:
             req.stats.finish_reason, done = "stop", True
-        if device_free and not done:
-            raise RuntimeError(f"request {req.id}: the device ended it after block {len(req.stats.steps_per_block)}, "
-                               "the host's finalize_row did not (mixed_step's end rule disagrees)")
         if req.cancelled:
             self._retire(row, "cancelled", device_free=device_free)
         elif done:
@@ -599,15 +468,13 @@ class Engine:
 
     def _retire(self, row: _Row, reason: str, tokens: list[int] | None = None, text: str = "",
                 device_free: bool = False) -> None:
-        """Free the row (frozen: the denoise step leaves it untouched; mixed: FREE on the device, which
-        `device_free` says it already is) and end its request."""
+        """Free the row (FREE on the device, which `device_free` says it already is) and end its request."""
         req = row.request
         b = self.rows.index(row)
-        self.bucket.state.finished[b] = True
         if self.memory is not None:
             self.memory.release(b)
-        if self.mixed and not device_free:
-            self.bucket.row_state.phase[b] = mx.FREE
+        if not device_free:
+            self.bucket.retire(b)
             self._dirty = True
         self.rows[b] = _Row()
         self._finish(req, reason, tokens or [], text)
@@ -646,29 +513,26 @@ class Engine:
 def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
-                 prefix_cache: bool = True, batch_invariant: bool | None = None, mixed: bool = True,
-                 fuse_commit: bool | None = None) -> Engine:
-    """An engine over one bucket of `max_batch` rows: compiled (a generator with that one bucket, a cache of
-    `max_seq_len` committed slots -- default the model's context, at most `config.DEFAULT_MAX_SEQ_LEN`; warmed up
-    here, which compiles) or, with `eager`, eager steps. `generator`: reuse a compiled generator built with
-    `CompileOptions(batch_buckets=(max_batch,), ...)` (tests share one with `gen.generate`); its `fuse_commit`
-    decides fusion. `fuse_commit`: commit fusion in the mixed step (rows of 2C tokens, see `mixed_step.py`; the
-    tokens of `generate(fuse_commit=True)`); None: `CompileOptions.fuse_commit`'s default (on for CUDA, off for
-    CPU, where the doubled rows cost more than the forward they save). `page_size` (a multiple of the canvas length
-    with the prefix cache): a paged KV cache
-    of `kv_pages` pages (default: the static cache's memory) shared by the rows, with a prefix cache unless
-    `prefix_cache` is False (see the module docstring, "KV memory"); either iteration body runs over it.
+                 prefix_cache: bool = True, batch_invariant: bool | None = None, fuse_commit: bool | None = None,
+                 batch_sizes: Sequence[int] | None = None) -> Engine:
+    """An engine over one bucket of `max_batch` rows, stepping at batch sizes `batch_sizes` (default: the powers of
+    two below `max_batch`, and `max_batch`) over them: compiled (a generator whose `CompileOptions.batch_buckets` are
+    those sizes, a cache of `max_seq_len` committed slots -- default the model's context, at most
+    `config.DEFAULT_MAX_SEQ_LEN`; the smallest size compiles here, the others on first use, logged) or, with `eager`,
+    the eager step. `generator`: reuse a compiled generator (tests share one with `gen.generate`); its
+    `batch_buckets` are the sizes, its `fuse_commit` decides fusion. `fuse_commit`: commit fusion (rows of 2C tokens,
+    see `steps.py`; the tokens of `generate(fuse_commit=True)`); None: `CompileOptions.fuse_commit`'s default (on for
+    CUDA, off for CPU, where the doubled rows cost more than the forward they save). `page_size` (a multiple of the
+    canvas length with the prefix cache): a paged KV cache of `kv_pages` pages (default: the static cache's memory)
+    shared by the rows, with a prefix cache unless `prefix_cache` is False (see the module docstring, "KV memory").
     `batch_invariant`: `CompileOptions.batch_invariant` (None: on for CPU); eagerly, on means moe "dense"
-    (batch-invariant), off "loop" (transformers' order);
-    `Engine.batch_invariant` tells which ran (tested on the static cache). `mixed` (default): one mixed-phase forward
-    per iteration (`mixed_step.MixedBucket`; compiled, the unit "mixed_step[tag]" of the generator); False: the
-    two-unit iteration (encoder pass, then denoise step; `EagerBucket` or `compile.Bucket`). The engine is not
+    (batch-invariant), off "loop" (transformers' order); `Engine.batch_invariant` tells which ran. The engine is not
     started (`Engine.start`).
 
     Raises:
-        ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); commit fusion
-            (`fuse_commit`, or a `generator` that fuses) with the two-unit body; `fuse_commit` disagreeing with the
-            given `generator`; with the prefix cache, a `page_size` that is not a multiple of the canvas length.
+        ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); `fuse_commit`
+            disagreeing with the given `generator`; `batch_sizes` not increasing up to `max_batch`; with the prefix
+            cache, a `page_size` that is not a multiple of the canvas length.
         ValueError: `kv_cache.new_paged_cache`'s (max_seq_len not a multiple of page_size)."""
     from ..compile import CompileOptions, build
     from ..config import DEFAULT_MAX_SEQ_LEN
@@ -677,40 +541,33 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         max_seq_len = min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     config = model.generation_config
     if generator is not None:
-        gen_fuses = generator.options.commit_fusion(model.device.type)
+        gen_fuses = generator.fuse_commit
         if fuse_commit is not None and fuse_commit != gen_fuses:
             raise ConfigError(f"fuse_commit: {fuse_commit}, but the given generator was built with commit fusion "
                               f"{'on' if gen_fuses else 'off'}")
         fuse_commit = gen_fuses
-    fuse = bool(CompileOptions(fuse_commit=fuse_commit).commit_fusion(model.device.type) and (mixed or fuse_commit))
-    if fuse and not mixed:
-        raise ConfigError("fuse_commit: the two-unit engine runs commits as encoder passes; commit fusion needs the "
-                          "mixed step (mixed=True)")
+        batch_sizes = generator.options.batch_buckets
+    if batch_sizes is None:
+        batch_sizes = tuple(sorted({1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch} | {max_batch}))
+    batch_sizes = tuple(batch_sizes)
+    if batch_sizes[-1:] != (max_batch,) and generator is None:
+        raise ConfigError(f"batch_sizes: must end at max_batch={max_batch}, got {batch_sizes!r}")
+    fuse = CompileOptions(fuse_commit=fuse_commit).commit_fusion(model.device.type)
+    paging = dict(page_size=page_size, kv_pages=kv_pages) if page_size is not None else {}
     if eager:
         on = CompileOptions(batch_invariant=batch_invariant).batch_invariance(model.device.type)
-        moe_impl = "dense" if on else "loop"
-        if mixed:
-            bucket = mx.MixedBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
-                                    page_size=page_size, kv_pages=kv_pages, moe_impl=moe_impl, fuse_commit=fuse)
-        else:
-            bucket = EagerBucket(model, max_batch, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
-                                 page_size=page_size, kv_pages=kv_pages, moe_impl=moe_impl)
+        bucket = Bucket(model, batch_sizes, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
+                        config=config, fuse_commit=fuse, moe_impl="dense" if on else "loop", **paging)
         engine = Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
                         prefix_cache=prefix_cache)
         engine.batch_invariant = on
         return engine
-    gen = generator or build(model, CompileOptions(batch_buckets=(max_batch,), max_seq_len=max_seq_len,
+    gen = generator or build(model, CompileOptions(batch_buckets=batch_sizes, max_seq_len=max_seq_len,
                                                    max_denoising_steps=max_denoising_steps, fuse_commit=fuse,
                                                    batch_invariant=batch_invariant))
-    paging = dict(page_size=page_size, kv_pages=kv_pages) if page_size is not None else {}
-    bucket = gen.bucket(max_batch, config, **paging)
-    if mixed:
-        bucket = mx.MixedBucket(model, max_batch, config=config, generator=gen, bucket=bucket)
-        with torch.no_grad():
-            bucket.step()  # compile (as the engine calls it: without grad): every row FREE (idle)
-    else:
-        gen.warmup(max_batch, config, **paging)
-    engine = Engine(model, bucket, config=config, tokenizer=tokenizer, max_queue=max_queue,
-                    compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache)
+    gen.warmup(1, config, **paging)  # the smallest size: a lone first request never waits for a compile
+    engine = Engine(model, gen.bucket(config, **paging), config=config, tokenizer=tokenizer, max_queue=max_queue,
+                    compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache,
+                    warm=gen.warm(gen.bucket(config, **paging)))
     engine.batch_invariant = gen.batch_invariant
     return engine

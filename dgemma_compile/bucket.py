@@ -1,0 +1,206 @@
+"""`Bucket`: the one constructor of per-bucket buffers, and its batch sizes over one row table.
+
+A bucket holds B rows (the row table) and every buffer the step reads or writes: the KV cache (static, or paged
+over a shared pool: `kv_cache.PagedKVCache`), `steps.DenoiseState`, `steps.StepInputs`, `rows.RowState`, and per
+batch size a mixed `plan.PlanBuffers`. Its `sizes` are the batch sizes a step may run over: `view(b)` is the step of
+the first b rows, over views of the same buffers (so rows keep their state whatever size runs them), with a plan of
+its own. A driver admits requests into the lowest free row and runs, each iteration, the smallest size that holds
+every live row (`size_for`), as vLLM's persistent batch does: a lone request runs at batch 1 in a bucket of 8.
+
+The step of a view is `steps.mixed_step` over it: eager by default, or whatever `unit` makes of it (the compiled
+generator passes `UnitFactory.unit`, which compiles one unit per size, captured as one CUDA graph on CUDA); `unit`
+gets the step's name, function and every tensor it reads (`BucketView.tensors`), given explicitly.
+
+Host-side changes to rows (`admit`, `retire`) write the shared buffers; a driver then refreshes the plan of the
+size it runs next (`BucketView.refresh`), which the step itself keeps filled between iterations of one size.
+
+Legend: B rows, b a batch size (<= B), C canvas, S committed slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError, GenerationConfig
+from .kv_cache import KVCache, PagedKVCache, paged_cache
+from .model import DiffusionGemma
+from .phases import FREE
+from .plan import PlanBuffers
+from .rows import RowState
+from .steps import DenoiseState, StepInputs, mixed_step, refresh_plan
+
+log = logging.getLogger("dgemma_compile")
+
+UnitMaker = Callable[[str, Callable[[], None], list[torch.Tensor]], Callable[[], None]]
+"""unit(name, fn, tensors) -> a callable running fn (compiled, or fn itself); `tensors`: every tensor fn reads."""
+
+
+@dataclass
+class BucketView:
+    """The step over the first `rows` rows of a bucket: views of its buffers and a plan of its own.
+
+    step: the step (`steps.mixed_step` over these views; compiled where the bucket was given a `unit` maker);
+    refresh: `steps.refresh_plan` for these rows, eager (after a host change, or when this size runs next)."""
+
+    rows: int
+    name: str
+    cache: KVCache | PagedKVCache
+    state: DenoiseState
+    inputs: StepInputs
+    row_state: RowState
+    plan: PlanBuffers
+    step: Callable[[], None]
+
+    def refresh(self) -> None:
+        refresh_plan(self.row_state, self.state, self.plan)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer tensor the step reads or writes (the model's parameters aside), each once."""
+        c = self.cache
+        out = [*c.keys, *c.values, c.lengths] + ([c.page_table] if isinstance(c, PagedKVCache) else [])
+        for obj in (self.state, self.inputs, self.row_state):
+            out += [t for t in vars(obj).values() if isinstance(t, torch.Tensor)]
+        pb, p = self.plan, self.plan.plan  # the plan's per-row inputs, its tensors, and the per-token flag views
+        out += [pb.mode, pb.n_new, pb.self_conditioning] + pb.tensors
+        out += [t for t in (p.encoder_tokens, p.denoise_tokens) if isinstance(t, torch.Tensor)]
+        seen: set[int] = set()
+        return [t for t in out if not (id(t) in seen or seen.add(id(t)))]
+
+
+class Bucket:
+    """B rows and every per-bucket buffer (see the module docstring).
+
+    Args:
+        model: the model the step runs.
+        sizes: the batch sizes a step may run over, increasing; B = sizes[-1].
+        max_seq_len: S, committed slots per row; max_denoising_steps: the temperature table's width.
+        config: the structural config (stability history, stop_early, eos ids); default the model's.
+        fuse_commit: commit fusion (a cache of 2C block slots; rows of 2C tokens in the step).
+        moe_impl: the routed experts' implementation of the step (`ops.moe.resolve_moe_impl`).
+        page_size, kv_pages: a `kv_cache.PagedKVCache` of `kv_pages` pages of `page_size` slots (default: the
+            static cache's memory); None: a static cache.
+        kernel_options: FlexAttention kernel options of the plans (`plan.build_plan`; the compiled generator's).
+        unit: makes each size's step (`UnitMaker`); None: eager.
+        tag: the name of the bucket's steps, "step[B{b}_{tag}]" (default from the structural config).
+    Raises:
+        ConfigError: `sizes` not increasing positive integers.
+        ValueError: `kv_cache.new_paged_cache`'s (max_seq_len not a multiple of page_size, a non-positive size).
+    """
+
+    def __init__(self, model: DiffusionGemma, sizes: Sequence[int], *, max_seq_len: int, max_denoising_steps: int,
+                 config: GenerationConfig | None = None, fuse_commit: bool = False, moe_impl: str = "dense",
+                 page_size: int | None = None, kv_pages: int | None = None, kernel_options: dict | None = None,
+                 unit: UnitMaker | None = None, tag: str | None = None):
+        sizes = tuple(sizes)
+        if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes) or \
+                list(sizes) != sorted(set(sizes)):
+            raise ConfigError(f"sizes: must be increasing positive integers, got {sizes!r}")
+        self.model, self.sizes, self.rows = model, sizes, sizes[-1]
+        cfg = (config or model.generation_config).resolved(model.config)
+        self.config = cfg
+        C = model.config.canvas_length
+        B, block = self.rows, 2 * C if fuse_commit else C
+        self.fuse_commit = fuse_commit
+        """Commits run fused with the next block's first denoise step: every row of the forward is [2C] tokens."""
+        self.tokens_per_row = block
+        self.cache = (model.new_cache(B, max_seq_len, block_size=block) if page_size is None else
+                      paged_cache(model, B, max_seq_len, block_size=block, page_size=page_size, kv_pages=kv_pages))
+        self.state = DenoiseState.allocate(model, B, cfg.stability_threshold if cfg.stop_early else 0)
+        self.inputs = StepInputs.allocate(model, B, C, max_denoising_steps)
+        self.row_state = RowState.allocate(B, self.cache.max_seq_len, cfg.eos_token_ids, model.device)
+        self.moe_impl, self.kernel_options, self.unit = moe_impl, kernel_options, unit
+        depth = cfg.stability_threshold if cfg.stop_early else 0
+        self.tag = tag or f"P{depth}_{'stop' if cfg.stop_early else 'fixed'}" + (
+            f"_pages{self.cache.page_size}x{self.cache.num_pages}" if page_size is not None else "")
+        self._views: dict[int, BucketView] = {}
+        self.state.finished.fill_(True)  # every row frozen until a request begins a block in it
+
+    @property
+    def paged(self) -> bool:
+        return isinstance(self.cache, PagedKVCache)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache.max_seq_len
+
+    def views(self) -> list[BucketView]:
+        """The views made so far (sizes that ran or were warmed)."""
+        return [self._views[b] for b in sorted(self._views)]
+
+    def view(self, size: int) -> BucketView:
+        """The step over the first `size` rows (made on first use; with a `unit` maker, compiled on its first call).
+        Raises ConfigError for a size not in `sizes`."""
+        if size not in self.sizes:
+            raise ConfigError(f"size: {size} is not one of this bucket's batch sizes {self.sizes}")
+        if size not in self._views:
+            full = size == self.rows
+            cache = self.cache if full else self.cache.view(size)
+            state = self.state if full else self.state.view(size)
+            inputs = self.inputs if full else self.inputs.view(size)
+            rows = self.row_state if full else self.row_state.view(size)
+            T = self.tokens_per_row
+            plan = PlanBuffers(self.model, cache, T, mixed=True, kernel_options=self.kernel_options,
+                               static_sparsity=True, canvas=self.model.config.canvas_length)
+            model, cfg, moe = self.model, self.config, self.moe_impl
+
+            def step() -> None:
+                mixed_step(model, cache, state, inputs, rows, plan, stop_early=cfg.stop_early, moe_impl=moe)
+
+            name = f"step[B{size}_{self.tag}]"
+            view = BucketView(rows=size, name=name, cache=cache, state=state, inputs=inputs, row_state=rows,
+                              plan=plan, step=step)
+            if self.unit is not None:
+                view.step = self.unit(name, step, view.tensors())
+            self._views[size] = view
+        return self._views[size]
+
+    def size_for(self, live: int, warm: Callable[[int], bool] | None = None) -> int:
+        """The batch size to run when rows [0, live) hold every live row: the smallest size >= live that is `warm`
+        (compiled already), else the smallest size >= live (which then compiles). Raises ConfigError past B."""
+        fits = [b for b in self.sizes if b >= max(live, 1)]
+        if not fits:
+            raise ConfigError(f"rows: {live} live rows, more than this bucket's {self.rows}")
+        if warm is not None:
+            ready = [b for b in fits if warm(b)]
+            if ready:
+                return ready[0]
+        return fits[0]
+
+    # ----- host writes: admission and retirement ------------------------------------------------------------------
+    def admit(self, row: int, prompt: list[int], cfg: GenerationConfig, seed: int, *, prefilled: int | None = None
+              ) -> None:
+        """Put a request into FREE row `row` (phase PREFILL): its per-request inputs (`StepInputs.set_row`, block 0),
+        its row state, and its cache row emptied -- or, with `prefilled` (a paged cache whose row the caller mapped,
+        `cache.lengths[row]` = prefilled), kept. `cfg` is resolved and validated. Raises ValueError as
+        `StepInputs.set_row` / `RowState.admit`."""
+        self.inputs.set_row(row, cfg, seed)
+        self.inputs.block[row] = 0
+        if prefilled is None:
+            self.cache.reset_row(row)
+        self.row_state.admit(row, prompt, cfg.max_new_tokens, prefilled=prefilled or 0)
+        self.state.has_sc[row] = False
+
+    def retire(self, row: int) -> None:
+        """Free row `row` (FREE, frozen) where the host, not the device, ended its request."""
+        self.row_state.phase[row] = FREE
+        self.state.finished[row] = True
+
+    def clear(self) -> None:
+        """Every row FREE, every committed token forgotten (the cache zeroed)."""
+        self.row_state.phase.fill_(FREE)
+        self.state.finished.fill_(True)
+        self.cache.reset()
+
+    def read_blocks(self, rows: list[int]) -> list[tuple[bool, int, list[int]]]:
+        """Per row of `rows` whose block finished in the latest step: (the device ended the request, its decoder
+        passes in the block, its argmax canvas as C ids) -- one host read."""
+        if not rows:
+            return []
+        idx = torch.tensor(rows, device=self.state.steps.device)
+        host = torch.cat([self.row_state.done[idx, None].long(), self.state.steps[idx, None],
+                          self.state.argmax[idx]], dim=1).tolist()
+        return [(bool(done), steps, argmax) for done, steps, *argmax in host]

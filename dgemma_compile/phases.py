@@ -1,0 +1,62 @@
+"""The one vocabulary of a bucket's rows: the row lifecycle (`Phase`), the forward modes (`Mode`) and the mapping.
+
+A row of a bucket is in one phase, held on the device (`rows.RowState.phase`, int64 [B]) and mirrored by the host
+drivers (the compiled generator, the serving engine):
+- FREE: no request; the row is IDLE in the forward.
+- PREFILL: its next prompt chunk (up to C tokens) is an ENCODER row.
+- DENOISE: its canvas is a DENOISE row; the sampler and the per-row state update apply to it.
+- COMMIT: its finished block (the argmax canvas, C tokens) is an ENCODER row that writes the cache; with commit
+  fusion a COMMIT_DENOISE row: the commit, then its next block's first denoise step, in one row of 2C tokens.
+
+`forward_mode` maps phases to modes (what `plan.build_plan` reads); `stepping` says which rows the sampler advances.
+Both are tensor functions (no host synchronisation): they run inside the compiled step.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class Phase(enum.IntEnum):
+    """Row lifecycle: FREE -> PREFILL -> DENOISE <-> COMMIT -> ... -> FREE."""
+
+    FREE = 0
+    PREFILL = 1
+    DENOISE = 2
+    COMMIT = 3
+
+
+class Mode(enum.IntEnum):
+    """What a row does in one forward (`plan.ForwardPlan.mode`)."""
+
+    IDLE = 0
+    ENCODER = 1
+    DENOISE = 2
+    COMMIT_DENOISE = 3
+
+
+# plain ints for tensor code (compiled graphs see constants, not enum members)
+FREE, PREFILL, DENOISE, COMMIT = (int(p) for p in Phase)
+IDLE, ENCODER, DENOISE_MODE, COMMIT_DENOISE = (int(m) for m in Mode)
+
+
+def forward_mode(phase_B: torch.Tensor, *, fused: bool) -> torch.Tensor:
+    """int64 [B] `Mode` per row for `Phase` codes `phase_B` (int64 [B]): PREFILL -> ENCODER, COMMIT -> ENCODER
+    (`fused`: COMMIT_DENOISE), DENOISE -> DENOISE, FREE -> IDLE."""
+    commit = COMMIT_DENOISE if fused else ENCODER
+    return torch.where(phase_B == PREFILL, ENCODER,
+                       torch.where(phase_B == COMMIT, commit, torch.where(phase_B == DENOISE, DENOISE_MODE, IDLE)))
+
+
+def stepping(phase_B: torch.Tensor, *, fused: bool) -> torch.Tensor:
+    """bool [B]: the rows whose canvas the step samples -- DENOISE rows, and with commit fusion COMMIT rows too (the
+    first step of their next block)."""
+    out = phase_B == DENOISE
+    return out | (phase_B == COMMIT) if fused else out
+
+
+def stepping_phases(fused: bool) -> tuple[Phase, ...]:
+    """The host's twin of `stepping`: the phases whose rows the step samples."""
+    return (Phase.DENOISE, Phase.COMMIT) if fused else (Phase.DENOISE,)
