@@ -74,8 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                         "stdin; writes one JSON line per prompt on stdout, in input order")
     g.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help=f"prompts per batch with --prompts-file (default {DEFAULT_BATCH_SIZE}: one compiled bucket)")
-    e = sub.add_parser("explain", help="Dynamo explain report of each compile unit (denoise step, encoder chunk, "
-                                       "fused commit where on)")
+    e = sub.add_parser("explain", help="Dynamo explain report of the compiled step (one unit per batch size)")
     e.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
     e.add_argument("--batch-size", type=int, default=1, help="report the bucket serving this many requests")
     e.add_argument("--quant", choices=QUANT_SCHEMES, default=None, help="quantize the weights first (as generate)")

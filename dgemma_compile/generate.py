@@ -70,9 +70,9 @@ class GenerationOutput:
     wasted_forwards: list[int] = field(default_factory=list)
     """Per block: forwards run after every row had finished (frozen-only; see `stop_check.StopCheck`)."""
     commits: int = 0
-    """Commits run as their own encoder pass (summed over groups)."""
+    """Blocks committed by an encoder pass of their own (counted per request)."""
     fused_commits: int = 0
-    """Commits fused into the next block's first denoise step (commit fusion; not an extra forward)."""
+    """Blocks committed inside the next block's first denoise step (commit fusion; counted per request)."""
     fuse_commit: bool = False
     """Whether the generator fuses commits (`generate(fuse_commit=...)`, `CompileOptions.fuse_commit`): part of the
     numerics, with `moe_impl` and `scheme` (fused and separate commits differ by float reduction order)."""
@@ -90,8 +90,10 @@ StopHook = Callable[[int, list[list[int]]], Iterable[int]]
 """stop(block, new_tokens) -> indices of requests to end now, called right after `on_block` with the same arguments
 (e.g. a stop string seen in the request's text). An ended request gets finish_reason "stop"; its sequence ends with
 the block that triggered it (the caller trims text it does not want) and no further block is denoised for it.
-The hook's verdict wins over eos or the budget ending the request in the same block; indices of requests done in an
-earlier block are ignored; an index outside the call raises ValueError."""
+The hook's verdict wins over eos or the budget ending the request in the same block; it applies only to requests
+that finished block `block` in this call (others' indices are ignored: done earlier, or -- in the compiled
+generator, where requests progress independently -- still running another block); an index outside the call
+raises ValueError."""
 
 
 def validate_prompts(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
@@ -300,9 +302,9 @@ class StepRunner(Protocol):
     block_size: int
     """T: tokens per encoder chunk (prefill chunks, and commits without fusion, are padded to it)."""
     commits: int
-    """Commits run so far as their own encoder pass."""
+    """Commits run so far as their own encoder pass, per request."""
     fused_commits: int
-    """Commits run so far inside the next block's first denoise step (commit fusion)."""
+    """Commits run so far inside the next block's first denoise step (commit fusion), per request."""
 
     def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
         """Causal pass over T' <= T tokens, n_new_R[r] of row r real: a prefill chunk (or an unfused commit, through
@@ -335,8 +337,8 @@ def prefill(runner: StepRunner, input_ids_RT: torch.Tensor, lengths_R: torch.Ten
 
 class BufferSteps:
     """`StepRunner` over static buffers: every host-side fill lives here, the steps are the callables `denoise`,
-    `encode` and, for commit fusion, `commit_denoise` (zero-argument, over `state`, `inputs` and `cache`): eager
-    functions or compiled units. With `commit_denoise`, `commit` only fills the inputs and the next `step` runs
+    `encode` and, for commit fusion, `commit_denoise` (zero-argument, over `state`, `inputs` and `cache`; the eager
+    reference's uniform steps, `EagerSteps`). With `commit_denoise`, `commit` only fills the inputs and the next `step` runs
     `commit_denoise` (`denoise_step(commit=True)`) instead of `denoise`."""
 
     def __init__(self, *, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], cache: KVCache,
@@ -363,12 +365,14 @@ class BufferSteps:
         inp.n_new[:R] = n_new_R
 
     def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        rows = int((n_new_R > 0).sum())  # the requests whose block this commits
         if self.commit_denoise is None:
             self.encode_chunk(ids_RC, n_new_R)
-            self.commits += 1
+            self.commits += rows
             return
         self._set_chunk(ids_RC, n_new_R)  # copied now: the next block's begin_block resets the argmax buffer
         self.commit_pending = True
+        self.fused_commits += rows
 
     def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
         inp, R, C = self.inputs, self.R, self.state.canvas.shape[1]
@@ -379,7 +383,6 @@ class BufferSteps:
         if self.commit_pending:
             self.commit_denoise()
             self.commit_pending = False
-            self.fused_commits += 1
         else:
             self.denoise()
         return self.state.finished[:self.R]

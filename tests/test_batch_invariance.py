@@ -21,9 +21,7 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.generate import plan, run_block_diffusion
-from dgemma_compile.observe import SpanTimer
-from dgemma_compile.generate import EagerSteps
+from dgemma_compile.generate import EagerSteps, plan, run_block_diffusion
 
 # the issue's settings: no row stops on confidence, at most 8 denoise steps per block
 SETTINGS = dict(confidence_threshold=1e9, max_denoising_steps=8, max_new_tokens=48)
@@ -43,6 +41,36 @@ def _recorded(runner):
 
     runner.step = record
     return trace
+
+
+def _compiled_run(gen, cfg):
+    """run(prompts, seeds) for `_assert_invariant` through `gen.generate`: each view's step of the bucket is wrapped to
+    keep, per request (request r runs in row r: the call's requests fit the rows), a copy of its self-conditioning
+    input after each step its row stepped."""
+    from dgemma_compile.phases import stepping
+
+    bucket = gen.bucket(cfg)
+
+    def run(prompts, seeds):
+        trace = [[] for _ in prompts]
+        for size in bucket.sizes:
+            view = bucket.view(size)
+            step = getattr(view, "unwrapped", view.step)
+
+            def record(view=view, step=step):
+                live = stepping(view.row_state.phase, fused=bucket.fuse_commit).tolist()
+                step()
+                for r in (r for r, on in enumerate(live) if on and r < len(prompts)):
+                    trace[r].append(view.state.sc_probs[r].clone())
+
+            view.unwrapped, view.step = step, record
+        try:
+            return gen.generate(prompts, cfg, seed=seeds), trace
+        finally:
+            for view in bucket.views():
+                view.step = view.unwrapped
+
+    return run
 
 
 def _random_batches(vocab: int, n: int, seed: int, max_rows: int):
@@ -80,17 +108,10 @@ def test_eager_rows_are_bitwise_batch_invariant(demo):
 
 @pytest.mark.slow
 def test_compiled_rows_are_bitwise_batch_invariant(demo, demo_gen):
-    """Within one bucket (2 rows; a solo run pads the other row with a frozen one)."""
+    """Within one bucket (2 rows; a solo run leaves the other row idle)."""
     model, _ = demo
     cfg = model.generation_config.replace(**SETTINGS)
-    timer = SpanTimer(model.device, None)
-
-    def run(prompts, seeds):
-        cfgs, prompts, seeds, _ = plan(model, prompts, cfg, seeds)
-        runner = demo_gen.bucket(len(prompts), cfg).steps(cfgs, seeds, timer)
-        trace = _recorded(runner)
-        return run_block_diffusion(model, runner, prompts, cfgs), trace
-
+    run = _compiled_run(demo_gen, cfg)
     for prompts, seeds in _random_batches(model.config.vocab_size, 16, seed=1, max_rows=2):
         _assert_invariant(run, prompts, seeds)
 
@@ -107,20 +128,14 @@ def test_eager_generate_refuses_requests_beyond_max_seq_len(demo):
 
 @pytest.mark.slow
 def test_compiled_rows_are_bitwise_invariant_across_buckets(demo):
-    """A row alone in bucket 1 against the same row among up to 7 batch mates in bucket 8 (2 batches: 8 rows, and 5
-    rows padded with frozen ones): bitwise the same self-conditioning inputs at every live step and the same tokens."""
+    """A row alone at batch size 1 against the same row among up to 7 batch mates at size 8 (2 batches: 8 rows, and
+    5 rows, the other 3 idle): bitwise the same self-conditioning inputs at every live step and the same tokens."""
     from dgemma_compile.compile import CompileOptions, build
 
     model, _ = demo
     cfg = model.generation_config.replace(**SETTINGS)
     gen = build(model, CompileOptions(batch_buckets=(1, 8), max_seq_len=256, batch_invariant=True))
-    timer = SpanTimer(model.device, None)
-
-    def run(prompts, seeds):
-        cfgs, prompts, seeds, _ = plan(model, prompts, cfg, seeds)
-        runner = gen.bucket(len(prompts), cfg).steps(cfgs, seeds, timer)
-        trace = _recorded(runner)
-        return run_block_diffusion(model, runner, prompts, cfgs), trace
+    run = _compiled_run(gen, cfg)
 
     rng = random.Random(2)
     prompts = [[2] + [rng.randrange(3, model.config.vocab_size) for _ in range(rng.randrange(3, 40))]

@@ -379,13 +379,13 @@ def test_quick_start_command_prints_the_answer(demo):
 @pytest.mark.slow
 def test_explain_on_a_quantized_model_reports_no_graph_breaks(tiny_dir):
     """`dgemma explain --quant fp8` on the tiny checkpoint (vocabulary 48: the tied lm_head and the self-conditioning
-    copy are quantized too, so every kind of quantized weight is in the graphs): one graph per unit, no breaks."""
+    copy are quantized too, so every kind of quantized weight is in the graph): one graph, no breaks."""
     pytest.importorskip("torchao")
     res = run_cli("explain", "--json", "--quant", "fp8", "--model", str(tiny_dir), timeout=900)
     assert res.returncode == 0, res.stderr
     assert "excluded lm_head" not in res.stderr and "excluded sc_embedding" not in res.stderr
     reports = json.loads(res.stdout)
-    assert [r["unit"].split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
+    assert [r["unit"] for r in reports] == ["step[B1_P1_stop]"]
     assert all(r["graph_count"] == 1 and r["graph_break_count"] == 0 and r["recompiles_in_workload"] == 0
                for r in reports)
 

@@ -45,7 +45,7 @@ def test_nan_left_in_unused_cache_slots_cannot_reach_the_next_request(tiny):
     model, gen = tiny
     cfg = dg.GenerationConfig(max_new_tokens=12, max_denoising_steps=4, t_min=0.8, t_max=1.2, eos_token_ids=(1,))
     gen.generate(PROMPTS[:2], cfg, seed=[1, 2])
-    cache = gen.bucket(2, cfg).cache
+    cache = gen.bucket(cfg).cache
     S = cache.max_seq_len
     for t in (*cache.keys, *cache.values):
         for row, length in enumerate(cache.lengths.tolist()):
@@ -119,7 +119,7 @@ class Units(dg.Observer):
 
     def on_unit(self, name, seconds):
         self.units[name] += 1
-        if name.startswith(("denoise_step[", "commit_denoise_step[")):
+        if name.startswith("step["):
             self.denoise_s += seconds
 
     def on_step(self, seconds):
@@ -127,9 +127,10 @@ class Units(dg.Observer):
         self.step_s += seconds
 
 
-def test_more_requests_than_the_largest_bucket_run_in_groups(tiny):
-    """Six requests: a group of 4 in the larger bucket, then 2 in the smaller one; on_block and stop see the call's
-    request indices (stop ends request 5, in the second group, after its first block)."""
+def test_more_requests_than_rows_wait_for_rows(tiny):
+    """Six requests over a bucket of 4 rows: 4 run, 2 wait and take rows as earlier ones end; each request's tokens
+    and statistics equal the eager oracle's; `on_block` sees each (request, block) once, with the call's request
+    indices, and `stop` ends request 5 after its first block; every step is one unit call inside its step span."""
     model, gen = tiny
     prompts = [[2, 3 + i] for i in range(6)]
     cfg = dg.GenerationConfig(max_new_tokens=16, max_denoising_steps=3, eos_token_ids=())
@@ -139,12 +140,13 @@ def test_more_requests_than_the_largest_bucket_run_in_groups(tiny):
     eager = dg.generate(model, prompts, cfg, seed=1, stop=lambda block, toks: [5], moe_impl=gen.moe_impl)
     assert out.sequences == eager.sequences and out.stats == eager.stats
     assert out.stats[5].finish_reason == "stop" and len(out.sequences[5]) == 8
-    assert [i for i, _ in streamed] == [0, 1, 0, 1]
     assert all(len(toks) == 6 for _, toks in streamed)
-    assert [len(t) for t in streamed[2][1]] == [0, 0, 0, 0, 8, 8] and [len(t) for t in streamed[3][1]] == [0] * 4 + [8, 0]
-    assert {name.split("[")[1] for name in seen.units} == {"B2_P1_stop]", "B4_P1_stop]"}
-    assert out.commits == 2 and out.fused_commits == 0, "one commit per group (CPU: separate, fuse_commit=None)"
-    assert seen.steps == sum(n for name, n in seen.units.items() if name.startswith("denoise_step["))
+    got = sorted((r, block, tuple(t)) for block, toks in streamed for r, t in enumerate(toks) if t)
+    want = sorted((r, b, tuple(seq[8 * b:8 * b + 8])) for r, seq in enumerate(eager.sequences)
+                  for b in range(len(seq) // 8))
+    assert got == want
+    assert out.commits == eager.commits == 5 and out.fused_commits == 0, "one per request but the stopped one"
+    assert seen.steps == sum(seen.units.values()) and all(name.startswith("step[B") for name in seen.units)
     assert 0 < seen.denoise_s <= seen.step_s, "each unit span lies inside its step span"
 
 
@@ -211,8 +213,9 @@ def test_compile_options_are_validated(kw, name):
 def test_explain_reports_one_graph_and_no_breaks(tiny_dir):
     """`dgemma explain --json` on the tiny checkpoint, run in this process (`dgemma explain --quant` runs it in a
     subprocess; its bucket of 2 rows and 256 slots is the one `tiny_compiled` compiles: Inductor cache hits):
-    `torch._dynamo.explain` on both units (CPU: no commit fusion), then a mixed workload: one graph each, zero breaks,
-    zero recompiles; the JSON holds every field of the reports. (Near the end of this file: explain resets Dynamo.)"""
+    `torch._dynamo.explain` on the bucket's one step (CPU: no commit fusion), then a mixed workload: one graph, zero
+    breaks, zero recompiles; the JSON holds every field of the report. (Near the end of this file: explain resets
+    Dynamo.)"""
     import dataclasses
     import json
 
@@ -223,7 +226,7 @@ def test_explain_reports_one_graph_and_no_breaks(tiny_dir):
     assert res.returncode == 0, res.stderr
     reports = [UnitReport(**r) for r in json.loads(res.stdout)]
     assert json.loads(res.stdout) == [dataclasses.asdict(r) for r in reports]
-    assert [r.unit.split("[")[0] for r in reports] == ["denoise_step", "encoder_chunk"]
+    assert [r.unit for r in reports] == ["step[B2_P1_stop]"]
     for r in reports:
         assert r.graph_count == 1 and r.graph_break_count == 0 and r.break_reasons == []
         assert r.ops_per_graph[0] > 0 and r.guard_count > 0
@@ -237,12 +240,11 @@ def test_explain_reports_one_graph_and_no_breaks(tiny_dir):
     canvas = {"FORCE_USE_FLEX_ATTENTION": True}
     assert reports[0].attention_kernel_options == {t: canvas for t in dg.load(tiny_dir).config.layer_types}
     assert "attention full_attention: kernel_options={'FORCE_USE_FLEX_ATTENTION': True}" in reports[0].text()
-    assert reports[1].attention_kernel_options == {"sliding_attention": {}, "full_attention": {}}
 
 
 @pytest.mark.slow
 def test_compiled_commit_fusion_tokens_equal_eager(tiny_dir):
-    """`fuse_commit=True` (CPU default: off): every commit runs inside the next block's first step, in the fused unit;
+    """`fuse_commit=True` (CPU default: off): every commit runs inside the next block's first step (rows of 2C);
     tokens and statistics equal the eager generator's, fused and unfused (prompts shorter and longer than the
     canvas, five blocks, sampling on, a stop hook ending one row after its second block, so the later fused steps
     commit nothing for it)."""
@@ -253,10 +255,10 @@ def test_compiled_commit_fusion_tokens_equal_eager(tiny_dir):
     seen = Units()
     stop = lambda block, toks: [0] if block == 1 else []  # noqa: E731 - row 0 commits nothing in the later fused steps
     out = gen.generate(prompts, cfg, seed=[3, 4], observer=seen, stop=stop)
-    assert out.fuse_commit and out.commits == 0 and out.fused_commits == 4
+    assert out.fuse_commit and out.commits == 0 and out.fused_commits == 5  # row 0: one, row 1: four
     assert out.stats[0].finish_reason == "stop" and out.stats[0].blocks == 2
-    assert sum(n for name, n in seen.units.items() if name.startswith("commit_denoise_step[")) == 4
+    assert list(seen.units) == ["step[B2_P1_stop]"]
     for fuse in (True, False):
         eager = dg.generate(model, prompts, cfg, seed=[3, 4], moe_impl=gen.moe_impl, fuse_commit=fuse, stop=stop)
-        assert (eager.commits, eager.fused_commits) == ((0, 4) if fuse else (4, 0))
+        assert (eager.commits, eager.fused_commits) == ((0, 5) if fuse else (5, 0))
         assert out.sequences == eager.sequences and out.stats == eager.stats

@@ -167,8 +167,8 @@ def _cumsum_sizes(code):
 
 @pytest.mark.slow
 def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_gen):
-    """The demo's real captured units (bucket 2), the pass forced on at the demo's size (`sample_step_fusion_min_bytes`
-    0): it matches once in the denoise step and never in the encoder chunk; the denoise code calls the op and keeps no
+    """The demo's real captured step (batch 2), the pass forced on at the demo's size (`sample_step_fusion_min_bytes`
+    0): it matches once in the step (its sampler region; the prefill and commit rows share the forward); the code calls the op and keeps no
     scan over the vocabulary (the unfused code's scan: `test_fusion_pass_rewrites_the_region_with_equal_values`);
     tokens equal the default generator's, where the demo's small region stays with Inductor's loops (0 rewrites)."""
     from torch._inductor.utils import run_and_get_code
@@ -185,15 +185,14 @@ def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_ge
                                          for i in range(0, 6, 2)])
 
     default = run(demo_gen)[0]
-    tag = demo_gen.bucket(2).tag
-    assert demo_gen.units.pass_matches[f"denoise_step[{tag}]"].counts == fusion(0)
+    unit = f"step[B2_{demo_gen.bucket().tag}]"
+    assert demo_gen.units.pass_matches[unit].counts == fusion(0)
     on_gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, sample_step_fusion_min_bytes=0))
     on, codes = run(on_gen)
     matches = on_gen.units.pass_matches
     capped = int(model.config.final_logit_softcapping is not None)
-    assert matches[f"denoise_step[{tag}]"].counts == fusion(1, softcap=capped)  # float32 state: no dtype to fold
-    assert matches[f"encoder_chunk[{tag}]"].counts == fusion(0)
-    (denoise_code,) = [c for c in codes if "sort.default" in c]  # the entropy bound's sort: the denoise step only
+    assert matches[unit].counts == fusion(1, softcap=capped)  # float32 state: no dtype to fold
+    (denoise_code,) = [c for c in codes if "sort.default" in c]  # the entropy bound's sort
     FileCheck().check('"dgemma::sample_step"').run(denoise_code)
     assert _cumsum_sizes(denoise_code) and all(s[-1] == C for s in _cumsum_sizes(denoise_code))
 
@@ -203,7 +202,7 @@ def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_ge
 @pytest.mark.slow
 def test_fusion_on_bf16_units_with_softcap_and_commit_fusion(tmp_path):
     """A tiny bfloat16 checkpoint whose config.json holds an integer softcap (30), compiled with commit fusion: the
-    pass rewrites the denoise and the commit + denoise units, not the encoder; in each the op takes the softcap in
+    pass rewrites the step's sampler region once; the op takes the softcap in
     (so it reads the bfloat16 lm_head output) and writes the state's bfloat16 (the fold counts; the folded node itself
     is checked on a small graph below); tokens equal the eager generator's (no pass)."""
     import json
@@ -225,8 +224,7 @@ def test_fusion_on_bf16_units_with_softcap_and_commit_fusion(tmp_path):
     out = gen.generate(prompts, gcfg, seed=[3, 4])
     # counts recorded at compile time, also when the caches serve the compile
     counts = {k.split("[")[0]: m.counts for k, m in gen.units.pass_matches.items()}
-    assert counts == {"denoise_step": fusion(1, 1, 1), "commit_denoise_step": fusion(1, 1, 1),
-                      "encoder_chunk": fusion(0)}
+    assert counts == {"step": fusion(1, 1, 1)}
     # the eager generator runs `sampler.sample_step` itself: the pass-off reference, without a second compile
     eager = dg.generate(model, prompts, gcfg, seed=[3, 4], moe_impl=gen.moe_impl, fuse_commit=True, max_seq_len=256)
     assert out.fused_commits > 0 and out.sequences == eager.sequences

@@ -137,9 +137,10 @@ class CompiledGenerator:
                  config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
                  seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
                  observer: Observer | None = None) -> GenerationOutput:
-        """Same contract as `dgemma_compile.generate(model, ...)` (requests progress independently here: `on_block`
-        and `stop` are called for the requests whose block `block` ended in one iteration, the others' entries
-        empty; block indices are counted per request). `observer` also receives per-unit timings.
+        """Same contract as `dgemma_compile.generate(model, ...)`; requests progress independently here, so `on_block`
+        and `stop` are called once per block index and iteration for the requests whose block ended in it (the
+        others' entries empty; `stop`'s verdict applies to those requests only). `observer` also receives per-unit
+        timings.
 
         Raises:
             ConfigError: as the eager generator; `max_seq_len` when a request needs more committed slots than
@@ -291,14 +292,6 @@ class _Driver:
                     self.rows[b] = None
                 else:
                     self.rows[b].phase = Phase.COMMIT
-            # a running request the hook named that did not end a block now: ended before its next block finishes
-            for b, row in enumerate(self.rows):
-                if row is not None and row.request in stopped and not self.done[row.request]:
-                    out.stats[row.request].finish_reason = "stop"
-                    self.done[row.request] = True
-                    self.bucket.retire(b)
-                    self.rows[b] = None
-                    freed = True
         return freed
 
 
