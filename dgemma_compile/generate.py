@@ -343,11 +343,11 @@ class BufferSteps:
 
     def __init__(self, *, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], cache: KVCache,
                  state: DenoiseState, inputs: StepInputs, denoise: Callable[[], None], encode: Callable[[], None],
-                 commit_denoise: Callable[[], None] | None = None):
+                 vocab_size: int, commit_denoise: Callable[[], None] | None = None):
         self.R, self.cache, self.state, self.inputs = len(cfgs), cache, state, inputs
         self.denoise, self.encode, self.commit_denoise = denoise, encode, commit_denoise
         self.block_size = inputs.ids.shape[1]
-        self.vocab_size = state.sc_probs.shape[-1]
+        self.vocab_size = vocab_size
         self.commit_pending = False
         self.commits = self.fused_commits = 0  # commits run as their own encoder pass / fused into a step
         inputs.set_requests(cfgs, seeds)
@@ -410,5 +410,6 @@ class EagerSteps(BufferSteps):
                                         moe_impl=moe_impl, commit=commit)
 
         super().__init__(cfgs=cfgs, seeds=seeds, cache=cache, state=state, inputs=inputs, denoise=denoise(False),
+                         vocab_size=model.config.vocab_size,
                          encode=lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl),
                          commit_denoise=denoise(True) if fuse_commit else None)

@@ -410,45 +410,46 @@ class DiffusionGemma(nn.Module):
     def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
                       self_conditioning_mask_B: torch.Tensor | None = None,
                       moe_impl: str | None = None, plan: ForwardPlan | None = None,
-                      self_conditioning_probs: torch.Tensor | None = None,
+                      self_conditioning_embeds: torch.Tensor | None = None,
                       kernel_options: dict | None = None) -> torch.Tensor:
         """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
         self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch.
         `moe_impl` None: `self.moe_impl`. `plan`: the uniform denoise plan for the cache's current lengths, built
-        once per block (`plan.PlanBuffers`); None builds it here. `self_conditioning_probs` [B, C, V]: the
-        self-conditioning input as probabilities (what the generators carry, `sampler.SCHEME` v3), in place of
-        `self_conditioning_logits` (pass None there). `kernel_options`: as `encode_block`'s, for a plan built here."""
+        once per block (`plan.PlanBuffers`); None builds it here. `self_conditioning_embeds` [B, C, D]: the
+        self-conditioning input as its soft embedding (`self_conditioning_embedding` of the previous step's
+        probabilities: what the generators carry, `sampler.SCHEME` v4), in place of `self_conditioning_logits` (pass
+        None there). `kernel_options`: as `encode_block`'s, for a plan built here."""
         embeds = self._embed(canvas_BC)
         x = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits,
-                                                                self_conditioning_mask_B, self_conditioning_probs))
+                                                                self_conditioning_mask_B, self_conditioning_embeds))
         if plan is None:
             plan = build_plan(self, cache, canvas_BC.shape[1], mode="denoise", kernel_options=kernel_options)
         return self.logits(self._forward_block(x, cache, plan, moe_impl))
 
     def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,
                      self_conditioning_logits: torch.Tensor | None = None, moe_impl: str | None = None,
-                     self_conditioning_probs: torch.Tensor | None = None) -> torch.Tensor:
+                     self_conditioning_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of rows in different modes (`plan.py`): encoder rows (prefill chunk or commit) embed their
         ids and commit their real tokens; denoise rows take the self-conditioned embedding of their canvas (the
         signal of `self_conditioning_logits` [B, T, V] where `plan.self_conditioning`, zero elsewhere); idle rows
         only pass through. Advances `cache.lengths` by `plan.commit`. Returns the final-norm hidden states
-        [B, T, D] (`logits()` for the denoise rows). `self_conditioning_probs` [B, T, V]: the signal as probabilities
-        (what the generators carry), in place of `self_conditioning_logits`. Either may cover only the first T' < T
-        tokens ([B, T', V]: a fused mixed plan's denoise rows hold their canvas there); the signal is zero after
-        them. Unchecked, like `encode_block` / `denoise_block`, which are this forward with a uniform plan."""
+        [B, T, D] (`logits()` for the denoise rows). `self_conditioning_embeds` [B, T, D]: the signal as its soft
+        embedding (`self_conditioning_embedding`; what the generators carry), in place of `self_conditioning_logits`.
+        Either may cover only the first T' < T tokens ([B, T', ...]: a fused mixed plan's denoise rows hold their
+        canvas there); the signal is zero after them. Unchecked, like `encode_block` / `denoise_block`, which are this forward with a uniform plan."""
         embeds = self._embed(ids_BT)
         sc = plan.self_conditioning
         den = plan.denoise_tokens
         if den is False:
             return self._forward_block(embeds, cache, plan, moe_impl)
-        signal = self_conditioning_probs if self_conditioning_probs is not None else self_conditioning_logits
+        signal = self_conditioning_embeds if self_conditioning_embeds is not None else self_conditioning_logits
         B, T, D = embeds.shape
         if signal is not None and signal.shape[1] < T:  # the signal of the first T' tokens, zero after them
             soft = self._soft_embedding(embeds[:, :signal.shape[1]], self_conditioning_logits, sc,
-                                        self_conditioning_probs)
+                                        self_conditioning_embeds)
             soft = torch.cat([soft, soft.new_zeros(B, T - signal.shape[1], D)], dim=1)
         else:
-            soft = self._soft_embedding(embeds, self_conditioning_logits, sc, self_conditioning_probs)
+            soft = self._soft_embedding(embeds, self_conditioning_logits, sc, self_conditioning_embeds)
         denoised = self.self_conditioning(embeds, soft)
         x = denoised if den is True else torch.where(den[..., None], denoised, embeds)
         return self._forward_block(x, cache, plan, moe_impl)
@@ -482,21 +483,27 @@ class DiffusionGemma(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def self_conditioning_embedding(self, probs_BTV: torch.Tensor) -> torch.Tensor:
+        """The soft embedding of self-conditioning: probs @ embedding weight * embed_scale (transformers'
+        DiffusionGemmaSelfConditioning input), [B, T, D] in the model dtype, from probabilities [B, T, V] (cast to
+        the model dtype first; `quant.quantize`'s `sc_embedding` projection in place of the weight where set)."""
+        weight = self.embed_tokens.weight
+        probs = probs_BTV.to(weight.dtype)
+        product = probs @ weight if self.sc_embedding is None else self.sc_embedding(probs)
+        return product * self.embed_scale.to(weight.dtype)
+
     # ----- internals --------------------------------------------------------------------------------------------
     def _soft_embedding(self, embeds_BTD: torch.Tensor, logits_BTV: torch.Tensor | None,
-                        mask_B: torch.Tensor | None, probs_BTV: torch.Tensor | None = None) -> torch.Tensor:
-        """The self-conditioning input: softmax(logits) @ embedding * embed_scale (or `probs_BTV` @ embedding *
-        embed_scale when the probabilities are given), zero for rows outside `mask_B` (when given) and everywhere
-        without either (a block's first step: zero, not uniform)."""
-        weight = self.embed_tokens.weight
-        if probs_BTV is not None:
-            probs = probs_BTV.to(weight.dtype)
+                        mask_B: torch.Tensor | None, soft_BTD: torch.Tensor | None = None) -> torch.Tensor:
+        """The self-conditioning input: `self_conditioning_embedding(softmax(logits))` (or `soft_BTD` when given),
+        zero for rows outside `mask_B` (when given) and everywhere without either (a block's first step: zero, not
+        uniform)."""
+        if soft_BTD is not None:
+            soft = soft_BTD
         elif logits_BTV is None:
             return torch.zeros_like(embeds_BTD)
         else:
-            probs = torch.softmax(logits_BTV, dim=-1, dtype=torch.float32).to(weight.dtype)
-        product = probs @ weight if self.sc_embedding is None else self.sc_embedding(probs)
-        soft = product * self.embed_scale.to(embeds_BTD.dtype)
+            soft = self.self_conditioning_embedding(torch.softmax(logits_BTV, dim=-1, dtype=torch.float32))
         if mask_B is not None:
             soft = torch.where(mask_B[:, None, None], soft, torch.zeros_like(soft))
         return soft

@@ -32,12 +32,15 @@ import torch
 
 SAMPLE_CHUNK = 4096
 """Vocabulary ids per chunk of the inverse-CDF sampler (part of the scheme: a kernel must use the same chunks)."""
-SCHEME = f"philox4x32-10+chunked-icdf-{SAMPLE_CHUNK}+sc-probs/v3"
+SCHEME = f"philox4x32-10+chunked-icdf-{SAMPLE_CHUNK}+sc-embed/v4"
 """Name of the step numerics (random streams, sampler, what a step hands the next); printed in stats and bench
-metadata. v3 carries the self-conditioning input as probabilities, softmax((logits - max) / T) computed in float32
-by the step that sampled and stored in the model dtype, where v2 carried the scaled logits (stored in the model
-dtype) and the next forward took their softmax. v1 was torch.Generator streams seeded by SplitMix64 with an
-unchunked inverse CDF."""
+metadata. v4 carries the self-conditioning input as its soft embedding [B, C, D]: the step that sampled computes
+softmax((logits - max) / T) in float32, casts it to the model dtype and multiplies by the embedding weight (times
+embed_scale; `DiffusionGemma.self_conditioning_embedding`), where v3 stored those probabilities [B, C, V] and the
+next forward did the product: the same operations on the same values, so v4 gives v3's tokens (checked on the 500
+demo test prompts, README), with D instead of V values per position carried between steps. v2 carried the scaled
+logits (stored in the model dtype) and the next forward took their softmax. v1 was torch.Generator streams seeded by
+SplitMix64 with an unchunked inverse CDF."""
 GREEDY_BELOW = torch.finfo(torch.float32).tiny
 """Temperatures below float32's smallest normal (zero and denormals included) mean greedy decoding."""
 

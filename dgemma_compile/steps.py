@@ -52,8 +52,10 @@ class DenoiseState:
 
     canvas, argmax: int64 [B, C] (argmax is what gets committed); history: int64 [P, B, C], the argmax canvases of
     the previous P steps (-1 before the first); finished: bool [B] (frozen rows); steps: int64 [B], decoder passes
-    of this block; sc_probs: [B, C, V] in the model dtype, the self-conditioning input: the previous step's
-    softmax((logits - max) / T) (one-hot for greedy rows; `sampler.StepUpdate`), meaningful where has_sc: bool [B].
+    of this block; sc_embeds: [B, C, D] in the model dtype, the self-conditioning input: the soft embedding
+    (`DiffusionGemma.self_conditioning_embedding`) of the previous step's softmax((logits - max) / T) (one-hot for
+    greedy rows; `sampler.StepUpdate`), computed at the end of that step, meaningful where has_sc: bool [B]. D, not
+    V, values per position: at the released sizes 2,816 instead of 262,144 (`sampler.SCHEME` v4).
     """
 
     canvas: torch.Tensor
@@ -61,17 +63,17 @@ class DenoiseState:
     history: torch.Tensor
     finished: torch.Tensor
     steps: torch.Tensor
-    sc_probs: torch.Tensor
+    sc_embeds: torch.Tensor
     has_sc: torch.Tensor
 
     @classmethod
     def allocate(cls, model: DiffusionGemma, rows: int, stability: int) -> "DenoiseState":
-        C, V, dev = model.config.canvas_length, model.config.vocab_size, model.device
+        C, D, dev = model.config.canvas_length, model.config.hidden_size, model.device
         long = dict(dtype=torch.long, device=dev)
         return cls(canvas=torch.zeros(rows, C, **long), argmax=torch.zeros(rows, C, **long),
                    history=torch.full((stability, rows, C), -1, **long),
                    finished=torch.zeros(rows, dtype=torch.bool, device=dev), steps=torch.zeros(rows, **long),
-                   sc_probs=torch.zeros(rows, C, V, dtype=model.dtype, device=dev),
+                   sc_embeds=torch.zeros(rows, C, D, dtype=model.dtype, device=dev),
                    has_sc=torch.zeros(rows, dtype=torch.bool, device=dev))
 
     def view(self, rows: int) -> "DenoiseState":
@@ -202,7 +204,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     else:
         logits = model.denoise_block(state.canvas, cache, None, state.has_sc, moe_impl=moe_impl,
                                      plan=plan.plan if plan is not None else None,
-                                     self_conditioning_probs=state.sc_probs, kernel_options=kernel_options)
+                                     self_conditioning_embeds=state.sc_embeds, kernel_options=kernel_options)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
@@ -211,7 +213,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     state.argmax.copy_(new.argmax)
     state.history.copy_(new.history)
     state.finished.copy_(new.finished | (state.steps >= inputs.budget))
-    state.sc_probs.copy_(new.sc_probs)
+    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs))
     state.has_sc.fill_(True)
 
 
@@ -279,7 +281,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     k_B1 = steps_in.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
     uniform, renoise = rng.step_noise(inputs.seeds, block, inputs.budget - steps_in, C, V)
     steps = steps_in + stepping.long()
-    hidden = model.forward_plan(ids, cache, plan.plan, moe_impl=moe_impl, self_conditioning_probs=state.sc_probs)
+    hidden = model.forward_plan(ids, cache, plan.plan, moe_impl=moe_impl, self_conditioning_embeds=state.sc_embeds)
     if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
         hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
     logits = model.logits(hidden)
@@ -297,7 +299,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     state.argmax.copy_(torch.where(begin_BC, start, new.argmax))
     state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
     state.steps.copy_(torch.where(begin, 0, steps))
-    state.sc_probs.copy_(new.sc_probs.to(state.sc_probs.dtype))
+    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs))
     state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
     inputs.block.copy_(block)
     rows.prefilled.copy_(prefilled)

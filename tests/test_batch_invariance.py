@@ -11,8 +11,8 @@ dtype's switch on (float32 M >= 4, bfloat16 M >= 2, measured: bench/batch_invari
 has M a multiple of the canvas (16 demo, 256 released), so no fixed-M call is needed. Checked compiled on the demo
 (bucket 1 against bucket 8) and eagerly at the released width in bfloat16.
 
-The recorded signal per row and live step is the step's self-conditioning input softmax((logits - max) / T)
-(`steps.DenoiseState.sc_probs`), a per-row function of that step's logits, plus the final sequences.
+The recorded signal per row and live step is the soft embedding of the step's softmax((logits - max) / T)
+(`steps.DenoiseState.sc_embeds`), a per-row function of that step's logits, plus the final sequences.
 """
 
 import random
@@ -36,7 +36,7 @@ def _recorded(runner):
         live = (~runner.state.finished[:runner.R]).tolist()
         finished = step()
         for r in (r for r, on in enumerate(live) if on):
-            trace[r].append(runner.state.sc_probs[r].clone())
+            trace[r].append(runner.state.sc_embeds[r].clone())
         return finished
 
     runner.step = record
@@ -61,7 +61,7 @@ def _compiled_run(gen, cfg):
                 live = stepping(view.row_state.phase, fused=bucket.fuse_commit).tolist()
                 step()
                 for r in (r for r, on in enumerate(live) if on and r < len(prompts)):
-                    trace[r].append(view.state.sc_probs[r].clone())
+                    trace[r].append(view.state.sc_embeds[r].clone())
 
             view.unwrapped, view.step = step, record
         try:

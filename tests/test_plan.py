@@ -373,7 +373,7 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
                 y = model.encode_block(first[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0, :n_new[r]]
             elif m == DENOISE:
                 y = model.denoise_block(first[r:r + 1], c, None, torch.tensor([with_sc]), moe_impl="dense",
-                                        self_conditioning_probs=sc_probs[r:r + 1])[0]
+                                        self_conditioning_embeds=model.self_conditioning_embedding(sc_probs[r:r + 1]))[0]
             elif m == COMMIT_DENOISE:
                 y = model.commit_denoise_block(first[r:r + 1], second[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0]
             else:
@@ -383,7 +383,7 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
         plan = build_plan(model, cache, 2 * C, mode=mode, n_new=n_new, canvas=C,
                           self_conditioning=torch.tensor([r[3] for r in FUSED_ROWS]))
         ids = torch.cat([first, torch.where((mode == COMMIT_DENOISE)[:, None], second, 0)], dim=1)
-        hidden = model.forward_plan(ids, cache, plan, moe_impl="dense", self_conditioning_probs=sc_probs)
+        hidden = model.forward_plan(ids, cache, plan, moe_impl="dense", self_conditioning_embeds=model.self_conditioning_embedding(sc_probs))
     for r, ((m, _, _, _), (y, c)) in enumerate(zip(FUSED_ROWS, expected)):
         if m == ENCODER:
             assert torch.equal(hidden[r, :n_new[r]], y), f"row {r} hidden"
