@@ -520,18 +520,23 @@ class Engine:
                 self._finish(req, "cancelled", [], "")
                 continue
             b = free.pop(0)
-            self.bucket.inputs.set_row(b, req.config, req.seed)
             row = _Row(request=req, phase=Phase.PREFILL)
-            if pages is None:
-                self.bucket.cache.reset_row(b)
-            else:
-                row.prefilled = self.memory.admit(b, pages)
-                self.stats.prefix_hit_tokens += row.prefilled
             self.rows[b] = row
-            if self.mixed:
-                self.bucket.inputs.block[b] = 0
-                self.bucket.row_state.admit(b, req.prompt, req.config.max_new_tokens, prefilled=row.prefilled)
-                self._dirty = True
+            try:
+                self.bucket.inputs.set_row(b, req.config, req.seed)
+                if pages is None:
+                    self.bucket.cache.reset_row(b)
+                else:
+                    row.prefilled = self.memory.admit(b, pages)
+                    self.stats.prefix_hit_tokens += row.prefilled
+                if self.mixed:
+                    self.bucket.inputs.block[b] = 0
+                    self.bucket.row_state.admit(b, req.prompt, req.config.max_new_tokens, prefilled=row.prefilled)
+                    self._dirty = True
+            except Exception:  # noqa: BLE001 - a request that cannot be admitted ends alone; its row is freed
+                log.exception("request %d: admission failed; ending it alone", req.id)
+                self._retire(row, "error")
+                free.insert(0, b)
 
     def _committed(self, b: int, row: _Row) -> None:
         """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`)."""
