@@ -100,7 +100,7 @@ def _runs(url: str, venvs: Path, inp: dict[str, Path], n: int) -> list[tuple[str
           "single_turn", "--request-count", str(n), "--concurrency", "1", "--ui-type", "none",
           "--artifact-dir", str(inp["prompts"].parent / "aiperf")]),
         ("guidellm run (text prompts)", "guidellm",
-         [f"{venvs}/guidellm/bin/guidellm", "run", "--backend", f"openai_http:{url}", "--profile", "synchronous",
+         [f"{venvs}/guidellm/bin/guidellm", "run", "--backend", f"kind=openai_http,target={url}", "--profile", "synchronous",
           "--data", str(inp["prompts"]), "--tokenizer", tok, "--constraint", f"max_requests={n}",
           "--disable-console-interactive", "--output", str(inp["prompts"].parent / "guidellm.json")]),
     ]
@@ -108,7 +108,8 @@ def _runs(url: str, venvs: Path, inp: dict[str, Path], n: int) -> list[tuple[str
 
 def _tail(text: str, lines: int = 12) -> list[str]:
     keep = [x for x in text.splitlines() if x.strip() and "Warning" not in x and "WARNING" not in x]
-    return keep[-lines:]
+    summary = [x for x in keep if x.startswith(("Successful requests", "Failed requests", "|"))]  # vllm, lm-eval
+    return summary + keep[-lines:]
 
 
 def main(argv: list[str] | None = None) -> int:
