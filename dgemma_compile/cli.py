@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--quant", choices=QUANT_SCHEMES, default=None, help="quantize the weights first (as generate)")
     e.add_argument("--json", action="store_true", help="print JSON instead of text")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the [serve] extra): /v1/completions, "
-                                     "/v1/chat/completions, /v1/models, /health, /metrics")
+                                     "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics")
     s.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -99,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
                         "cache's memory); requests wait for pages, never running ones")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: dgemma-demo for the "
                                                              "demo model, else the checkpoint directory's name)")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, metavar="B",
+                   help="larger request bodies get HTTP 413 (default 4 MiB)")
+    s.add_argument("--input-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds one request's parsing and tokenization may take; longer gets HTTP 400 (default 30)")
     s.add_argument("--eager", action="store_true", help="eager steps instead of the compiled bucket (no compile)")
     s.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
                    help="each row's logits bitwise those of its solo run whatever the bucket and batch mates "
@@ -444,10 +448,12 @@ def serve_command(args: argparse.Namespace) -> int:
     from . import load, load_tokenizer
     from .runtime import build_engine
 
-    for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages"):
+    for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"{name}: must be a positive integer, got {v}")
+    if not args.input_timeout > 0:
+        raise ConfigError(f"input_timeout: must be a positive number of seconds, got {args.input_timeout}")
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -462,7 +468,8 @@ def serve_command(args: argparse.Namespace) -> int:
                           kv_pages=args.kv_pages, fuse_commit={"auto": None, "on": True, "off": False}[args.fuse_commit],
                           batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
-    app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics)
+    app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics, max_body_bytes=args.max_body_bytes,
+                     input_timeout_s=args.input_timeout)
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "

@@ -234,10 +234,10 @@ class GenerationConfig:
             _require(_is_int(v) and v > 0, name, f"must be a positive integer, got {v!r}")
         _require(_is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
                  f"must be an integer >= 0, got {self.stability_threshold!r}")
-        for name in ("entropy_bound", "confidence_threshold"):
+        for name in ("entropy_bound", "confidence_threshold"):  # float32 in the per-row inputs: must fit
             v = getattr(self, name)
-            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0, name,
-                     f"must be a finite number > 0, got {v!r}")
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                     and 0 < v <= FLOAT32_MAX, name, f"must be a number in (0, {FLOAT32_MAX:.4g}], got {v!r}")
         for name in ("t_min", "t_max"):  # stored as float32 in the per-row tables: must fit
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -46,11 +46,12 @@ def _free_port() -> int:
 
 
 class ServerThread:
-    """uvicorn serving `app` on a loopback port in a daemon thread, with the engine running."""
+    """uvicorn serving `create_app(engine, ..., **app_kw)` on a loopback port in a daemon thread, with the engine
+    running."""
 
-    def __init__(self, engine: Engine, tokenizer, metrics: ServeMetrics | None = None):
-        self.engine, self.port = engine, _free_port()
-        app = create_app(engine, model_name=MODEL, tokenizer=tokenizer, metrics=metrics)
+    def __init__(self, engine: Engine, tokenizer, metrics: ServeMetrics | None = None, **app_kw):
+        self.engine, self.tok, self.port = engine, tokenizer, _free_port()
+        app = create_app(engine, model_name=MODEL, tokenizer=tokenizer, metrics=metrics, **app_kw)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -274,7 +275,9 @@ def test_openai_client_errors_and_routes(eager_server):
         for b in (1, 2, 4)]
     out = client.completions.create(model=MODEL, prompt="sort 3 1 2 9 5=", max_tokens=16, seed=0)
     assert out.choices[0].text == "1 2 3 5 9" and out.choices[0].finish_reason == "stop"
-    assert out.usage.completion_tokens == len("1 2 3 5 9") + 1  # + eos, a returned token without text
+    # usage as a client's tokenizer counts: the prompt with its BOS, the text without the eos that ended it
+    assert out.usage.completion_tokens == len(eager_server.tok("1 2 3 5 9", add_special_tokens=False)["input_ids"])
+    assert out.usage.prompt_tokens == len(eager_server.tok("sort 3 1 2 9 5=")["input_ids"])
     metrics = httpx.get(eager_server.url + "/metrics").text
     for name in ("dgemma_queue_depth", "dgemma_running_rows", "dgemma_tokens_per_second", "dgemma_tokens_per_forward",
                  "dgemma_steps_per_block", 'dgemma_requests_total{reason="eos"}'):
@@ -482,7 +485,7 @@ def _streaming_chat_n_and_stop(srv, gen, refs):
                                             stream_options={"include_usage": True}))
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert texts == ["1 0 9 8 7 6 5 4 ", "3 2 1"]
-    assert chunks[-1].usage.completion_tokens == len("1 0 9 8 7 6 5 4 3 2 1") + 1
+    assert chunks[-1].usage.completion_tokens == len("1 0 9 8 7 6 5 4 3 2 1")  # the eos not counted
     # a stop string across the block boundary never shows, streamed or not
     for stream in (False, True):
         out = client.completions.create(model=MODEL, prompt=REV, seed=0, stop=["4 3"], stream=stream)

@@ -405,13 +405,18 @@ class Engine:
                 continue
             b = free.pop(0)  # the lowest free row: busy rows stay low, so the step runs at the smallest size
             row = _Row(request=req, phase=Phase.PREFILL)
-            if pages is not None:
-                row.prefilled = self.memory.admit(b, pages)
-                self.stats.prefix_hit_tokens += row.prefilled
-            self.bucket.admit(b, req.prompt, req.config, req.seed,
-                              prefilled=row.prefilled if pages is not None else None)
             self.rows[b] = row
-            self._dirty = True
+            try:
+                if pages is not None:
+                    row.prefilled = self.memory.admit(b, pages)
+                    self.stats.prefix_hit_tokens += row.prefilled
+                self.bucket.admit(b, req.prompt, req.config, req.seed,
+                                  prefilled=row.prefilled if pages is not None else None)
+                self._dirty = True
+            except Exception:  # noqa: BLE001 - a request that cannot be admitted ends alone; its row is freed
+                log.exception("request %d: admission failed; ending it alone", req.id)
+                self._retire(row, "error")
+                free.insert(0, b)
 
     def _committed(self, b: int, row: _Row) -> None:
         """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`)."""

@@ -1,14 +1,26 @@
 """The OpenAI-compatible request and response bodies (pydantic), and the OpenAI-shaped error.
 
-Requests forbid unknown fields (400, naming the field). Known OpenAI fields this server does not implement are
-accepted only at their neutral value (`logprobs`, `response_format`, `tools`, ... absent or null; `top_p` 1;
-penalties 0; `echo` false) and refused otherwise. Extensions (body fields, e.g. the `openai` client's `extra_body`):
-`max_denoising_steps` (denoise steps per block at most), `entropy_bound` (the acceptance rule's bound) and
-`draft_every` (k >= 1, streaming only: a draft event every k denoise steps of each block; see `server.py`).
+Requests forbid unknown fields (400, naming the field). Fields this server does not implement are accepted at a
+neutral value and refused otherwise with a 400 naming the field and the values it accepts (`NEUTRAL_COMPLETION`,
+`NEUTRAL_CHAT`): OpenAI's (`top_p` 1, penalties 0, `logit_bias` {}, `response_format` {"type": "text"}, `tools` [],
+`tool_choice` "none", `best_of` 1, `echo` false, `store` false, ...; `logprobs` / `top_logprobs` absent, null,
+false or 0 only, for now) and vLLM's sampling extensions (`repetition_penalty` 1, `top_k` -1 or 0, `min_p` 0,
+`min_tokens` 0, `ignore_eos` false: the eos ids are structural, shared by every row of the compiled step).
+`user` and `metadata` are accepted and ignored. Chat content is a string or text parts; an `image_url` (or any
+other non-text) part is refused, never dropped.
+
+Every per-request value that reaches a device tensor is bounded here or in `GenerationConfig`: floats finite and
+within float32 (`temperature`, `entropy_bound`), integers within int64 / the tables (`seed` < 2**64,
+`max_denoising_steps`, `draft_every` < 2**31), so admitting a queued request cannot fail on its values.
+
+Extensions (body fields, e.g. the `openai` client's `extra_body`): `max_denoising_steps` (denoise steps per block
+at most), `entropy_bound` (the acceptance rule's bound) and `draft_every` (k >= 1, streaming only: a draft event
+every k denoise steps of each block; see `server.py`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,17 +38,63 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# fields of the OpenAI API this server refuses unless they hold the value given here (None: absent or null)
-UNSUPPORTED_COMMON = {"top_p": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None}
-UNSUPPORTED_COMPLETION = {**UNSUPPORTED_COMMON, "logprobs": None, "echo": False, "suffix": None, "best_of": None}
-UNSUPPORTED_CHAT = {**UNSUPPORTED_COMMON, "logprobs": False, "top_logprobs": None, "response_format": None,
-                    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-                    "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None}
+NOT_YET = "not supported yet (logprobs need the redesigned denoise step)"
+SHARED_EOS = ("not supported: the eos ids are shared by every row of the compiled step (a structural field), so "
+              "one request cannot ignore them")
+
+# Fields this server does not implement, accepted only at a neutral value (absent and null are always neutral):
+# name -> (the neutral values, why others are refused). OpenAI's, then vLLM's sampling extensions.
+NEUTRAL_COMMON: dict[str, tuple[tuple, str]] = {
+    "top_p": ((1,), "the sampler keeps the whole distribution"),
+    "presence_penalty": ((0,), "no penalties"),
+    "frequency_penalty": ((0,), "no penalties"),
+    "logit_bias": (({},), "no logit bias"),
+    "store": ((False,), "this server stores nothing"),
+    "service_tier": (("auto", "default"), "one service tier"),
+    "repetition_penalty": ((1,), "no penalties"),
+    "top_k": ((-1, 0), "the sampler keeps the whole distribution"),
+    "min_p": ((0,), "the sampler keeps the whole distribution"),
+    "min_tokens": ((0,), "an eos may end a request at any block"),
+    "ignore_eos": ((False,), SHARED_EOS),
+    "skip_special_tokens": ((True,), "special tokens are never returned as text"),
+    "include_stop_str_in_output": ((False,), "a stop string is never part of the text"),
+}
+NEUTRAL_COMPLETION = {**NEUTRAL_COMMON, "logprobs": ((), NOT_YET), "echo": ((False,), "no echo of the prompt"),
+                      "suffix": (("",), "no suffix"), "best_of": ((1,), "no server-side best-of")}
+NEUTRAL_CHAT = {**NEUTRAL_COMMON, "logprobs": ((False,), NOT_YET), "top_logprobs": ((0,), NOT_YET),
+                "response_format": (({"type": "text"},), "text only, no structured output"),
+                "tools": (([],), "no tool calls"), "tool_choice": (("none", "auto"), "no tool calls"),
+                "functions": (([],), "no tool calls"), "function_call": (("none", "auto"), "no tool calls"),
+                "parallel_tool_calls": ((False, True), "no tool calls"), "audio": ((), "text only"),
+                "modalities": ((["text"],), "text only"), "prediction": ((), "no predicted outputs")}
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality that keeps bools apart from numbers (`true` is not 1)."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def _refuse_unsupported(values: Any, neutral: dict[str, tuple[tuple, str]]) -> Any:
+    if isinstance(values, dict):
+        for name, (ok, why) in neutral.items():
+            v = values.get(name)
+            if v is not None and not any(_same(v, n) for n in ok):
+                accepted = ", ".join(json.dumps(n) for n in ok) or "null"
+                raise ValueError(f"{name}: {json.dumps(v)[:80]} is not supported by this server (accepted: absent, "
+                                 f"null, {accepted}); {why}")
+    return values
+
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with the request's usage (and `choices: []`); `continuous_usage_stats` (vLLM):
+    `usage` (so far) in every chunk."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
@@ -44,28 +102,44 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="exact budget of generated tokens")
-    temperature: float | None = Field(default=None, ge=0, description="scales the checkpoint's schedule; 0 = greedy")
+    temperature: float | None = Field(default=None, ge=0, le=FLOAT32_MAX,
+                                      description="scales the checkpoint's temperature schedule; 0: greedy "
+                                                  "candidates (the start canvas and renoise stay random: answers "
+                                                  "repeat only with a seed)")
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, description="up to 16 stop strings")
     user: str | None = None
+    metadata: dict[str, str] | None = None
     # extensions
-    max_denoising_steps: int | None = Field(default=None, ge=1)
-    entropy_bound: float | None = Field(default=None, ge=0)
-    draft_every: int | None = Field(default=None, ge=1, description="a draft event every k denoise steps (stream)")
-    # OpenAI fields refused unless neutral (UNSUPPORTED_*; each request model's `_unsupported` checks them)
+    max_denoising_steps: int | None = Field(default=None, ge=1, lt=2**31)
+    entropy_bound: float | None = Field(default=None, gt=0, le=FLOAT32_MAX)
+    draft_every: int | None = Field(default=None, ge=1, lt=2**31,
+                                    description="a draft event every k denoise steps (stream)")
+    # fields refused unless neutral (NEUTRAL_*; each request model's `_unsupported` checks them)
     logprobs: Any = None
     top_p: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    store: Any = None
+    service_tier: Any = None
+    repetition_penalty: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
 
     @model_validator(mode="after")
-    def _drafts_stream(self):
+    def _stream_only(self):
         if self.draft_every is not None and not self.stream:
             raise ValueError("draft_every: draft events are streamed; needs stream=true")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
         return self
 
     @field_validator("max_tokens")
@@ -79,8 +153,8 @@ class _Common(BaseModel):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop strings")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
         if any(s == "" for s in stops):
             raise ValueError("empty stop string")
         return v
@@ -89,18 +163,11 @@ class _Common(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-def _refuse_unsupported(values: Any, allowed: dict[str, Any]) -> Any:
-    if isinstance(values, dict):
-        for name, neutral in allowed.items():
-            if name in values and values[name] is not None and values[name] != neutral:
-                raise ValueError(f"{name}: not supported by this server")
-    return values
-
-
 class CompletionRequest(_Common):
-    """POST /v1/completions. `prompt`: a string, a list of strings (each its own `n` choices), or token ids."""
+    """POST /v1/completions. `prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists
+    (each prompt of a list its own `n` choices)."""
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -108,14 +175,47 @@ class CompletionRequest(_Common):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, values):
-        return _refuse_unsupported(values, UNSUPPORTED_COMPLETION)
+        return _refuse_unsupported(values, NEUTRAL_COMPLETION)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, (str, list)) for x in p):
+            return list(p)
+        return [list(p)]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
+    """A message; `content` a string or text parts (an image, audio or file part is refused: text only)."""
+
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(f"{json.dumps(kind)[:40]} content parts are not supported by this server "
+                                     "(text only)")
+        return v
+
+    def template_dict(self) -> dict:
+        """The message as the chat template reads it."""
+        content = self.content if isinstance(self.content, str) else [p.model_dump() for p in self.content]
+        return {"role": self.role, "content": content}
 
 
 class ChatCompletionRequest(_Common):
@@ -137,7 +237,7 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, values):
-        return _refuse_unsupported(values, UNSUPPORTED_CHAT)
+        return _refuse_unsupported(values, NEUTRAL_CHAT)
 
     @model_validator(mode="after")
     def _budget(self):
@@ -146,6 +246,54 @@ class ChatCompletionRequest(_Common):
                 raise ValueError("max_tokens and max_completion_tokens differ")
             self.max_tokens = self._positive(self.max_completion_tokens)
         return self
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): `prompt` (text), or `messages` rendered through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal's body (OpenAI's shape)."""
+
+    error: ErrorBody
 
 
 class Usage(BaseModel):
@@ -173,6 +321,7 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: None = None
 
 
 class ChatChoice(BaseModel):

@@ -1,14 +1,33 @@
 """The OpenAI-compatible HTTP server (FastAPI; SSE through sse-starlette) over one `Engine`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (the checkpoint's own chat template, `text.encode_chat`),
-GET /v1/models, GET /health, GET /metrics (Prometheus text, `metrics.ServeMetrics`).
+GET /v1/models, GET /v1/models/{id} (404 for another id), POST /tokenize and /detokenize and GET /tokenizer_info
+(vLLM's shapes), GET /health, GET /metrics (Prometheus text, `metrics.ServeMetrics`); /openapi.json documents every
+request body and error.
 
 Each choice of a request (`n` per prompt) is its own engine request in its own row, with its own seed: choice i of a
 request with seed s uses `choice_seed(s, i)` (choice 0 uses s itself, so n=1 reproduces `gen.generate(seed=s)`); a
-request without a seed draws a fresh one. Streaming sends one SSE event per finished block of each choice (its text
-so far, stop strings held back), the last one with its finish_reason, then a usage event when
-`stream_options.include_usage`, then `[DONE]`. A client that disconnects (streaming or not) has its rows freed at
-the engine's next iteration.
+request without a seed draws a fresh one.
+
+`temperature` scales the checkpoint's schedule (`GenerationConfig.with_temperature`); 0 makes every denoise step's
+candidates greedy (argmax), but the start canvas of each block and the renoise of unaccepted positions are still
+drawn from the request's random stream, so answers repeat only with a `seed` (with one, they repeat at any
+temperature).
+
+Streaming (SSE, each event framed `data: ...\\n\\n` as vLLM sends and its bench client splits): chat streams begin
+with one role chunk per choice (`delta` {"role": "assistant", "content": ""}), before any other chunk; then ONE
+event per committed block of each choice (`delta` {"content": ...} / `text`: the block's text, stop strings held
+back), the last one with its finish_reason, then a usage event when `stream_options.include_usage`, then `[DONE]`.
+One event holds a whole block (up to the canvas length of tokens, committed together), so a client's
+"time to first token" is the time to the first committed block and its "inter-token latency" is the time between
+blocks; divide by the tokens in an event for a per-token figure. `stream_options.continuous_usage_stats` adds the
+usage so far to every chunk. An engine failure mid-stream sends `data: {"error": {...}}` and `[DONE]`.
+
+Usage: `prompt_tokens` counts the ids the model reads, BOS included: the token ids a client sent, or the tokenizer's
+encoding of the text / rendered template (what `tokenizer(text)["input_ids"]` gives with the checkpoint's own
+tokenizer, as vLLM counts); `completion_tokens` counts the generated tokens behind the returned text, the eos that
+ended an answer NOT counted (so it equals the client tokenizer's count of the returned text wherever the text
+re-tokenizes to the same ids; at a stop string, the shortest prefix whose text covers what was returned).
 
 Draft events (the extension `draft_every`: k >= 1, streaming only; opt-in per request, since each costs the
 request's bucket a host read of the canvas every k steps): every k denoise steps of a block in flight, each choice
@@ -16,9 +35,13 @@ gets a chunk whose regular text is empty (`text` "" / `delta.content` "", so cli
 text) and whose choice carries `"draft": {"text": ..., "block": b, "step": s}`: the block's current argmax canvas
 as text (cut at eos, at the token budget and before a stop string), provisional, replaced by the block's own event.
 
-Errors are OpenAI-shaped (`protocol.APIError`): malformed JSON, unknown or unsupported fields, bad values, prompts
-beyond the context -> 400; an unknown model -> 404; a full queue -> 429. A request is validated whole before any of
-its choices is queued, so a bad request never reaches the engine.
+Errors are OpenAI-shaped (`protocol.APIError`): malformed JSON (also NaN / Infinity and nesting deeper than
+`limits.MAX_DEPTH`), unknown or unsupported fields, bad values, prompts beyond the context, parsing + tokenization
+past `input_timeout_s` -> 400; an unknown model -> 404; a body over `max_body_bytes` -> 413; a full queue -> 429; an
+engine failure -> 500 for the requests it hit alone. A request is validated whole before any of its choices is
+queued, so a bad request never reaches the engine. Parsing, tokenization and template rendering run in worker
+threads (`limits.offload`), never on the event loop. A client that disconnects (streaming or not) has its rows
+freed at the engine's next iteration, finish reason "cancelled".
 """
 
 from __future__ import annotations
@@ -31,18 +54,25 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from ..config import ConfigError, GenerationConfig
-from ..text import encode_chat, encode_prompt
+from ..text import chat_template, encode_chat, encode_prompt
 from . import protocol as P
 from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest
+from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
 
 GOLDEN = 0x9E3779B97F4A7C15
+ERRORS = {400: "invalid request: malformed JSON, an unknown or unsupported field, a bad value, a prompt beyond the "
+               "context", 404: "unknown model", 413: "body over the server's --max-body-bytes",
+          429: "queue full", 500: "the engine failed while running this request"}
+BODIES = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
+          "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest}
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -50,26 +80,66 @@ def choice_seed(seed: int, index: int) -> int:
     return (seed + index * GOLDEN) % 2**64
 
 
-def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None) -> FastAPI:
+def _responses(ok: type, *codes: int) -> dict:
+    return {200: {"model": ok}, **{c: {"model": P.ErrorResponse, "description": ERRORS[c]} for c in codes}}
+
+
+def _body(path: str) -> dict:
+    ref = {"$ref": f"#/components/schemas/{BODIES[path].__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
-    `ServeMetrics` for /metrics (404 without)."""
+    `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
+    `input_timeout_s`: seconds one request's parsing and tokenization may take (400 past it)."""
     app = FastAPI(title="dgemma serve")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     created = int(time.time())
     bos = engine.model.config.bos_token_id
+    vocab = engine.model.config.vocab_size
 
     @app.exception_handler(P.APIError)
     async def _api_error(_: Request, e: P.APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def _server_error(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped, never text/plain
+        err = P.APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version="1", routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in BODIES.values():
+                s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(s.pop("$defs", {}))
+                components[model.__name__] = s
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "running": engine.running, "queued": engine.queue_depth,
                 "buckets": engine.bucket_table()}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "dgemma_compile",
+                "max_model_len": engine.max_seq_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "dgemma_compile", "max_model_len": engine.max_seq_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses={404: {"model": P.ErrorResponse}})
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return model_card()
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -77,22 +147,31 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None) -> F
             raise P.APIError(404, "metrics are off", type="not_found_error")
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    async def parse(request: Request, model: type) -> P._Common:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise P.APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
+                             param="model", type="not_found_error", code="model_not_found")
+
+    def validate(raw: bytes, model: type):
+        body = parse_json(raw)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise P.APIError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise P.APIError(400, "the body must be a JSON object")
-        try:
-            req = model.model_validate(body)
+            return model.model_validate(body)
         except ValidationError as e:
             message, param = P.validation_message(e)
             raise P.APIError(400, message, param=param) from None
-        if req.model is not None and req.model != model_name:
-            raise P.APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
-                             param="model", code="model_not_found")
+
+    async def parse(request: Request, model: type):
+        raw = await request.body()
+        req = await offload(validate, raw, model, timeout=input_timeout_s, what="parsing the body")
+        check_model(req.model)
         return req
+
+    async def tokenize(fn, *args):
+        """`fn(*args)` (tokenization, template rendering) off the event loop, bounded; ConfigError -> 400."""
+        try:
+            return await offload(fn, *args, timeout=input_timeout_s, what="tokenizing", param="prompt")
+        except ConfigError as e:
+            raise _config_error(e) from None
 
     def config_of(req: P._Common) -> GenerationConfig:
         changes = {"max_new_tokens": req.max_tokens, "max_denoising_steps": req.max_denoising_steps,
@@ -134,27 +213,28 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None) -> F
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if req.stream:
-            return EventSourceResponse(_stream(request, engine, choices, index, events, req, rid, now, model_name,
-                                               chat, prompt_tokens), ping=15)
+            return EventSourceResponse(_stream(engine, choices, index, events, req, rid, now, model_name, chat,
+                                               prompt_tokens), ping=15, sep="\n")
         texts, reasons, tokens = [""] * len(choices), [None] * len(choices), [0] * len(choices)
+        gone = asyncio.create_task(_disconnected(request))
+        gone.add_done_callback(lambda t: t.cancelled() or [engine.cancel(c) for c in choices])
         try:
             while any(r is None for r in reasons):
-                try:
-                    e = await asyncio.wait_for(events.get(), timeout=0.5)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
+                e = await events.get()
                 i = index[id(e.request)]
                 if e.draft:
                     continue
                 texts[i] += e.text
                 if e.finish_reason is not None:
-                    reasons[i], tokens[i] = e.finish_reason, e.completion_tokens
+                    reasons[i], tokens[i] = e.finish_reason, _completion_tokens(e)
         finally:
+            if not gone.done():
+                gone.cancel()
             _cancel_unfinished(engine, choices, reasons)
+        if gone.done() and not gone.cancelled():
+            return Response(status_code=499)
         if "error" in reasons:
-            raise P.APIError(500, "the engine failed while running this request", type="server_error")
+            raise P.APIError(500, ERRORS[500], type="server_error")
         usage = P.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(tokens),
                         total_tokens=prompt_tokens + sum(tokens))
         finish = [P.FINISH_REASONS.get(r, r) for r in reasons]
@@ -170,32 +250,77 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None) -> F
                          for i, (t, f) in enumerate(zip(texts, finish))])
         return JSONResponse(body.model_dump())
 
-    @app.post("/v1/completions")
+    def encode_completion(prompts: list) -> list[list[int]]:
+        return [encode_prompt(tokenizer, p, bos_token_id=bos) if isinstance(p, str) else list(p) for p in prompts]
+
+    @app.post("/v1/completions", openapi_extra=_body("/v1/completions"),
+              responses=_responses(P.CompletionResponse, 400, 404, 413, 429, 500))
     async def completions(request: Request):
         req = await parse(request, P.CompletionRequest)
-        p = req.prompt
-        try:
-            if isinstance(p, str):
-                prompts = [encode_prompt(tokenizer, p, bos_token_id=bos)]
-            elif p and all(isinstance(x, str) for x in p):
-                prompts = [encode_prompt(tokenizer, x, bos_token_id=bos) for x in p]
-            else:
-                prompts = [list(p)]
-        except ConfigError as e:
-            raise _config_error(e) from None
+        prompts = await tokenize(encode_completion, req.prompts())
         return await run(request, prompts, req, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("/v1/chat/completions"),
+              responses=_responses(P.ChatCompletionResponse, 400, 404, 413, 429, 500))
     async def chat_completions(request: Request):
         req = await parse(request, P.ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        try:
-            prompt = encode_chat(tokenizer, messages, bos_token_id=bos)
-        except ConfigError as e:
-            raise _config_error(e) from None
+        messages = [m.template_dict() for m in req.messages]
+        prompt = await tokenize(lambda: encode_chat(tokenizer, messages, bos_token_id=bos))
         return await run(request, [prompt], req, chat=True)
 
+    def tokenize_request(req: P.TokenizeRequest) -> list[int]:
+        if req.messages is not None:
+            return encode_chat(tokenizer, [m.template_dict() for m in req.messages], bos_token_id=bos,
+                               add_generation_prompt=req.add_generation_prompt)
+        if req.add_special_tokens:
+            return encode_prompt(tokenizer, req.prompt, bos_token_id=bos)
+        return [int(t) for t in tokenizer(req.prompt, add_special_tokens=False)["input_ids"]]
+
+    @app.post("/tokenize", openapi_extra=_body("/tokenize"), responses=_responses(P.TokenizeResponse, 400, 404, 413))
+    async def tokenize_route(request: Request):
+        """vLLM's /tokenize: `prompt` with the BOS (add_special_tokens, default) or without; or `messages` through
+        the chat template. `count` = len(tokens), as `usage.prompt_tokens` counts them."""
+        req = await parse(request, P.TokenizeRequest)
+        ids = await tokenize(tokenize_request, req)
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return P.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
+                                  token_strs=strs).model_dump()
+
+    @app.post("/detokenize", openapi_extra=_body("/detokenize"),
+              responses=_responses(P.DetokenizeResponse, 400, 404, 413))
+    async def detokenize_route(request: Request):
+        """vLLM's /detokenize: `tokens` -> `prompt`, the text with special tokens as they decode."""
+        req = await parse(request, P.DetokenizeRequest)
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise P.APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        text = await tokenize(lambda: tokenizer.decode(req.tokens, skip_special_tokens=False,
+                                                       clean_up_tokenization_spaces=False))
+        return P.DetokenizeResponse(prompt=text).model_dump()
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it): special tokens, chat template, length."""
+        try:
+            template = chat_template(tokenizer)
+        except ConfigError:
+            template = None
+        return {"tokenizer_class": type(tokenizer).__name__, "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+                "chat_template": template, "model_max_length": engine.max_seq_len}
+
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the ASGI `http.disconnect` after the body)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _completion_tokens(e: BlockEvent) -> int:
+    """The usage rule (module docstring): the engine's count without the eos that ended the request."""
+    return e.completion_tokens - (e.finish_reason == "eos")
 
 
 def _draft_chunk(e: BlockEvent, i: int, rid: str, now: int, model_name: str, chat: bool) -> dict:
@@ -224,43 +349,55 @@ def _config_error(e: ConfigError) -> P.APIError:
     return P.APIError(400, message, param=param, code=code)
 
 
-async def _stream(request: Request, engine: Engine, choices: list[EngineRequest], index: dict, events: asyncio.Queue,
-                  req: P._Common, rid: str, now: int, model_name: str, chat: bool,
-                  prompt_tokens: int) -> AsyncIterator[dict]:
+async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, events: asyncio.Queue, req: P._Common,
+                  rid: str, now: int, model_name: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
     """The SSE events of one streamed request (see the module docstring); cancels unfinished choices when the
     client goes away (sse-starlette cancels this generator on a disconnect)."""
     reasons: list = [None] * len(choices)
     tokens = [0] * len(choices)
-    started = [False] * len(choices)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    opts = req.stream_options
+    continuous = opts is not None and opts.continuous_usage_stats
+
+    def usage() -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(tokens),
+                "total_tokens": prompt_tokens + sum(tokens)}
+
+    def event(choice: dict) -> dict:
+        chunk = {"id": rid, "object": obj, "created": now, "model": model_name, "choices": [choice]}
+        if continuous:
+            chunk["usage"] = usage()
+        return {"data": json.dumps(chunk)}
+
     try:
+        if chat:  # the role first, once per choice, before any draft or text
+            for i in range(len(choices)):
+                yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
         while any(r is None for r in reasons):
             e = await events.get()
             i = index[id(e.request)]
-            if e.finish_reason == "cancelled":
+            if e.finish_reason in ("cancelled", "error"):
                 reasons[i] = e.finish_reason
+                if e.finish_reason == "error":
+                    err = P.APIError(500, ERRORS[500], type="server_error")
+                    yield {"data": json.dumps(err.body())}
+                    break
                 continue
             if e.draft:
                 yield {"data": json.dumps(_draft_chunk(e, i, rid, now, model_name, chat))}
                 continue
             finish = P.FINISH_REASONS.get(e.finish_reason, e.finish_reason) if e.finish_reason else None
+            tokens[i] = _completion_tokens(e)
             if e.finish_reason is not None:
-                reasons[i], tokens[i] = e.finish_reason, e.completion_tokens
+                reasons[i] = e.finish_reason
             if chat:
-                delta = P.Delta(role=None if started[i] else "assistant", content=e.text)
-                started[i] = True
-                chunk = P.ChatCompletionChunk(id=rid, created=now, model=model_name,
-                                              choices=[P.ChatChunkChoice(index=i, delta=delta, finish_reason=finish)])
-                data = chunk.model_dump(exclude_none=False)
+                yield event({"index": i, "delta": {"content": e.text}, "logprobs": None, "finish_reason": finish})
             else:
-                data = {"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                        "choices": [{"index": i, "text": e.text, "logprobs": None, "finish_reason": finish}]}
-            yield {"data": json.dumps(data)}
-        if req.stream_options is not None and req.stream_options.include_usage:
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(tokens),
-                     "total_tokens": prompt_tokens + sum(tokens)}
-            obj = "chat.completion.chunk" if chat else "text_completion"
+                yield event({"index": i, "text": e.text, "logprobs": None, "finish_reason": finish})
+        if opts is not None and opts.include_usage:
             yield {"data": json.dumps({"id": rid, "object": obj, "created": now, "model": model_name, "choices": [],
-                                       "usage": usage})}
+                                       "usage": usage()})}
         yield {"data": "[DONE]"}
     finally:
         _cancel_unfinished(engine, choices, reasons)

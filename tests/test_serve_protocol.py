@@ -1,0 +1,221 @@
+"""Protocol conformance of `dgemma serve`, judged by what the field's clients send and parse (offline).
+
+The request bodies of vLLM's bench client (openai, openai-chat), guidellm, aiperf, lm-eval (local-completions,
+local-chat-completions) and the `openai` client are recorded under tests/fixtures/clients/ (each names its client,
+version and source); each must be accepted (or refused with a 400 naming the field where the server cannot honour
+it), and every stream must parse the way vLLM's bench client parses it: events split on "\\n\\n".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dgemma_compile.runtime import build_engine
+
+pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from test_serve import MODEL, REV, SLOTS, ServerThread, _post  # noqa: E402
+
+FIXTURES = sorted((Path(__file__).parent / "fixtures" / "clients").glob("*.json"))
+USER = [{"role": "user", "content": "add 1+2="}]
+
+
+@pytest.fixture(scope="module")
+def server(demo):
+    model, tok = demo
+    engine = build_engine(model, max_batch=4, max_seq_len=SLOTS, eager=True, tokenizer=tok)
+    with ServerThread(engine, tok) as srv:
+        yield srv
+
+
+def _events(raw: bytes) -> list:
+    """SSE events as vLLM's bench client reads them: split on "\\n\\n", comments (pings) skipped, "data: " cut."""
+    text = raw.decode()
+    assert "\r" not in text
+    out = []
+    for message in text.split("\n\n"):
+        message = message.strip()
+        if not message or message.startswith(":"):
+            continue
+        assert message.startswith("data: "), message
+        data = message.removeprefix("data: ")
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def _stream(srv, path: str, body: dict) -> list:
+    with httpx.stream("POST", srv.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return _events(r.read())
+
+
+@pytest.mark.parametrize("fixture", FIXTURES, ids=[f.stem for f in FIXTURES])
+def test_client_bodies(server, fixture):
+    """Each recorded body: accepted (a non-streaming answer parses; a stream splits on "\\n\\n" into JSON events,
+    the last `[DONE]`, text in the chunks and usage where asked) or refused with a 400 naming the field."""
+    case = json.loads(fixture.read_text())
+    body, path = case["body"], case["path"]
+    if case["expect"] != 200:
+        r = _post(server, path, body)
+        assert r.status_code == case["expect"], r.text
+        assert r.json()["error"]["param"] == case["param"]
+        return
+    if not body.get("stream"):
+        r = _post(server, path, body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        prompts = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1
+        assert len(out["choices"]) == prompts and out["usage"]["total_tokens"] > 0
+        for c in out["choices"]:
+            assert (c["message"]["content"] if "messages" in body else c["text"])
+        return
+    events = _stream(server, path, body)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    key = (lambda c: c["delta"].get("content") or "") if "messages" in body else (lambda c: c["text"])
+    assert "".join(key(c["choices"][0]) for c in chunks)
+    opts = body.get("stream_options") or {}
+    if opts.get("include_usage"):
+        assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] > 0
+    if opts.get("continuous_usage_stats"):
+        assert all("usage" in c for c in chunks)
+
+
+def test_chat_stream_shape(server, demo):
+    """OpenAI's chunk shapes: one role chunk per choice, first, before any draft; later deltas carry no role key;
+    `logprobs` null; the joined content equals the non-streaming message, whose `refusal` is null."""
+    body = {"messages": [{"role": "user", "content": REV}], "seed": 3, "n": 2}
+    events = _stream(server, "/v1/chat/completions", {**body, "stream": True, "draft_every": 1})
+    chunks = [e for e in events if e != "[DONE]"]
+    first = [c["choices"][0] for c in chunks[:2]]
+    assert [(c["index"], c["delta"]) for c in first] == [(0, {"role": "assistant", "content": ""}),
+                                                        (1, {"role": "assistant", "content": ""})]
+    rest = [c["choices"][0] for c in chunks[2:]]
+    assert rest and all("role" not in c["delta"] and c["logprobs"] is None for c in rest)
+    assert any("draft" in c for c in rest)
+    out = _post(server, "/v1/chat/completions", body).json()
+    for i in range(2):
+        text = "".join(c["delta"]["content"] for c in rest if c["index"] == i and "draft" not in c)
+        assert text == out["choices"][i]["message"]["content"]
+        assert out["choices"][i]["message"]["refusal"] is None
+
+
+def test_continuous_usage_counts(server, demo):
+    """continuous_usage_stats: usage in every chunk, completion_tokens growing to the final count, which equals
+    the client tokenizer's count of the text (the eos not counted); prompt_tokens = the tokenizer's ids."""
+    _, tok = demo
+    body = {"prompt": REV, "seed": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = _stream(server, "/v1/completions", body)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and len(counts) == 2  # two committed blocks
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == "1 0 9 8 7 6 5 4 3 2 1"
+    final = events[-2]["usage"]
+    assert final["completion_tokens"] == counts[-1] == len(tok(text, add_special_tokens=False)["input_ids"])
+    assert final["prompt_tokens"] == len(tok(REV)["input_ids"])
+
+
+def test_prompt_forms(server, demo):
+    """`prompt` as text, a list of ints and a list of token-id lists gives the same answers for the same seed."""
+    _, tok = demo
+    ids = tok("sort 3 1 2 9 5=")["input_ids"]
+    texts = []
+    for prompt in ("sort 3 1 2 9 5=", ids, [ids, ids]):
+        r = _post(server, "/v1/completions", {"prompt": prompt, "seed": 0})
+        assert r.status_code == 200, r.text
+        texts.append([c["text"] for c in r.json()["choices"]])
+        assert r.json()["usage"]["prompt_tokens"] == len(ids) * (2 if prompt == [ids, ids] else 1)
+    assert texts == [["1 2 3 5 9"]] * 2 + [["1 2 3 5 9"] * 2]
+
+
+_PLAIN: dict[str, dict] = {}  # the answer without the field, per path (same body, same seed)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logit_bias", {}), ("best_of", 1), ("store", False), ("metadata", {"k": "v"}), ("service_tier", "auto"),
+    ("user", "u"), ("top_k", -1), ("top_k", 0), ("top_p", 1.0), ("min_tokens", 0), ("repetition_penalty", 1),
+    ("presence_penalty", 0), ("frequency_penalty", 0.0), ("ignore_eos", False), ("logprobs", None),
+    ("chat:response_format", {"type": "text"}), ("chat:tools", []), ("chat:tool_choice", "none"),
+    ("chat:parallel_tool_calls", False), ("chat:logprobs", False), ("chat:top_logprobs", 0),
+])
+def test_neutral_values_accepted(server, field, value):
+    """A neutral value of a field the server does not implement changes nothing: the same answer as without it."""
+    chat = field.startswith("chat:")
+    field = field.removeprefix("chat:")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"messages": USER} if chat else {"prompt": "add 1+2="}
+    base["seed"] = 5
+    if path not in _PLAIN:
+        _PLAIN[path] = _post(server, path, base).json()
+    plain = _PLAIN[path]
+    r = _post(server, path, {**base, field: value})
+    assert r.status_code == 200, r.text
+    pick = (lambda o: o["choices"][0]["message"]["content"]) if chat else (lambda o: o["choices"][0]["text"])
+    assert pick(r.json()) == pick(plain)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "add 1+2=", "ignore_eos": True}, "ignore_eos"),
+    ({"prompt": "add 1+2=", "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "add 1+2=", "repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"prompt": "add 1+2=", "top_k": 5}, "top_k"),
+    ({"prompt": "add 1+2=", "top_p": 0.9}, "top_p"),
+    ({"prompt": "add 1+2=", "best_of": 2}, "best_of"),
+    ({"prompt": "add 1+2=", "best_of": True}, "best_of"),
+    ({"prompt": "add 1+2=", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "add 1+2=", "logprobs": 0}, "logprobs"),
+    ({"prompt": "add 1+2=", "store": True}, "store"),
+    ({"prompt": "add 1+2=", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "add 1+2="},
+                                                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages"),
+])
+def test_non_neutral_refused(server, body, param):
+    """Non-neutral values are refused with a 400 naming the field (and, for logprobs, saying it is not yet)."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"]
+    if param == "messages":
+        assert "image_url" in err["message"]
+    if "logprobs" in param:
+        assert "not supported yet" in err["message"]
+
+
+def test_models_tokenize_detokenize_openapi(server, demo):
+    """GET /v1/models/{id} (404 otherwise), /tokenize and /detokenize as vLLM serves them, /tokenizer_info, and an
+    /openapi.json that documents the request bodies and the error responses."""
+    _, tok = demo
+    assert httpx.get(server.url + f"/v1/models/{MODEL}").json()["id"] == MODEL
+    missing = httpx.get(server.url + "/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    t = _post(server, "/tokenize", {"prompt": "sort 3 1 2=", "return_token_strs": True}).json()
+    assert t["tokens"] == tok("sort 3 1 2=")["input_ids"] and t["count"] == len(t["tokens"])
+    assert t["max_model_len"] == SLOTS and t["token_strs"] == tok.convert_ids_to_tokens(t["tokens"])
+    bare = _post(server, "/tokenize", {"prompt": "sort 3 1 2=", "add_special_tokens": False}).json()
+    assert bare["tokens"] == t["tokens"][1:]
+    chat = _post(server, "/tokenize", {"messages": USER}).json()
+    usage = _post(server, "/v1/chat/completions", {"messages": USER, "seed": 0}).json()["usage"]
+    assert chat["count"] == usage["prompt_tokens"]
+    d = _post(server, "/detokenize", {"tokens": bare["tokens"]}).json()
+    assert d == {"prompt": "sort 3 1 2="}
+    assert _post(server, "/detokenize", {"tokens": [10**6]}).json()["error"]["param"] == "tokens"
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    spec = httpx.get(server.url + "/openapi.json").json()
+    post = spec["paths"]["/v1/chat/completions"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("ChatCompletionRequest")
+    assert {"400", "404", "413", "429", "500"} <= set(post["responses"])
+    schemas = spec["components"]["schemas"]
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"] and "ErrorResponse" in schemas
+    assert "prompt" in schemas["CompletionRequest"]["properties"]
