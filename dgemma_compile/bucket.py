@@ -181,7 +181,7 @@ class Bucket:
         self.inputs.block[row] = 0
         if prefilled is None:
             self.cache.reset_row(row)
-        self.row_state.admit(row, prompt, cfg.max_new_tokens, prefilled=prefilled or 0)
+        self.row_state.admit(row, prompt, cfg.max_new_tokens, prefilled=prefilled or 0, ignore_eos=cfg.ignore_eos)
         self.state.has_sc[row] = False
 
     def retire(self, row: int) -> None:

@@ -212,6 +212,8 @@ class GenerationConfig:
       the previous `stability_threshold` steps and the mean entropy of the scaled logits is below the threshold
       (`StableAndConfidentStoppingCriteria`); `stop_early=False` disables it (the vLLM-style fixed-steps run).
     - `eos_token_ids`, `pad_token_id`: None means "take the model's".
+    - `ignore_eos`: run to the token budget, eos ids kept as ordinary tokens (vLLM's sampling extension; per
+      request, not structural: the end rule reads it per row, `finish.py`).
     """
 
     max_new_tokens: int = 256
@@ -224,11 +226,13 @@ class GenerationConfig:
     stop_early: bool = True
     eos_token_ids: tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if _is_int(self.eos_token_ids):  # one id is a common spelling
             object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
         _require(isinstance(self.stop_early, bool), "stop_early", f"must be a bool, got {self.stop_early!r}")
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         for name in ("max_new_tokens", "max_denoising_steps"):
             v = getattr(self, name)
             _require(_is_int(v) and v > 0, name, f"must be a positive integer, got {v!r}")

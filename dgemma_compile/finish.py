@@ -6,7 +6,8 @@ budget is reached ("length"); transformers' loop ends on eos and counts whole ca
 inside the compiled step (so a row the device ends is FREE before the host reads it) from what it holds: the argmax
 canvas, the tokens the request gained so far (C per earlier block: only a request that is not done gains a block, and
 such a block is kept whole) and the budget. tests/test_finish.py checks with Hypothesis that the two agree over
-budgets and eos positions. Ends only the host can decide (a stop string, a cancellation, the `stop` hook) are the
+budgets and eos positions. A request with `GenerationConfig.ignore_eos` (vLLM's extension) ends on its budget only,
+its eos ids kept as ordinary tokens, on both sides. Ends only the host can decide (a stop string, a cancellation, the `stop` hook) are the
 host's: it retires the row (FREE) before the next step, and the device takes that as it is.
 """
 
@@ -22,9 +23,10 @@ def finalize_row(row: list[int], cfg: GenerationConfig, sequence: list[int], sta
     """One live request's finished block: append `row` (its argmax canvas, C token ids) to `sequence` up to the first
     eos (included) and the request's token budget, record `steps` (its decoder passes in the block) and the non-pad
     tokens in `stats` (a `generate.RequestStats`), set `stats.finish_reason` ("eos" or "length") when the request is
-    done. Returns (the tokens appended, done). `cfg` is resolved (eos and pad ids set)."""
+    done. Returns (the tokens appended, done). `cfg` is resolved (eos and pad ids set); with `cfg.ignore_eos` an eos
+    id is an ordinary token."""
     stats.steps_per_block.append(steps)
-    eos_at = next((i for i, t in enumerate(row) if t in cfg.eos_token_ids), None)
+    eos_at = None if cfg.ignore_eos else next((i for i, t in enumerate(row) if t in cfg.eos_token_ids), None)
     keep = row[:eos_at + 1] if eos_at is not None else row
     room = cfg.max_new_tokens - len(sequence)
     keep = keep[:room]
@@ -39,13 +41,15 @@ def finalize_row(row: list[int], cfg: GenerationConfig, sequence: list[int], sta
     return keep, False
 
 
-def request_done(argmax_BC: torch.Tensor, emitted_B: torch.Tensor, max_new_B: torch.Tensor,
-                 eos_E: torch.Tensor) -> torch.Tensor:
+def request_done(argmax_BC: torch.Tensor, emitted_B: torch.Tensor, max_new_B: torch.Tensor, eos_E: torch.Tensor,
+                 ignore_eos_B: torch.Tensor) -> torch.Tensor:
     """The device twin of `finalize_row`'s "done", for every row: bool [B], the block `argmax_BC` (int64 [B, C]) ends
-    its request -- an eos id (`eos_E`, int64 [E]) at an index below the room left (max_new_B - emitted_B, int64 [B]),
-    or a room of at most C tokens. Tensor ops only; the caller masks the rows whose block did not finish."""
+    its request -- an eos id (`eos_E`, int64 [E]) at an index below the room left (max_new_B - emitted_B, int64 [B])
+    unless the row ignores eos (`ignore_eos_B`, bool [B]), or a room of at most C tokens. Tensor ops only; the caller
+    masks the rows whose block did not finish."""
     C = argmax_BC.shape[1]
     i_C = torch.arange(C, device=argmax_BC.device)
     room = max_new_B - emitted_B
-    eos_at = torch.where((argmax_BC[..., None] == eos_E).any(-1), i_C, C).amin(dim=-1)  # C: no eos
+    is_eos = (argmax_BC[..., None] == eos_E).any(-1) & ~ignore_eos_B[:, None]
+    eos_at = torch.where(is_eos, i_C, C).amin(dim=-1)  # C: no eos
     return ((eos_at < C) & (eos_at < room)) | (room <= C)

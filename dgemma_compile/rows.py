@@ -21,7 +21,8 @@ class RowState:
     prefilled: int64 [B], prompt tokens in all / encoded so far; emitted: int64 [B], tokens the request gained from its
     finished blocks (C per block; the exact count is the host's); max_new: int64 [B], the request's token budget;
     event: bool [B], the row's block finished in the latest step; done: bool [B], the request ended on the device with
-    that block (`finish.request_done`); eos: int64 [E], the eos ids (shared by all rows).
+    that block (`finish.request_done`); ignore_eos: bool [B], the request runs to its budget
+    (`GenerationConfig.ignore_eos`); eos: int64 [E], the eos ids (shared by all rows).
     """
 
     phase: torch.Tensor
@@ -32,6 +33,7 @@ class RowState:
     max_new: torch.Tensor
     event: torch.Tensor
     done: torch.Tensor
+    ignore_eos: torch.Tensor
     eos: torch.Tensor
 
     @classmethod
@@ -43,6 +45,7 @@ class RowState:
                    emitted=torch.zeros(rows, **long), max_new=torch.ones(rows, **long),
                    event=torch.zeros(rows, dtype=torch.bool, device=device),
                    done=torch.zeros(rows, dtype=torch.bool, device=device),
+                   ignore_eos=torch.zeros(rows, dtype=torch.bool, device=device),
                    eos=torch.tensor(sorted(eos_ids), **long))
 
     def view(self, rows: int) -> "RowState":
@@ -50,7 +53,8 @@ class RowState:
         return dataclasses.replace(self, **{f.name: getattr(self, f.name)[:rows] for f in dataclasses.fields(self)
                                             if f.name != "eos"})
 
-    def admit(self, row: int, prompt: list[int], max_new_tokens: int, prefilled: int = 0) -> None:
+    def admit(self, row: int, prompt: list[int], max_new_tokens: int, prefilled: int = 0,
+              ignore_eos: bool = False) -> None:
         """Put a request into `row` in phase PREFILL (host writes; refresh the plan before the next step).
         `prefilled`: prompt tokens already in the row's cache (a prefix-cache hit; the cache row's length must equal
         it), < len(prompt). Raises ValueError for a prompt longer than the buffer (S)."""
@@ -64,4 +68,5 @@ class RowState:
         self.max_new[row] = max_new_tokens
         self.event[row] = False
         self.done[row] = False
+        self.ignore_eos[row] = ignore_eos
         self.phase[row] = PREFILL

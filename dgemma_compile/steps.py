@@ -290,7 +290,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
                          confidence_B=inputs.confidence, stop_early=stop_early)
     ended = stepping & (new.finished | (steps >= inputs.budget))
-    done = ended & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos)
+    done = ended & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos, rows.ignore_eos)
     # transitions: a row whose prompt is encoded (and, unfused, a commit row) begins its next block
     prefilled = rows.prefilled + torch.where(prefill, plan.n_new, 0)
     begin = (prefill & (prefilled >= rows.prompt_len)) | (commit & (not fused))

@@ -16,8 +16,9 @@ C, EOS, PAD = 8, (1, 7), 0
 
 @st.composite
 def requests(draw):
-    """A token budget and the argmax canvases of up to 6 blocks, each with an eos id at a drawn position or none."""
-    budget = draw(st.integers(1, 6 * C))
+    """A token budget, whether the request ignores eos, and the argmax canvases of up to 6 blocks, each with an eos
+    id at a drawn position or none."""
+    budget, ignore = draw(st.integers(1, 6 * C)), draw(st.booleans())
     blocks = []
     for _ in range(draw(st.integers(1, 6))):
         row = draw(st.lists(st.integers(2, 40).filter(lambda t: t not in EOS), min_size=C, max_size=C))
@@ -27,22 +28,24 @@ def requests(draw):
             if draw(st.booleans()):  # a second eos later in the canvas
                 row[draw(st.integers(eos_at, C - 1))] = EOS[0]
         blocks.append(row)
-    return budget, blocks
+    return budget, ignore, blocks
 
 
 @given(requests())
 def test_host_and_device_end_rules_agree(request):
-    budget, blocks = request
-    cfg = dg.GenerationConfig(max_new_tokens=budget, eos_token_ids=EOS, pad_token_id=PAD)
+    budget, ignore, blocks = request
+    cfg = dg.GenerationConfig(max_new_tokens=budget, eos_token_ids=EOS, pad_token_id=PAD, ignore_eos=ignore)
     sequence, stats = [], RequestStats()
     emitted = 0  # the device's count: C per finished block of a request that goes on
     eos = torch.tensor(sorted(EOS))
     for row in blocks:
-        device = bool(request_done(torch.tensor([row]), torch.tensor([emitted]), torch.tensor([budget]), eos)[0])
+        device = bool(request_done(torch.tensor([row]), torch.tensor([emitted]), torch.tensor([budget]), eos,
+                                   torch.tensor([ignore]))[0])
         keep, host = finalize_row(row, cfg, sequence, stats, steps=1)
         assert device == host, (row, budget, emitted)
         if host:
-            assert stats.finish_reason in ("eos", "length") and len(sequence) <= budget
+            assert stats.finish_reason == ("length" if ignore else stats.finish_reason) in ("eos", "length")
+            assert len(sequence) == budget if ignore else len(sequence) <= budget
             break
         emitted += C
         assert len(sequence) == emitted and keep == row  # what the device's count assumes: a kept block is whole

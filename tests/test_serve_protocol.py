@@ -161,8 +161,29 @@ def test_neutral_values_accepted(server, field, value):
     assert pick(r.json()) == pick(plain)
 
 
+def test_ignore_eos_runs_to_the_token_budget(server, demo):
+    """vLLM's `ignore_eos`: the answer runs to `max_tokens` (finish "length", usage = max_tokens), its eos ids kept
+    as ordinary tokens, the tokens of `dg.generate` with `GenerationConfig.ignore_eos`; without it, the same request
+    ends at its eos."""
+    import dgemma_compile as dg
+    from dgemma_compile.text import encode_prompt
+
+    model, tok = demo
+    body = {"prompt": "add 123+045=", "max_tokens": 40, "seed": 3}
+    out = _post(server, "/v1/completions", {**body, "ignore_eos": True}).json()
+    plain = _post(server, "/v1/completions", body).json()
+    assert plain["choices"][0]["finish_reason"] == "stop" and plain["choices"][0]["text"] == "0168"
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 40
+    ids = encode_prompt(tok, body["prompt"], bos_token_id=model.config.bos_token_id)
+    cfg = model.generation_config.replace(max_new_tokens=40, ignore_eos=True)
+    ref = dg.generate(model, [ids], cfg, seed=3, moe_impl="dense", max_seq_len=SLOTS)
+    assert len(ref.sequences[0]) == 40 and set(ref.sequences[0]) & set(model.config.eos_token_ids)
+    text = tok.decode(ref.sequences[0], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert out["choices"][0]["text"] == text and text.startswith("0168")
+
+
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "add 1+2=", "ignore_eos": True}, "ignore_eos"),
+    ({"prompt": "add 1+2=", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "add 1+2=", "min_tokens": 4}, "min_tokens"),
     ({"prompt": "add 1+2=", "repetition_penalty": 1.1}, "repetition_penalty"),
     ({"prompt": "add 1+2=", "top_k": 5}, "top_k"),

@@ -440,7 +440,7 @@ class Engine:
             row = self.rows[b]
             req = row.request
             cfg = req.config
-            eos_at = next((i for i, t in enumerate(canvas) if t in cfg.eos_token_ids), None)
+            eos_at = None if cfg.ignore_eos else next((i for i, t in enumerate(canvas) if t in cfg.eos_token_ids), None)
             tokens = canvas[:eos_at] if eos_at is not None else canvas
             tokens = tokens[:cfg.max_new_tokens - len(req.sequence)]
             text = ""

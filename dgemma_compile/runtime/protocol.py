@@ -5,7 +5,8 @@ neutral value and refused otherwise with a 400 naming the field and the values i
 `NEUTRAL_CHAT`): OpenAI's (`top_p` 1, penalties 0, `logit_bias` {}, `response_format` {"type": "text"}, `tools` [],
 `tool_choice` "none", `best_of` 1, `echo` false, `store` false, ...; `logprobs` / `top_logprobs` absent, null,
 false or 0 only, for now) and vLLM's sampling extensions (`repetition_penalty` 1, `top_k` -1 or 0, `min_p` 0,
-`min_tokens` 0, `ignore_eos` false: the eos ids are structural, shared by every row of the compiled step).
+`min_tokens` 0). vLLM's `ignore_eos` is implemented (a bool: the request runs to `max_tokens`, its eos ids kept as
+ordinary tokens; `GenerationConfig.ignore_eos`).
 `user` and `metadata` are accepted and ignored. Chat content is a string or text parts; an `image_url` (or any
 other non-text) part is refused, never dropped.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -39,8 +40,6 @@ class APIError(Exception):
 
 
 NOT_YET = "not supported yet (logprobs need the redesigned denoise step)"
-SHARED_EOS = ("not supported: the eos ids are shared by every row of the compiled step (a structural field), so "
-              "one request cannot ignore them")
 
 # Fields this server does not implement, accepted only at a neutral value (absent and null are always neutral):
 # name -> (the neutral values, why others are refused). OpenAI's, then vLLM's sampling extensions.
@@ -55,7 +54,6 @@ NEUTRAL_COMMON: dict[str, tuple[tuple, str]] = {
     "top_k": ((-1, 0), "the sampler keeps the whole distribution"),
     "min_p": ((0,), "the sampler keeps the whole distribution"),
     "min_tokens": ((0,), "an eos may end a request at any block"),
-    "ignore_eos": ((False,), SHARED_EOS),
     "skip_special_tokens": ((True,), "special tokens are never returned as text"),
     "include_stop_str_in_output": ((False,), "a stop string is never part of the text"),
 }
@@ -130,7 +128,8 @@ class _Common(BaseModel):
     top_k: Any = None
     min_p: Any = None
     min_tokens: Any = None
-    ignore_eos: Any = None
+    ignore_eos: StrictBool | None = Field(default=None, description="run to max_tokens, eos ids kept as ordinary tokens "
+                                                              "(vLLM's extension)")
     skip_special_tokens: Any = None
     include_stop_str_in_output: Any = None
 

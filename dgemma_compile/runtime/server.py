@@ -175,7 +175,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     def config_of(req: P._Common) -> GenerationConfig:
         changes = {"max_new_tokens": req.max_tokens, "max_denoising_steps": req.max_denoising_steps,
-                   "entropy_bound": req.entropy_bound}
+                   "entropy_bound": req.entropy_bound, "ignore_eos": req.ignore_eos}
         try:
             cfg = engine.config.replace(**{k: v for k, v in changes.items() if v is not None})
             return cfg.with_temperature(req.temperature) if req.temperature is not None else cfg
