@@ -159,6 +159,10 @@ class FakeGraphs(CudaGraphs):
     def pool(self):
         return "pool"
 
+    def warm_up(self, fn):
+        self.warm_ups = getattr(self, "warm_ups", 0) + 1
+        fn()
+
     def capture(self, fn, pool):
         assert pool == "pool"
         self.captures += 1
@@ -176,8 +180,9 @@ class FakeGraphs(CudaGraphs):
 
 @pytest.mark.parametrize("fail", [False, True])
 def test_cuda_graph_capture_and_its_logged_fallback(fail, caplog):
-    """The capture logic on a CPU: two compiled calls, a capture after the second, replays from the third on; a
-    failed capture is logged with its reason and the unit keeps running compiled (every call still takes effect)."""
+    """The capture logic on a CPU: the first compiled call, a capture right after it (decided once: `strategy`),
+    replays from the second call on; a failed capture is logged with its reason and the unit goes on with the next
+    strategy (every call still takes effect)."""
     factory = UnitFactory(CompileOptions(), "cpu", graphs=FakeGraphs(fail=fail))
     x = torch.zeros(3)
     unit = factory.unit("add_one", lambda: x.add_(1))
@@ -186,12 +191,30 @@ def test_cuda_graph_capture_and_its_logged_fallback(fail, caplog):
             unit()
     assert x.tolist() == [5.0] * 3 and factory.graphs.captures == 1 and factory.compiles["add_one"] == 1
     if fail:
-        assert unit.graph is None and "operation not permitted" in unit.graph_error
+        assert unit.graph is None and "operation not permitted" in unit.graph_error and unit.strategy == "dynamo"
         assert any(r.levelno == logging.WARNING and "capture failed for add_one" in r.message for r in caplog.records)
         assert factory.graphs.replays == 0
     else:
-        assert unit.graph is not None and unit.graph_error is None and factory.graphs.replays == 3
+        assert unit.graph is not None and unit.graph_error is None and factory.graphs.replays == 4
+        assert unit.strategy == "cuda graph"
         assert any("captured CUDA graph for add_one" in r.message for r in caplog.records)
+
+
+def test_warmup_captures_the_step_before_any_request(tiny_dir):
+    """`gen.warmup` compiles the step and captures its CUDA graph (the fake seam on a CPU) during warm-up, after a
+    side-stream warm-up call with every row idle: the first request only replays, and its tokens equal the eager
+    oracle's."""
+    model = dg.load(tiny_dir)
+    graphs = FakeGraphs()
+    gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256), graphs=graphs)
+    cfg = dg.GenerationConfig(max_new_tokens=12, max_denoising_steps=3, eos_token_ids=(1,))
+    gen.warmup(1, cfg)
+    (view,) = gen.bucket(cfg).views()
+    assert (graphs.warm_ups, graphs.captures, graphs.replays) == (1, 1, 0) and view.step.strategy == "cuda graph"
+    out = gen.generate(PROMPTS[:2], cfg, seed=[5, 6])
+    assert graphs.captures == 1 and graphs.replays == view.step.calls - 1 > 0
+    eager = dg.generate(model, PROMPTS[:2], cfg, seed=[5, 6], moe_impl=gen.moe_impl)
+    assert out.sequences == eager.sequences and out.stats == eager.stats
 
 
 def test_no_cuda_graphs_on_a_cpu_by_default():

@@ -130,7 +130,7 @@ class CompiledGenerator:
     @staticmethod
     def warm(bucket: Bucket) -> Callable[[int], bool]:
         """Whether a size of `bucket` has compiled (for `Bucket.size_for`)."""
-        return lambda b: b in bucket._views and getattr(bucket._views[b].step, "calls", 0) > 0
+        return lambda b: b in bucket._views and getattr(bucket._views[b].step, "strategy", None) is not None
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -164,18 +164,19 @@ class CompiledGenerator:
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> float:
         """Compile the step of the batch size that serves `batch_size` requests (`paging`: `bucket`'s page_size and
-        kv_pages) and return the seconds it took: one call with every row FREE (idle), which changes no row. Raises
-        `ModelChangedError` as `generate` does."""
+        kv_pages), decide how it is called and, on CUDA, capture its graph (`CompiledUnit.prepare`: one call with
+        every row FREE, idle, which changes no row); return the seconds it took. Raises `ModelChangedError` as
+        `generate` does; ConfigError when an engine has busy rows in the bucket."""
         self.fingerprint.check(self.model)
         start = time.perf_counter()
         bucket = self.bucket(config, **paging)
         view = bucket.view(bucket.size_for(self.bucket_for(batch_size)))
-        if getattr(view.step, "calls", 1) == 0:
+        if getattr(view.step, "strategy", "eager") is None:
             busy = bucket.row_state.phase[:view.rows].ne(int(Phase.FREE)).any()
             if bool(busy):
                 raise ConfigError("warmup: the bucket has busy rows (an engine is running on it)")
             view.refresh()
-            view.step()
+            view.step.prepare()  # compiles; on CUDA captures its graph here, not inside a request
         return time.perf_counter() - start
 
     def explain(self, batch_size: int = 1, config: GenerationConfig | None = None,

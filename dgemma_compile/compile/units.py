@@ -1,9 +1,9 @@
 """Compiled units: a zero-argument step over static buffers, `torch.compile`d under `CompileOptions`, optionally
 replayed as a CUDA graph; and `UnitFactory`, which makes them and counts their Inductor compiles.
 
-A unit is the unit of compilation (STYLE.md principle 3): `denoise_step`, `encoder_chunk` and, with commit fusion,
-`commit_denoise_step` per batch bucket in the generator, the prefill chunk and one-token step in the AR baseline. Its function reads and writes only static
-buffers captured by the closure, so every call runs the same graph and a CUDA graph can replay it.
+A unit is the unit of compilation: the step (`steps.mixed_step`) of one batch size of a bucket in the generator
+(`step[B{b}_{tag}]`), the prefill chunk and one-token step in the AR baseline (bench/ar.py). Its function reads and
+writes only static buffers captured by the closure, so every call runs the same graph and a CUDA graph can replay it.
 
 Guards: each unit has its own Dynamo cache (`isolate_recompiles`), holding one entry. With
 `CompileOptions.skip_guards`, calls after the first run under Dynamo's `skip_guard_eval_unsafe` (`guards_skipped`, only
@@ -162,19 +162,33 @@ class CudaGraphs:
         """A memory pool shared by the graphs of one factory."""
         return torch.cuda.graph_pool_handle()
 
+    def warm_up(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once on a side stream (lazy library initialisation, autotuning; what CUDA-graph capture needs
+        done before it), then join the current stream."""
+        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            fn()
+        current.wait_stream(side)
+
     def capture(self, fn: Callable[[], None], pool):
-        """Record `fn`'s kernels into a graph (capture does not execute them); returns an object with `replay()`."""
+        """Record `fn`'s kernels into a graph (capture does not execute them); returns an object with `replay()`.
+        `capture_error_mode="thread_local"`: only this thread's CUDA calls are checked while capturing (another
+        thread -- the server's -- may call CUDA meanwhile)."""
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             fn()
         return graph
 
 
 class CompiledUnit:
-    """A zero-argument step over static buffers, `torch.compile`d under `options`. With `graphs`, the third call
-    onwards replays a CUDA graph captured after the second (warm) call; a failed capture is logged and the unit
-    keeps running compiled without a graph (`graph_error` says why). Never a silent fallback.
+    """A zero-argument step over static buffers, `torch.compile`d under `options`, that decides once how it is
+    called (`strategy`): after its first call -- `prepare()` at warm-up, or the first real call -- it replays a CUDA
+    graph ("cuda graph", with `graphs`: captured right then), calls its compiled graph directly ("direct", CPU's
+    counterpart; `_go_direct`), or goes through Dynamo ("dynamo", guards skipped per `options.skip_guards`). A failed
+    capture or a refused direct call is logged with its reason (`graph_error`, `direct_refused`) and the next
+    strategy taken; never a silent fallback. `check_owners` may send a direct unit back through Dynamo.
 
     The unit has its own Dynamo cache (`isolate_recompiles`: the step functions of all buckets share one code object,
     so without it every bucket's entry would be searched on every call). With `options.skip_guards`, every call after
@@ -199,27 +213,58 @@ class CompiledUnit:
         self.owners = owners
         self.direct: DirectCall | None = None
         self.direct_refused: str | None = None  # why the unit's calls go through Dynamo (None: direct, or not tried)
+        self.strategy: str | None = None
+        """How calls run, decided once after the first call: "cuda graph", "direct" or "dynamo"."""
 
     def __call__(self) -> None:
         self.calls += 1
+        if self.strategy is None:
+            self._first_call()
+            return
         if self.graph is not None:
             self.graph.replay()
-            return
-        if self.direct is not None:
+        elif self.direct is not None:
             with torch.no_grad():
                 self.direct.call()
-            return
-        if self.warm and self.options.skip_guards:
+        elif self.options.skip_guards:
             self._call_skipping_guards()
         else:
             with applied(self.options):
                 self.compiled()
+
+    def prepare(self) -> None:
+        """Compile and decide the strategy at warm-up, with a call whose effect does not matter (the caller's buffers
+        hold no live work, e.g. every row of a bucket idle): on CUDA that call runs on a side stream and the graph is
+        captured here, never inside a real request. No-op once decided. Counts as a call."""
+        if self.strategy is not None:
+            return
+        self.calls += 1
+        if self.graphs is not None:
+            def run() -> None:
+                with applied(self.options):
+                    self.compiled()
+            self.graphs.warm_up(run)
+            self._decide()
+        else:
+            self._first_call()
+
+    def _first_call(self) -> None:
+        """The first call (compiles, and takes effect), then the strategy decision. A capture after it records the
+        kernels without running them, so the step is not applied twice."""
+        with applied(self.options):
+            self.compiled()
+        self._decide()
+
+    def _decide(self) -> None:
         self.warm = True
         if self.graphs is not None:
-            if self.graph_error is None and self.calls == 2:
-                self._capture()
-        elif self.options.direct_calls and self.compiled_graphs is not None and self.direct_refused is None:
+            self._capture()
+            if self.graph is not None:
+                self.strategy = "cuda graph"
+                return
+        if self.options.direct_calls and self.compiled_graphs is not None:
             self._go_direct()
+        self.strategy = "direct" if self.direct is not None else "dynamo"
 
     def _go_direct(self) -> None:
         """After the first compiled call: from now on call the compiled graph directly, if that is exactly what Dynamo
@@ -263,6 +308,7 @@ class CompiledUnit:
         is the generator's `ModelFingerprint` check's to refuse (before this)."""
         if self.direct is not None and self._buffer_ids() != self.direct.buffer_ids:
             self.direct = None
+            self.strategy = "dynamo"
             self.direct_refused = "a tensor of the unit's owners was replaced"
             log.warning("%s: a tensor of the unit's owners was replaced; calls go through Dynamo again", self.name)
 
@@ -282,8 +328,7 @@ class CompiledUnit:
                 self.compiled()
 
     def _capture(self) -> None:
-        """Capture after the second warm call. Capture records the kernels without running them, so the step that
-        just ran compiled is not applied twice; later calls replay the graph over the same static buffers."""
+        """Capture after the first (warm) call; later calls replay the graph over the same static buffers."""
 
         def run() -> None:
             with applied(self.options):
