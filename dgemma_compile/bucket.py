@@ -64,9 +64,8 @@ class BucketView:
         out = [*c.keys, *c.values, c.lengths] + ([c.page_table] if isinstance(c, PagedKVCache) else [])
         for obj in (self.state, self.inputs, self.row_state):
             out += [t for t in vars(obj).values() if isinstance(t, torch.Tensor)]
-        pb, p = self.plan, self.plan.plan  # the plan's per-row inputs, its tensors, and the per-token flag views
+        pb = self.plan  # the plan's per-row inputs and its tensors
         out += [pb.mode, pb.n_new, pb.self_conditioning] + pb.tensors
-        out += [t for t in (p.encoder_tokens, p.denoise_tokens) if isinstance(t, torch.Tensor)]
         seen: set[int] = set()
         return [t for t in out if not (id(t) in seen or seen.add(id(t)))]
 

@@ -87,8 +87,8 @@ class ForwardPlan:
     masks: dict[str, BlockMask | torch.Tensor]
     kernel_options: dict[str, dict] = dataclasses.field(default_factory=dict)
     mask_rows: tuple[torch.Tensor, ...] = ()
-    """Per-row tensors the masks capture that no other field holds (a fused mixed plan: its encoder rows and commit
-    + denoise rows, bool [B]), so that `PlanBuffers` refills them."""
+    """Per-row tensors the masks capture that no other field holds (a mixed plan's encoder rows, bool [B]; a fused
+    one's commit + denoise rows too), so that `PlanBuffers` refills them."""
 
 
 QUERY_KINDS = ("encoder", "canvas")
@@ -199,7 +199,10 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
             mask_rows = (encoder_rows, fused_rows)
             positions = torch.where(fused_rows[:, None] & ~first_half, positions + n_B[:, None] - C, positions)
         else:
-            encoder_tokens, denoise_tokens = encoder_rows[:, None], denoise_rows[:, None]
+            # tensors of their own, not views of the rows' flags: a compiled step whose weights are tensor subclasses
+            # (torchao) refuses mutated graph inputs that alias each other, and `PlanBuffers.fill` rewrites both
+            encoder_tokens, denoise_tokens = encoder_rows[:, None].clone(), denoise_rows[:, None].clone()
+            mask_rows = (encoder_rows,)
             commit = torch.where(encoder_rows, n_B, 0)
         slots = commit_slots(lengths, commit, T, S)
         if self_conditioning is None:
@@ -248,8 +251,8 @@ class PlanBuffers:
       rewrites everything but them: no `create_block_mask` per fill.
 
     `plan` is a `ForwardPlan` over the buffers: each block mask's sparsity tensors are static (its mask_mod reads
-    `cache.lengths` and the plan's own per-row tensors, as `build_plan`'s). `tensors` lists every buffer once (views
-    by their base), for `compile.units.static_tensors`.
+    `cache.lengths` and the plan's own per-row tensors, as `build_plan`'s). `tensors` lists every buffer once, for the
+    compiled step's explicit owners (`bucket.BucketView.tensors`).
     """
 
     def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None,
@@ -309,14 +312,12 @@ def all_blocks_partial(mask: BlockMask) -> BlockMask:
 
 
 def _plan_tensors(plan: ForwardPlan, masks: bool = True) -> list[torch.Tensor]:
-    """Every tensor a plan holds, in a fixed order, each once: a view by its base (the per-token flags of a mixed
-    plan are views of its per-row flags, which its masks read)."""
+    """Every tensor a plan holds, in a fixed order, each once (a block mask's through its public `as_tuple`)."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
 
     def add(t) -> None:
         if isinstance(t, torch.Tensor):
-            t = t._base if t._base is not None else t
             if id(t) not in seen:
                 seen.add(id(t))
                 found.append(t)
@@ -330,6 +331,6 @@ def _plan_tensors(plan: ForwardPlan, masks: bool = True) -> list[torch.Tensor]:
         mask = plan.masks.get(lt) if masks else None
         if mask is None:
             continue
-        for t in [mask] if isinstance(mask, torch.Tensor) else (getattr(mask, a) for a in BlockMask._TENSOR_ATTRS):
+        for t in [mask] if isinstance(mask, torch.Tensor) else mask.as_tuple():
             add(t)
     return found

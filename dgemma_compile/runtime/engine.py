@@ -282,10 +282,12 @@ class Engine:
         return not self._queue and self.running == 0
 
     def recompiles(self) -> Counter:
-        """Compiles of the bucket's units since the engine started ({} when nothing recompiled)."""
+        """Recompiles of the bucket's units since the engine started, per unit ({} when none): compiles beyond a
+        unit's first (a batch size compiling on first use is not one)."""
         if self.compiles is None:
             return Counter()
-        return Counter(self.compiles()) - self._baseline
+        now = Counter(self.compiles())
+        return Counter({k: n - max(self._baseline[k], 1) for k, n in now.items() if n > max(self._baseline[k], 1)})
 
     # ----- the loop ------------------------------------------------------------------------------------------------
     def start(self) -> None:
