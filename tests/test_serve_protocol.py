@@ -109,7 +109,8 @@ def _vllm_bench(events: list, chat: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["vllm_bench_openai", "vllm_bench_openai_chat", "vllm_bench_openai_custom"])
+@pytest.mark.parametrize("name", ["vllm_bench_openai", "vllm_bench_openai_chat", "vllm_bench_openai_custom",
+                                  "vllm_bench_openai_chat_custom"])
 def test_vllm_bench_counts_success(server, demo, name):
     """vLLM's bench requests (the custom dataset's prompt is chat-templated, so it starts with a literal "<bos>")
     succeed by its own parser, with the known answer, its token count, and the prompt counted with one BOS."""
