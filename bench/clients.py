@@ -1,12 +1,23 @@
 """Run the field's clients, unmodified, against a local `dgemma serve` (loopback only), each in its own venv.
 
-    python -m bench.clients [--install] [--venvs /tmp/dgemma-clients] [--requests 4] [--port 8123]
+    python -m bench.clients [--install] [--venvs /tmp/clients] [--requests 4] [--port 8123]
 
 `--install` creates one venv per client under --venvs (`pip install` from the configured registry; never into the
 project's environment). The server is `dgemma serve --eager` on the demo model (HTTP behaviour; no compile). Inputs
 are local: the demo's tokenizer directory, a JSONL of demo prompts, an lm-eval task over it. Each client runs with a
 bounded request count and a timeout; the results (exit status, the client's own summary lines) go to
 bench/results/clients_cpu_<date>.md. A client whose venv is missing is reported "not installed".
+
+Client settings, each the client's own flag (never a patch to it):
+- vLLM's bench (0.33) forces `ignore_eos: true` into every request of its random datasets on the OpenAI-compatible
+  backends (serve.py: "when using random datasets, default to ignoring EOS"), which this server refuses (400,
+  param ignore_eos) until the core supports it; the random runs therefore pass `--extra-body {"ignore_eos": false}`
+  (its own override: extra_body is merged after ignore_eos), and one `--ignore-eos` run shows the refusal.
+- aiperf (0.13) runs without HF_HUB_OFFLINE: in offline mode its tokenizer loader calls
+  `snapshot_download(<the --tokenizer path>, local_files_only=True)`, which rejects a local directory as a repo id;
+  online, a local path loads directly (nothing is fetched: loopback only).
+- guidellm (0.8) takes `kind=...,key=value` configs for --backend, --profile, --data, --tokenizer, --constraint and
+  --output.
 """
 
 from __future__ import annotations
@@ -63,58 +74,70 @@ def _inputs(tmp: Path) -> dict[str, Path]:
     return {"prompts": prompts, "tasks": task}
 
 
-def _runs(url: str, venvs: Path, inp: dict[str, Path], n: int) -> list[tuple[str, str, list[str]]]:
-    """(name, venv, argv) of every client run."""
+def _runs(url: str, venvs: Path, inp: dict[str, Path], n: int) -> list[tuple[str, str, list[str], tuple[str, ...]]]:
+    """(name, venv, argv, environment variables to unset) of every client run."""
     tok = str(DEMO_MODEL)
     bench = [f"{venvs}/vllm/bin/vllm", "bench", "serve", "--base-url", url, "--model", MODEL, "--tokenizer", tok,
              "--num-prompts", str(n), "--max-concurrency", "2"]
+    random = ["--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "16"]
+    keep_eos = ["--extra-body", json.dumps({"ignore_eos": False})]  # see the module docstring
     lm = [f"{venvs}/lmeval/bin/lm_eval", "--tasks", "dgemma_demo", "--include_path", str(inp["tasks"]),
           "--limit", str(n)]
+    aiperf = [f"{venvs}/aiperf/bin/aiperf", "profile", "--model", MODEL, "--url", url, "--streaming", "--tokenizer",
+              tok, "--input-file", str(inp["prompts"]), "--custom-dataset-type", "single_turn", "--request-count",
+              str(n), "--concurrency", "1", "--ui-type", "none"]
+    guidellm = [f"{venvs}/guidellm/bin/guidellm", "run", "--profile", "kind=synchronous",
+                "--data", f"kind=json_file,path={inp['prompts']}", "--tokenizer", f"kind=huggingface_auto,model={tok}",
+                "--constraint", f"kind=max_requests,count={n}", "--disable-console-interactive"]
+    out = inp["prompts"].parent
     return [
-        ("openai client", "openai", [f"{venvs}/openai/bin/python", "-c", OPENAI_SCRIPT, url, str(n)]),
-        ("vllm bench serve --backend openai (random)", "vllm",
-         bench + ["--backend", "openai", "--endpoint", "/v1/completions", "--dataset-name", "random",
-                  "--random-input-len", "8", "--random-output-len", "16"]),
-        ("vllm bench serve --backend openai-chat (random)", "vllm",
-         bench + ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "random",
-                  "--random-input-len", "8", "--random-output-len", "16"]),
+        ("openai client", "openai", [f"{venvs}/openai/bin/python", "-c", OPENAI_SCRIPT, url, str(n)], ()),
+        ("vllm bench serve --backend openai (random, ignore_eos false)", "vllm",
+         bench + ["--backend", "openai", "--endpoint", "/v1/completions", *random, *keep_eos], ()),
+        ("vllm bench serve --backend openai-chat (random, ignore_eos false)", "vllm",
+         bench + ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", *random, *keep_eos], ()),
         ("vllm bench serve --backend openai (custom)", "vllm",
          bench + ["--backend", "openai", "--endpoint", "/v1/completions", "--dataset-name", "custom",
-                  "--dataset-path", str(inp["prompts"]), "--custom-output-len", "16"]),
+                  "--dataset-path", str(inp["prompts"]), "--custom-output-len", "16"], ()),
+        ("vllm bench serve --backend openai-chat (custom)", "vllm",
+         bench + ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "custom",
+                  "--dataset-path", str(inp["prompts"]), "--custom-output-len", "16"], ()),
         ("vllm bench serve --ignore-eos (refused: ignore_eos)", "vllm",
-         bench + ["--backend", "openai", "--endpoint", "/v1/completions", "--dataset-name", "random",
-                  "--random-input-len", "8", "--random-output-len", "16", "--ignore-eos"]),
+         bench + ["--backend", "openai", "--endpoint", "/v1/completions", *random, "--ignore-eos"], ()),
         ("lm-eval local-completions (local tokenizer)", "lmeval",
          lm + ["--model", "local-completions", "--model_args",
-               f"model={MODEL},base_url={url}/v1/completions,tokenizer={tok},num_concurrent=1,max_retries=1"]),
+               f"model={MODEL},base_url={url}/v1/completions,tokenizer={tok},num_concurrent=1,max_retries=1"], ()),
         ("lm-eval local-completions (no tokenizer)", "lmeval",
          lm + ["--model", "local-completions", "--model_args",
                f"model={MODEL},base_url={url}/v1/completions,tokenized_requests=False,tokenizer_backend=None,"
-               "num_concurrent=1,max_retries=1"]),
+               "num_concurrent=1,max_retries=1"], ()),
         ("lm-eval local-chat-completions", "lmeval",
          lm + ["--model", "local-chat-completions", "--apply_chat_template", "--model_args",
-               f"model={MODEL},base_url={url}/v1/chat/completions,num_concurrent=1,max_retries=1"]),
+               f"model={MODEL},base_url={url}/v1/chat/completions,num_concurrent=1,max_retries=1"], ()),
         ("aiperf profile (chat, streaming, text prompts)", "aiperf",
-         [f"{venvs}/aiperf/bin/aiperf", "profile", "--model", MODEL, "--url", url, "--endpoint-type", "chat",
-          "--streaming", "--tokenizer", tok, "--input-file", str(inp["prompts"]), "--custom-dataset-type",
-          "single_turn", "--request-count", str(n), "--concurrency", "1", "--ui-type", "none",
-          "--artifact-dir", str(inp["prompts"].parent / "aiperf")]),
-        ("guidellm run (text prompts)", "guidellm",
-         [f"{venvs}/guidellm/bin/guidellm", "run", "--backend", f"kind=openai_http,target={url}", "--profile", "synchronous",
-          "--data", str(inp["prompts"]), "--tokenizer", tok, "--constraint", f"max_requests={n}",
-          "--disable-console-interactive", "--output", str(inp["prompts"].parent / "guidellm.json")]),
+         aiperf + ["--endpoint-type", "chat", "--artifact-dir", str(out / "aiperf_chat")], ("HF_HUB_OFFLINE",)),
+        ("aiperf profile (completions, streaming, text prompts)", "aiperf",
+         aiperf + ["--endpoint-type", "completions", "--artifact-dir", str(out / "aiperf_completions")],
+         ("HF_HUB_OFFLINE",)),
+        ("guidellm run (chat completions, text prompts)", "guidellm",
+         guidellm + ["--backend", f"kind=openai_http,target={url},model={MODEL}",
+                     "--output", f"kind=json,path={out / 'guidellm_chat.json'}"], ()),
+        ("guidellm run (text completions, text prompts)", "guidellm",
+         guidellm + ["--backend", f"kind=openai_http,target={url},model={MODEL},request_format=/v1/completions",
+                     "--output", f"kind=json,path={out / 'guidellm_completions.json'}"], ()),
     ]
 
 
 def _tail(text: str, lines: int = 12) -> list[str]:
     keep = [x for x in text.splitlines() if x.strip() and "Warning" not in x and "WARNING" not in x]
-    summary = [x for x in keep if x.startswith(("Successful requests", "Failed requests", "|"))]  # vllm, lm-eval
-    return summary + keep[-lines:]
+    summary = [x for x in keep if x.startswith(("Successful requests", "Failed requests", "Error ", "|"))  # vllm,
+               or any(k in x for k in ("Request Count", "Request Error Rate", "Sequence Length"))]  # lm-eval, aiperf
+    return summary + [x for x in keep[-lines:] if x not in summary]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--venvs", type=Path, default=Path("/tmp/dgemma-clients"))
+    p.add_argument("--venvs", type=Path, default=Path("/tmp/clients"))
     p.add_argument("--install", action="store_true", help="create the clients' venvs first")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--port", type=int, default=8123)
@@ -144,13 +167,14 @@ def main(argv: list[str] | None = None) -> int:
             inp = _inputs(Path(d))
             env = {**os.environ, "OPENAI_API_KEY": "none", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                    "NO_PROXY": HOST}
-            for name, venv, cmd in _runs(url, args.venvs, inp, args.requests):
+            for name, venv, cmd, unset in _runs(url, args.venvs, inp, args.requests):
                 if not (args.venvs / venv).exists():
                     rows.append((name, "not installed", 0.0, []))
                     continue
                 t0 = time.perf_counter()
                 try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=d)
+                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=d,
+                                       env={k: v for k, v in env.items() if k not in unset})
                     status, out = f"exit {r.returncode}", r.stdout + r.stderr
                 except subprocess.TimeoutExpired as e:
                     status, out = "timed out", (e.stdout or b"").decode(errors="replace")

@@ -16,11 +16,14 @@ whichever door it came through:
 Gemma-family models expect exactly one BOS at position 0; a prompt without it runs, silently worse.
 
 Every bad input raises `ConfigError` naming the thing: `prompt` (empty, or characters the tokenizer cannot
-encode), `system`, `messages`, `chat template` (absent, or failing to render).
+encode; the tokenizer's special / added tokens written literally, e.g. the "<bos>" a chat template renders, are
+encoded as those tokens, as the tokenizer itself splits them out), `system`, `messages`, `chat template` (absent,
+or failing to render).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,9 +48,22 @@ def check_encodable(tokenizer, text: str, name: str = "prompt") -> None:
     unk = tokenizer.unk_token_id
     if unk is None:
         return
-    unknown = sorted(ch for ch in set(text) if unk in tokenizer(ch, add_special_tokens=False)["input_ids"])
+    # the tokenizer's added / special tokens written literally ("<bos>" of a rendered chat template) encode as
+    # those tokens, as the tokenizer splits them out; only the characters around them are checked one by one
+    rest = _without_added_tokens(tokenizer, text)
+    unknown = sorted(ch for ch in set(rest) if unk in tokenizer(ch, add_special_tokens=False)["input_ids"])
     if unknown:
         raise ConfigError(f"{name}: characters the model's tokenizer cannot encode: {''.join(unknown)!r}")
+
+
+def _without_added_tokens(tokenizer, text: str) -> str:
+    """`text` with every literal occurrence of the tokenizer's added tokens (special ones included) cut out."""
+    added = set(getattr(tokenizer, "added_tokens_encoder", None) or ())
+    added |= set(getattr(tokenizer, "all_special_tokens", None) or ())
+    added = sorted((t for t in added if t), key=len, reverse=True)  # longest first, as the tokenizer matches
+    if not added:
+        return text
+    return "".join(re.split("|".join(re.escape(t) for t in added), text))
 
 
 def with_one_bos(ids: Sequence[int], bos_token_id: int | None) -> list[int]:

@@ -86,6 +86,60 @@ def test_client_bodies(server, fixture):
         assert all("usage" in c for c in chunks)
 
 
+def _vllm_bench(events: list, chat: bool) -> dict:
+    """A stream as vLLM's bench client (0.33, endpoint_request_func.py) judges it: a request succeeds iff a chunk
+    with choices arrives (chat: one with streamed output, `_choice_has_streamed_output`); the text is their
+    `text` / `delta.content` joined; output_tokens and prompt_len come from a choices-less usage chunk."""
+    out = {"success": False, "text": "", "output_tokens": None, "prompt_len": None}
+    for data in events:
+        if data == "[DONE]":
+            continue
+        choices = data.get("choices")
+        if chat:
+            delta = choices[0].get("delta") if choices else None
+            streamed = isinstance(delta, dict) and bool(delta.get("content") or delta.get("content") == "" and
+                                                        "role" not in delta)
+        else:
+            streamed = bool(choices)
+        if streamed:
+            out["success"] = True
+            out["text"] += (choices[0]["delta"].get("content") if chat else choices[0].get("text")) or ""
+        elif not choices and (usage := data.get("usage")):
+            out["output_tokens"], out["prompt_len"] = usage.get("completion_tokens"), usage.get("prompt_tokens")
+    return out
+
+
+@pytest.mark.parametrize("name", ["vllm_bench_openai", "vllm_bench_openai_chat", "vllm_bench_openai_custom",
+                                  "vllm_bench_openai_chat_custom"])
+def test_vllm_bench_counts_success(server, demo, name):
+    """vLLM's bench requests (the custom dataset's prompt is chat-templated, so it starts with a literal "<bos>")
+    succeed by its own parser, with the known answer, its token count, and the prompt counted with one BOS."""
+    _, tok = demo
+    case = json.loads((Path(__file__).parent / "fixtures" / "clients" / f"{name}.json").read_text())
+    chat = "messages" in case["body"]
+    got = _vllm_bench(_stream(server, case["path"], {**case["body"], "seed": 0}), chat)
+    prompt = (case["body"]["messages"][0]["content"][0]["text"] if chat else case["body"]["prompt"])
+    answer = {"rev 1 2 3 4 5 6 7 8 9 0 1=": "1 0 9 8 7 6 5 4 ", "<bos>sort 3 1 2 9 5=": "1 2 3 5 9"}
+    assert got["success"] is True
+    assert got["text"] == answer[prompt]  # rev: the 16-token budget ends it after its first block
+    assert got["output_tokens"] == len(tok(got["text"], add_special_tokens=False)["input_ids"])
+    assert got["prompt_len"] == len(tok(prompt.removeprefix("<bos>"))["input_ids"])
+
+
+def test_literal_special_tokens_in_prompt(server, demo):
+    """A prompt with the tokenizer's special tokens written literally encodes them as the tokenizer does (a leading
+    "<bos>" collapses into the one BOS: same answer and prompt_tokens as without it); unknown characters around
+    them are still refused, naming the prompt and the characters."""
+    _, tok = demo
+    plain = _post(server, "/v1/completions", {"prompt": "sort 3 1 2 9 5=", "seed": 0}).json()
+    lit = _post(server, "/v1/completions", {"prompt": "<bos>sort 3 1 2 9 5=", "seed": 0}).json()
+    assert lit["choices"][0]["text"] == plain["choices"][0]["text"] == "1 2 3 5 9"
+    assert lit["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] == len(tok("sort 3 1 2 9 5=")["input_ids"])
+    r = _post(server, "/v1/completions", {"prompt": "<bos>sort <bo 3="})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "prompt" and "'<b'" in r.json()["error"]["message"]
+
+
 def test_chat_stream_shape(server, demo):
     """OpenAI's chunk shapes: one role chunk per choice, first, before any draft; later deltas carry no role key;
     `logprobs` null; the joined content equals the non-streaming message, whose `refusal` is null."""

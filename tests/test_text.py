@@ -131,6 +131,18 @@ def test_template_refusing_a_role_is_a_config_error(tmp_path):
     assert encode_chat(tok, user_messages("hi"), bos_token_id=BOS) == [BOS] + raw_ids(d, "hi")
 
 
+def test_literal_special_tokens_are_encodable(tiny_dir):
+    """Special tokens written literally ("<bos>", "<eos>": a chat template's rendering) encode as those tokens, as
+    the tokenizer splits them out; a leading "<bos>" collapses into the one BOS; stray characters are still named."""
+    tok = load_tokenizer(tiny_dir)
+    bos, eos = tok.convert_tokens_to_ids(tok.bos_token), tok.convert_tokens_to_ids(tok.eos_token)
+    plain = encode_prompt(tok, "abc", bos_token_id=bos)
+    assert encode_prompt(tok, tok.bos_token + "abc", bos_token_id=bos) == plain
+    assert encode_prompt(tok, "abc" + tok.eos_token, bos_token_id=bos) == plain + [eos]
+    with pytest.raises(ConfigError, match="^prompt: characters the model's tokenizer cannot encode: '✓'"):
+        encode_prompt(tok, tok.bos_token + "abc ✓", bos_token_id=bos)
+
+
 def test_empty_and_unencodable_text_names_the_field(tiny_dir, bpe):
     char_level = load_tokenizer(tiny_dir)  # has an unknown token
     with pytest.raises(ConfigError, match="^prompt: empty prompt"):

@@ -29,6 +29,11 @@ tokenizer, as vLLM counts); `completion_tokens` counts the generated tokens behi
 ended an answer NOT counted (so it equals the client tokenizer's count of the returned text wherever the text
 re-tokenizes to the same ids; at a stop string, the shortest prefix whose text covers what was returned).
 
+Text prompts may hold the tokenizer's special tokens written literally (vLLM's bench renders its custom dataset
+through the chat template, so its completions prompts start with "<bos>"): they encode as those tokens, as the
+tokenizer splits them out (only the characters between them must be in the vocabulary), and a leading BOS run
+collapses into the one BOS at position 0, so `prompt_tokens` counts it once.
+
 Draft events (the extension `draft_every`: k >= 1, streaming only; opt-in per request, since each costs the
 request's bucket a host read of the canvas every k steps): every k denoise steps of a block in flight, each choice
 gets a chunk whose regular text is empty (`text` "" / `delta.content` "", so clients that ignore drafts see the same
