@@ -10,9 +10,8 @@ bench/results/clients_cpu_<date>.md. A client whose venv is missing is reported 
 
 Client settings, each the client's own flag (never a patch to it):
 - vLLM's bench (0.33) forces `ignore_eos: true` into every request of its random datasets on the OpenAI-compatible
-  backends (serve.py: "when using random datasets, default to ignoring EOS"), which this server refuses (400,
-  param ignore_eos) until the core supports it; the random runs therefore pass `--extra-body {"ignore_eos": false}`
-  (its own override: extra_body is merged after ignore_eos), and one `--ignore-eos` run shows the refusal.
+  backends (serve.py: "when using random datasets, default to ignoring EOS"); the server implements it
+  (`GenerationConfig.ignore_eos`: the answer runs to max_tokens), so those runs use the client's defaults.
 - aiperf (0.13) runs without HF_HUB_OFFLINE: in offline mode its tokenizer loader calls
   `snapshot_download(<the --tokenizer path>, local_files_only=True)`, which rejects a local directory as a repo id;
   online, a local path loads directly (nothing is fetched: loopback only).
@@ -80,7 +79,6 @@ def _runs(url: str, venvs: Path, inp: dict[str, Path], n: int) -> list[tuple[str
     bench = [f"{venvs}/vllm/bin/vllm", "bench", "serve", "--base-url", url, "--model", MODEL, "--tokenizer", tok,
              "--num-prompts", str(n), "--max-concurrency", "2"]
     random = ["--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "16"]
-    keep_eos = ["--extra-body", json.dumps({"ignore_eos": False})]  # see the module docstring
     lm = [f"{venvs}/lmeval/bin/lm_eval", "--tasks", "dgemma_demo", "--include_path", str(inp["tasks"]),
           "--limit", str(n)]
     aiperf = [f"{venvs}/aiperf/bin/aiperf", "profile", "--model", MODEL, "--url", url, "--streaming", "--tokenizer",
@@ -92,17 +90,17 @@ def _runs(url: str, venvs: Path, inp: dict[str, Path], n: int) -> list[tuple[str
     out = inp["prompts"].parent
     return [
         ("openai client", "openai", [f"{venvs}/openai/bin/python", "-c", OPENAI_SCRIPT, url, str(n)], ()),
-        ("vllm bench serve --backend openai (random, ignore_eos false)", "vllm",
-         bench + ["--backend", "openai", "--endpoint", "/v1/completions", *random, *keep_eos], ()),
-        ("vllm bench serve --backend openai-chat (random, ignore_eos false)", "vllm",
-         bench + ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", *random, *keep_eos], ()),
+        ("vllm bench serve --backend openai (random)", "vllm",
+         bench + ["--backend", "openai", "--endpoint", "/v1/completions", *random], ()),
+        ("vllm bench serve --backend openai-chat (random)", "vllm",
+         bench + ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", *random], ()),
         ("vllm bench serve --backend openai (custom)", "vllm",
          bench + ["--backend", "openai", "--endpoint", "/v1/completions", "--dataset-name", "custom",
                   "--dataset-path", str(inp["prompts"]), "--custom-output-len", "16"], ()),
         ("vllm bench serve --backend openai-chat (custom)", "vllm",
          bench + ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--dataset-name", "custom",
                   "--dataset-path", str(inp["prompts"]), "--custom-output-len", "16"], ()),
-        ("vllm bench serve --ignore-eos (refused: ignore_eos)", "vllm",
+        ("vllm bench serve --ignore-eos", "vllm",
          bench + ["--backend", "openai", "--endpoint", "/v1/completions", *random, "--ignore-eos"], ()),
         ("lm-eval local-completions (local tokenizer)", "lmeval",
          lm + ["--model", "local-completions", "--model_args",
