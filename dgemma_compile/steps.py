@@ -56,6 +56,9 @@ class DenoiseState:
     (`DiffusionGemma.self_conditioning_embedding`) of the previous step's softmax((logits - max) / T) (one-hot for
     greedy rows; `sampler.StepUpdate`), computed at the end of that step, meaningful where has_sc: bool [B]. D, not
     V, values per position: at the released sizes 2,816 instead of 262,144 (`sampler.SCHEME` v4).
+    logprob: float32 [B, C], top_ids: int64 [B, C, K], top_logprobs: float32 [B, C, K]: log-probabilities of the
+    latest step of each row (`logprobs`), K = the bucket's `max_logprobs` (0: none); what a block's argmax canvas
+    was taken from when its block finished in that step.
     """
 
     canvas: torch.Tensor
@@ -65,16 +68,22 @@ class DenoiseState:
     steps: torch.Tensor
     sc_embeds: torch.Tensor
     has_sc: torch.Tensor
+    logprob: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
 
     @classmethod
-    def allocate(cls, model: DiffusionGemma, rows: int, stability: int) -> "DenoiseState":
+    def allocate(cls, model: DiffusionGemma, rows: int, stability: int, max_logprobs: int = 0) -> "DenoiseState":
         C, D, dev = model.config.canvas_length, model.config.hidden_size, model.device
         long = dict(dtype=torch.long, device=dev)
         return cls(canvas=torch.zeros(rows, C, **long), argmax=torch.zeros(rows, C, **long),
                    history=torch.full((stability, rows, C), -1, **long),
                    finished=torch.zeros(rows, dtype=torch.bool, device=dev), steps=torch.zeros(rows, **long),
                    sc_embeds=torch.zeros(rows, C, D, dtype=model.dtype, device=dev),
-                   has_sc=torch.zeros(rows, dtype=torch.bool, device=dev))
+                   has_sc=torch.zeros(rows, dtype=torch.bool, device=dev),
+                   logprob=torch.zeros(rows, C, dtype=torch.float32, device=dev),
+                   top_ids=torch.zeros(rows, C, max_logprobs, **long),
+                   top_logprobs=torch.zeros(rows, C, max_logprobs, dtype=torch.float32, device=dev))
 
     def view(self, rows: int) -> "DenoiseState":
         """The first `rows` rows (views of these buffers)."""
@@ -215,6 +224,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     state.finished.copy_(new.finished | (state.steps >= inputs.budget))
     state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs))
     state.has_sc.fill_(True)
+    _keep_logprobs(state, logits, new.argmax)
 
 
 def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, plan: PlanBuffers | None = None, *,
@@ -227,6 +237,20 @@ def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, plan
         plan.fill()
 
 
+
+
+def logprobs(logits_BCV: torch.Tensor, tokens_BC: torch.Tensor, k: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of one step at temperature 1 (the model's own distribution, softcapped: vLLM's default
+    "raw" logprobs; the temperature schedule only shapes sampling): (log p(tokens) float32 [B, C], the k most
+    likely ids int64 [B, C, k], their log p float32 [B, C, k], in descending order). Tensor ops only."""
+    lse = torch.logsumexp(logits_BCV, dim=-1, keepdim=True)
+    token = (logits_BCV.gather(-1, tokens_BC[..., None]) - lse)[..., 0]
+    if k == 0:
+        empty = logits_BCV.new_zeros(*tokens_BC.shape, 0)
+        return token, empty.long(), empty
+    top, ids = logits_BCV.topk(k, dim=-1)
+    return token, ids, top - lse
 
 
 def refresh_plan(rows: RowState, state: DenoiseState, plan: PlanBuffers) -> None:
@@ -300,6 +324,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
     state.steps.copy_(torch.where(begin, 0, steps))
     state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs))
+    _keep_logprobs(state, logits, new.argmax)
     state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
     inputs.block.copy_(block)
     rows.prefilled.copy_(prefilled)
@@ -311,3 +336,12 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     rows.phase.copy_(phase)
     state.finished.copy_(phase != DENOISE)
     refresh_plan(rows, state, plan)
+
+
+def _keep_logprobs(state: DenoiseState, logits_BCV: torch.Tensor, argmax_BC: torch.Tensor) -> None:
+    """The step's `logprobs` of its argmax canvas into the state (every row: the host reads a row's only in the
+    iteration its block finished)."""
+    token, ids, top = logprobs(logits_BCV, argmax_BC, state.top_ids.shape[-1])
+    state.logprob.copy_(token)
+    state.top_ids.copy_(ids)
+    state.top_logprobs.copy_(top)

@@ -92,6 +92,9 @@ class BlockEvent:
     `step` denoise steps of block `block` (provisional, replaced by the block's own event); never a finish."""
     block: int = 0
     step: int = 0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    """With `Request.logprobs` = k: per token of `tokens`, (its log-probability, the k most likely (id, log p)) in the
+    denoise step whose argmax canvas was committed (`steps.logprobs`: temperature 1); None otherwise."""
 
 
 @dataclass(eq=False)
@@ -114,6 +117,9 @@ class Request:
     matcher: StopStrings | None = None
     slots: int = 0  # committed slots it can need (`generate.plan`)
     draft_every: int = 0
+    logprobs: int | None = None
+    """k >= 0: each block event carries the log-probabilities of its tokens and the k most likely alternatives
+    (`BlockEvent.logprobs`; k at most the bucket's `max_logprobs`); None: none."""
 
 
 @dataclass
@@ -201,6 +207,11 @@ class Engine:
 
     # ----- requests ------------------------------------------------------------------------------------------------
     @property
+    def max_logprobs(self) -> int:
+        """The most alternatives per token a request may ask log-probabilities for (the bucket's)."""
+        return self.bucket.max_logprobs
+
+    @property
     def max_seq_len(self) -> int:
         return self.bucket.cache.max_seq_len
 
@@ -250,6 +261,10 @@ class Engine:
         k = request.draft_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ConfigError(f"draft_every: must be an integer >= 0, got {k!r}")
+        lp = request.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= self.max_logprobs):
+            raise ConfigError(f"top_logprobs: must be an integer in [0, {self.max_logprobs}] (the server's "
+                              f"--max-logprobs), got {lp!r}")
         request.config, request.slots = self._check(request.prompt, request.config, request.seed)
         request.prompt = list(request.prompt)
         if self.tokenizer is not None:
@@ -367,8 +382,11 @@ class Engine:
                 self._committed(b, row)
                 row.phase, row.steps = Phase.DENOISE, 0
         done = [b for b in busy if events[b]]
+        asking = [b for b in done if self.rows[b].request.logprobs is not None]
+        lps = dict(zip(asking, bk.read_logprobs(asking, max(self.rows[b].request.logprobs for b in asking))
+                       if asking else []))
         for b, (device_done, steps, argmax) in zip(done, bk.read_blocks(done)):
-            self._end_block(self.rows[b], argmax, steps, device_free=device_done)
+            self._end_block(self.rows[b], argmax, steps, device_free=device_done, logprobs=lps.get(b))
         self._drafts([b for b in denoised if not events[b]])
         if self.metrics is not None:
             self.metrics.iteration(self.queue_depth, self.running, len(denoised), read_s)
@@ -453,10 +471,13 @@ class Engine:
             self._emit(req, BlockEvent(req, tokens, text, None, len(req.sequence), draft=True, block=row.block,
                                        step=row.steps))
 
-    def _end_block(self, row: _Row, argmax: list[int], steps: int, device_free: bool = False) -> None:
+    def _end_block(self, row: _Row, argmax: list[int], steps: int, device_free: bool = False,
+                   logprobs: list | None = None) -> None:
         req, st = row.request, self.stats
         before = req.stats.num_tokens
         keep, done = finalize_row(argmax, req.config, req.sequence, req.stats, steps)
+        if logprobs is not None:  # the kept tokens' (a prefix of the canvas), alternatives cut to the request's k
+            logprobs = [(t, top[:req.logprobs]) for t, top in logprobs[:len(keep)]]
         st.blocks += 1
         st.row_passes += steps
         st.tokens += req.stats.num_tokens - before
@@ -468,13 +489,13 @@ class Engine:
         if req.cancelled:
             self._retire(row, "cancelled", device_free=device_free)
         elif done:
-            self._retire(row, req.stats.finish_reason, keep, text, device_free=device_free)
+            self._retire(row, req.stats.finish_reason, keep, text, device_free=device_free, logprobs=logprobs)
         else:
             row.phase = Phase.COMMIT
-            self._emit(req, BlockEvent(req, keep, text, None, len(req.sequence)))
+            self._emit(req, BlockEvent(req, keep, text, None, len(req.sequence), logprobs=logprobs))
 
     def _retire(self, row: _Row, reason: str, tokens: list[int] | None = None, text: str = "",
-                device_free: bool = False) -> None:
+                device_free: bool = False, logprobs: list | None = None) -> None:
         """Free the row (FREE on the device, which `device_free` says it already is) and end its request."""
         req = row.request
         b = self.rows.index(row)
@@ -484,9 +505,9 @@ class Engine:
             self.bucket.retire(b)
             self._dirty = True
         self.rows[b] = _Row()
-        self._finish(req, reason, tokens or [], text)
+        self._finish(req, reason, tokens or [], text, logprobs)
 
-    def _finish(self, req: Request, reason: str, tokens: list[int], text: str) -> None:
+    def _finish(self, req: Request, reason: str, tokens: list[int], text: str, logprobs: list | None = None) -> None:
         req.stats.finish_reason = reason  # also "cancelled" / "error", which finalize_row never sets
         m = req.matcher
         if m is not None and reason in ("eos", "length"):
@@ -494,7 +515,10 @@ class Engine:
         self.stats.requests[reason] += 1
         if self.metrics is not None:
             self.metrics.request_done(reason)
-        self._emit(req, BlockEvent(req, tokens, text, reason, self._completion_tokens(req, reason)))
+        if logprobs is None and req.logprobs is not None:
+            logprobs = []  # an end without a block of its own (cancelled, error)
+        self._emit(req, BlockEvent(req, tokens, text, reason, self._completion_tokens(req, reason),
+                                   logprobs=logprobs))
 
     def _completion_tokens(self, req: Request, reason: str) -> int:
         """Tokens behind the returned text: the whole sequence, or at a stop string the shortest prefix of it whose
@@ -521,7 +545,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
                  prefix_cache: bool = True, batch_invariant: bool | None = None, fuse_commit: bool | None = None,
-                 batch_sizes: Sequence[int] | None = None) -> Engine:
+                 batch_sizes: Sequence[int] | None = None, max_logprobs: int = 20) -> Engine:
     """An engine over one bucket of `max_batch` rows, stepping at batch sizes `batch_sizes` (default: the powers of
     two below `max_batch`, and `max_batch`) over them: compiled (a generator whose `CompileOptions.batch_buckets` are
     those sizes, a cache of `max_seq_len` committed slots -- default the model's context, at most
@@ -533,8 +557,10 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     canvas length with the prefix cache): a paged KV cache of `kv_pages` pages (default: the static cache's memory)
     shared by the rows, with a prefix cache unless `prefix_cache` is False (see the module docstring, "KV memory").
     `batch_invariant`: `CompileOptions.batch_invariant` (None: on for CPU); eagerly, on means moe "dense"
-    (batch-invariant), off "loop" (transformers' order); `Engine.batch_invariant` tells which ran. The engine is not
-    started (`Engine.start`).
+    (batch-invariant), off "loop" (transformers' order); `Engine.batch_invariant` tells which ran. `max_logprobs`: the
+    most alternatives per token a request's logprobs may ask for (each step keeps that many per position:
+    `steps.logprobs`; vLLM's default 20; compiled, `CompileOptions.max_logprobs`, a given generator's). The engine is
+    not started (`Engine.start`).
 
     Raises:
         ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); `fuse_commit`
@@ -564,7 +590,8 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     if eager:
         on = CompileOptions(batch_invariant=batch_invariant).batch_invariance(model.device.type)
         bucket = Bucket(model, batch_sizes, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
-                        config=config, fuse_commit=fuse, moe_impl="dense" if on else "loop", **paging)
+                        config=config, fuse_commit=fuse, moe_impl="dense" if on else "loop", max_logprobs=max_logprobs,
+                        **paging)
         engine = Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
                         prefix_cache=prefix_cache)
         engine.batch_invariant = on
