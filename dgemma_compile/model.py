@@ -5,6 +5,9 @@ One set of layers runs in two modes:
   prefill and for committing a finished canvas. Plain token embeddings.
 - denoiser (`denoise`): bidirectional attention over the whole canvas plus the cached context; reads the cache and
   never commits to it. Adds self-conditioning; returns float32 soft-capped logits.
+`encode` / `denoise` are checked wrappers over uniform plans (`uniform.py`); the forward entry points every step
+uses are `forward_plan` (rows in any mix of modes, under a `plan.ForwardPlan` built outside the model), `logits` and
+`self_conditioning_embedding`.
 
 Numerics follow transformers' `modeling_diffusion_gemma.py` (the test oracle); see REFERENCE.md for the model facts.
 No compile concerns live here.
@@ -24,7 +27,8 @@ from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
 from .masks import flex_block_attention
 from .ops import MOE_IMPLS
-from .plan import ForwardPlan, build_plan
+from .plan import ForwardPlan
+from .uniform import denoise_block, encode_block
 
 ATTENTION_BACKENDS = ("flex", "dense")
 
@@ -370,7 +374,7 @@ class DiffusionGemma(nn.Module):
         outs = []
         for start in range(0, T, cache.block_size):
             chunk = input_ids[:, start:start + cache.block_size]
-            outs.append(self.encode_block(chunk, cache, (n_B - start).clamp(0, chunk.shape[1]), moe_impl))
+            outs.append(encode_block(self, chunk, cache, (n_B - start).clamp(0, chunk.shape[1]), moe_impl))
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()
@@ -396,36 +400,9 @@ class DiffusionGemma(nn.Module):
         if sc is not None and (sc.shape != (B, C, V) or not sc.is_floating_point()):
             raise ValueError(f"self_conditioning_logits must be floating point [B={B}, C={C}, V={V}], "
                              f"got {sc.dtype} {tuple(sc.shape)}")
-        return self.denoise_block(canvas, cache, self_conditioning_logits, moe_impl=moe_impl)
+        return denoise_block(self, canvas, cache, self_conditioning_logits, moe_impl=moe_impl)
 
-    # ----- unchecked building blocks (no host synchronisation; what compiled steps call) ------------------------
-    def encode_block(self, ids_BT: torch.Tensor, cache: KVCache, n_new_B: torch.Tensor,
-                     moe_impl: str | None = None, kernel_options: dict | None = None) -> torch.Tensor:
-        """One encoder pass over T <= cache.block_size tokens, n_new_B [B] of them real per row; commits them and
-        advances `cache.lengths`. `moe_impl` None: `self.moe_impl`; `kernel_options`: FlexAttention kernel options
-        by query kind and layer type (`plan.build_plan`). No validation: callers check (see `encode`)."""
-        plan = build_plan(self, cache, ids_BT.shape[1], mode="encoder", n_new=n_new_B, kernel_options=kernel_options)
-        return self._forward_block(self._embed(ids_BT), cache, plan, moe_impl)
-
-    def denoise_block(self, canvas_BC: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None,
-                      self_conditioning_mask_B: torch.Tensor | None = None,
-                      moe_impl: str | None = None, plan: ForwardPlan | None = None,
-                      self_conditioning_embeds: torch.Tensor | None = None,
-                      kernel_options: dict | None = None) -> torch.Tensor:
-        """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
-        self-conditioning signal of rows without previous logits, so a compiled step needs no Python branch.
-        `moe_impl` None: `self.moe_impl`. `plan`: the uniform denoise plan for the cache's current lengths, built
-        once per block (`plan.PlanBuffers`); None builds it here. `self_conditioning_embeds` [B, C, D]: the
-        self-conditioning input as its soft embedding (`self_conditioning_embedding` of the previous step's
-        probabilities: what the generators carry, `sampler.SCHEME` v4), in place of `self_conditioning_logits` (pass
-        None there). `kernel_options`: as `encode_block`'s, for a plan built here."""
-        embeds = self._embed(canvas_BC)
-        x = self.self_conditioning(embeds, self._soft_embedding(embeds, self_conditioning_logits,
-                                                                self_conditioning_mask_B, self_conditioning_embeds))
-        if plan is None:
-            plan = build_plan(self, cache, canvas_BC.shape[1], mode="denoise", kernel_options=kernel_options)
-        return self.logits(self._forward_block(x, cache, plan, moe_impl))
-
+    # ----- the forward entry points (unchecked, no host synchronisation: what the steps call) -------------------
     def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,
                      self_conditioning_logits: torch.Tensor | None = None, moe_impl: str | None = None,
                      self_conditioning_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -436,7 +413,8 @@ class DiffusionGemma(nn.Module):
         [B, T, D] (`logits()` for the denoise rows). `self_conditioning_embeds` [B, T, D]: the signal as its soft
         embedding (`self_conditioning_embedding`; what the generators carry), in place of `self_conditioning_logits`.
         Either may cover only the first T' < T tokens ([B, T', ...]: a fused mixed plan's denoise rows hold their
-        canvas there); the signal is zero after them. Unchecked, like `encode_block` / `denoise_block`, which are this forward with a uniform plan."""
+        canvas there); the signal is zero after them. The model builds no plan: callers do (`plan.build_plan`,
+        `plan.PlanBuffers`; `uniform.py` for the uniform passes)."""
         embeds = self._embed(ids_BT)
         sc = plan.self_conditioning
         den = plan.denoise_tokens
@@ -453,23 +431,6 @@ class DiffusionGemma(nn.Module):
         denoised = self.self_conditioning(embeds, soft)
         x = denoised if den is True else torch.where(den[..., None], denoised, embeds)
         return self._forward_block(x, cache, plan, moe_impl)
-
-    def commit_denoise_block(self, ids_BC: torch.Tensor, canvas_BC: torch.Tensor, cache: KVCache,
-                             n_new_B: torch.Tensor, moe_impl: str | None = None,
-                             kernel_options: dict | None = None) -> torch.Tensor:
-        """Commit fusion: one forward of 2C tokens that commits `ids_BC` (the first `n_new_B[b]` of each row, as
-        `encode_block` does, advancing `cache.lengths`) and runs the first denoise step of the next block's
-        `canvas_BC` after them (no self-conditioning; `plan.py`, mode "commit+denoise"). Returns the canvas's float32
-        logits [B, C, V], equal within float32 reduction-order noise to `encode_block` then `denoise_block`.
-        Needs `cache.block_size >= 2C` (ValueError otherwise). Unchecked otherwise, like `encode_block`;
-        `kernel_options` as there."""
-        C = canvas_BC.shape[1]
-        if ids_BC.shape != canvas_BC.shape or cache.block_size < 2 * C:
-            raise ValueError(f"commit fusion needs ids and canvas of one shape [B, C] and a cache with block_size >= "
-                             f"2C; got {tuple(ids_BC.shape)}, {tuple(canvas_BC.shape)}, block_size {cache.block_size}")
-        plan = build_plan(self, cache, 2 * C, mode="commit+denoise", n_new=n_new_B, kernel_options=kernel_options)
-        hidden = self.forward_plan(torch.cat([ids_BC, canvas_BC], dim=1), cache, plan, moe_impl=moe_impl)
-        return self.logits(hidden[:, C:])
 
     def rope_tables(self, layer_type: str, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, T, rotary dim] in the model dtype for `layer_type`'s RoPE at `positions_BT`."""

@@ -65,7 +65,7 @@ class ForwardPlan:
         slots: int64 [B, T], the cache slot each block token's key/value is written to, or None when nothing is
             committed (keys/values stay in the block slots).
         self_conditioning: bool [B], denoise rows whose input carries the previous step's signal (mixed plans),
-            or None (uniform plans: `denoise_block`'s own flag decides).
+            or None (uniform plans: `uniform.denoise_block`'s own mask decides).
         positions: int64 [B, T], the block tokens' logical positions (lengths[b] + i; the canvas half of commit
             fusion: lengths[b] + n_new[b] + i - C).
         rope: per layer type, (cos, sin) [B, T, rotary dim] in the model dtype.

@@ -37,6 +37,7 @@ from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as st
 from .plan import PlanBuffers
 from .rows import RowState
 from .sampler import StepNoise, denoise_update, temperature_table
+from .uniform import commit_denoise_block, denoise_block, encode_block
 
 
 def _rows_view(obj, rows: int, dims: dict[str, int] | None = None):
@@ -195,7 +196,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     (`encode_chunk`, or this step with `commit`); None: built inside the step.
 
     `commit=True` (commit fusion, a block's first step only): the forward also commits the previous block, the
-    first `inputs.n_new` tokens of `inputs.ids[:, :C]` (`DiffusionGemma.commit_denoise_block`; the cache needs
+    first `inputs.n_new` tokens of `inputs.ids[:, :C]` (`uniform.commit_denoise_block`; the cache needs
     2C block slots), instead of a separate `encode_chunk` before the step; then it fills `plan` for the block's
     later steps.
 
@@ -206,12 +207,12 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     uniform, renoise = rng.step_noise(inputs.seeds, inputs.block, inputs.budget - state.steps, C, V)
     state.steps.add_((~state.finished).long())
     if commit:
-        logits = model.commit_denoise_block(inputs.ids[:, :C], state.canvas, cache, inputs.n_new, moe_impl=moe_impl,
+        logits = commit_denoise_block(model, inputs.ids[:, :C], state.canvas, cache, inputs.n_new, moe_impl=moe_impl,
                                             kernel_options=kernel_options)
         if plan is not None:
             plan.fill()
     else:
-        logits = model.denoise_block(state.canvas, cache, None, state.has_sc, moe_impl=moe_impl,
+        logits = denoise_block(model, state.canvas, cache, None, state.has_sc, moe_impl=moe_impl,
                                      plan=plan.plan if plan is not None else None,
                                      self_conditioning_embeds=state.sc_embeds, kernel_options=kernel_options)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
@@ -232,7 +233,7 @@ def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, plan
     """One causal encoder pass over `inputs.ids` with `inputs.n_new` real tokens per row (prefill chunk or commit);
     writes their keys/values and advances `cache.lengths`; then fills `plan` (if given), the denoise plan for the
     new lengths, which the next block's steps read. `kernel_options` as in `denoise_step`."""
-    model.encode_block(inputs.ids, cache, inputs.n_new, moe_impl=moe_impl, kernel_options=kernel_options)
+    encode_block(model, inputs.ids, cache, inputs.n_new, moe_impl=moe_impl, kernel_options=kernel_options)
     if plan is not None:
         plan.fill()
 

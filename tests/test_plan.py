@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import create_mask
 import dgemma_compile as dg
 from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask
 from dgemma_compile.plan import COMMIT_DENOISE, DENOISE, ENCODER, IDLE, PlanBuffers, build_plan
+from dgemma_compile.uniform import commit_denoise_block, denoise_block, encode_block
 
 S = 48  # committed slots per row
 # (mode, tokens committed before the forward, real tokens of an encoder row, self-conditioned)
@@ -51,9 +52,9 @@ def _separately(model, cache, ids, sc_logits, moe_impl):
     for r, (mode, _, n, with_sc) in enumerate(ROWS):
         c = _row_cache(cache, r)
         if mode == ENCODER:
-            y = model.encode_block(ids[r:r + 1], c, torch.tensor([n]), moe_impl=moe_impl)[0, :n]
+            y = encode_block(model, ids[r:r + 1], c, torch.tensor([n]), moe_impl=moe_impl)[0, :n]
         elif mode == DENOISE:
-            y = model.denoise_block(ids[r:r + 1], c, sc_logits[r:r + 1] if with_sc else None,
+            y = denoise_block(model, ids[r:r + 1], c, sc_logits[r:r + 1] if with_sc else None,
                                     moe_impl=moe_impl)[0]
         else:
             y = None
@@ -175,8 +176,8 @@ def _unfused(model, cache, ids, canvas, n_new, moe_impl):
     """The commit, then the denoise step, as two forwards (on a copy of the cache): (logits, cache after)."""
     c = type(cache)(keys=[k.clone() for k in cache.keys], values=[v.clone() for v in cache.values],
                     lengths=cache.lengths.clone(), max_seq_len=cache.max_seq_len, block_size=cache.block_size)
-    model.encode_block(ids, c, n_new, moe_impl=moe_impl)
-    return model.denoise_block(canvas, c, None, moe_impl=moe_impl), c
+    encode_block(model, ids, c, n_new, moe_impl=moe_impl)
+    return denoise_block(model, canvas, c, None, moe_impl=moe_impl), c
 
 
 def _check_fused(logits, cache, expected_logits, expected_cache):
@@ -197,7 +198,7 @@ def test_commit_fusion_equals_commit_then_denoise_eagerly(tiny_dir, attention, w
     cache, ids, canvas, n_new = _commit_setup(model, seed=3)
     expected = _unfused(model, cache, ids, canvas, n_new, "loop")
     with torch.no_grad():
-        logits = model.commit_denoise_block(ids, canvas, cache, n_new, moe_impl="loop")
+        logits = commit_denoise_block(model, ids, canvas, cache, n_new, moe_impl="loop")
     _check_fused(logits, cache, *expected)
 
 
@@ -207,7 +208,7 @@ def test_commit_fusion_equals_commit_then_denoise_compiled(tiny_dir):
     cache, ids, canvas, n_new = _commit_setup(model, seed=4)
     expected = _unfused(model, cache, ids, canvas, n_new, "loop")
     with torch.no_grad():
-        step = torch.compile(lambda: model.commit_denoise_block(ids, canvas, cache, n_new, moe_impl="gathered"),
+        step = torch.compile(lambda: commit_denoise_block(model, ids, canvas, cache, n_new, moe_impl="gathered"),
                              fullgraph=True, dynamic=False)
         logits = step()
     _check_fused(logits, cache, *expected)
@@ -218,7 +219,7 @@ def test_commit_fusion_needs_two_blocks_of_cache_slots(tiny_dir):
     C = model.config.canvas_length
     ids = torch.zeros(1, C, dtype=torch.long)
     with pytest.raises(ValueError, match="block_size >= 2C"):
-        model.commit_denoise_block(ids, ids, model.new_cache(1, S), torch.tensor([C]))
+        commit_denoise_block(model, ids, ids, model.new_cache(1, S), torch.tensor([C]))
 
 
 # --- the block's denoise plan in static buffers, built once per block --------------------------------------------
@@ -241,8 +242,8 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
         fresh = build_plan(model, cache, C, mode="denoise")
         assert torch.equal(plan.plan.positions, fresh.positions)
         with torch.no_grad():
-            assert torch.equal(model.denoise_block(canvas, cache, None, plan=plan.plan),
-                               model.denoise_block(canvas, cache, None))
+            assert torch.equal(denoise_block(model, canvas, cache, None, plan=plan.plan),
+                               denoise_block(model, canvas, cache, None))
     assert [t.data_ptr() for t in plan.tensors] == ids, "filled in place"
     with pytest.raises(ValueError, match="mixed=True"):
         plan.fill(mode=torch.zeros(3, dtype=torch.long))
@@ -297,12 +298,12 @@ def test_kernel_options_reach_flex_attention_per_query_kind_and_layer_type(tiny_
     cache = model.new_cache(1, S)
     C = model.config.canvas_length
     with torch.no_grad():
-        model.encode_block(torch.randint(3, 40, (1, C)), cache, torch.tensor([4]), kernel_options=KERNELS)
+        encode_block(model, torch.randint(3, 40, (1, C)), cache, torch.tensor([4]), kernel_options=KERNELS)
         encoder, seen[:] = list(seen), []
         plan = PlanBuffers(model, cache, C, kernel_options=KERNELS)
-        model.denoise_block(torch.randint(3, 40, (1, C)), cache, None, plan=plan.plan)
+        denoise_block(model, torch.randint(3, 40, (1, C)), cache, None, plan=plan.plan)
         canvas, seen[:] = list(seen), []
-        model.denoise_block(torch.randint(3, 40, (1, C)), cache, None)  # no options: the kernels' defaults
+        denoise_block(model, torch.randint(3, 40, (1, C)), cache, None)  # no options: the kernels' defaults
     types = model.config.layer_types
     assert encoder == [KERNELS["encoder"][t] or None for t in types]
     assert canvas == [KERNELS["canvas"][t] for t in types]
@@ -327,7 +328,7 @@ def test_kernel_options_are_in_the_captured_graph(tiny_dir):
 
     canvas = torch.randint(3, 40, (1, C))
     with torch.no_grad():
-        torch.compile(lambda: model.denoise_block(canvas, cache, None, plan=plan.plan), backend=backend,
+        torch.compile(lambda: denoise_block(model, canvas, cache, None, plan=plan.plan), backend=backend,
                       fullgraph=True)()
     (gm,) = graphs
     calls = gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.flex_attention)
@@ -370,12 +371,12 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
         for r, (m, _, _, with_sc) in enumerate(FUSED_ROWS):
             c = _row_cache(cache, r)
             if m == ENCODER:
-                y = model.encode_block(first[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0, :n_new[r]]
+                y = encode_block(model, first[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0, :n_new[r]]
             elif m == DENOISE:
-                y = model.denoise_block(first[r:r + 1], c, None, torch.tensor([with_sc]), moe_impl="dense",
+                y = denoise_block(model, first[r:r + 1], c, None, torch.tensor([with_sc]), moe_impl="dense",
                                         self_conditioning_embeds=model.self_conditioning_embedding(sc_probs[r:r + 1]))[0]
             elif m == COMMIT_DENOISE:
-                y = model.commit_denoise_block(first[r:r + 1], second[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0]
+                y = commit_denoise_block(model, first[r:r + 1], second[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0]
             else:
                 y = None
             expected.append((y, c))
