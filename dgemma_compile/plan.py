@@ -43,8 +43,9 @@ from .config import SLIDING
 from .kv_cache import KVCache, commit_slots
 from .masks import (block_mask_mod, commit_denoise_mask_mod, dense_block_mask, dense_commit_denoise_mask,
                     make_block_mask, select_mask_mod)
+from .phases import COMMIT_DENOISE, ENCODER, IDLE  # the forward modes (`phases.Mode`)
+from .phases import DENOISE_MODE as DENOISE
 
-IDLE, ENCODER, DENOISE, COMMIT_DENOISE = 0, 1, 2, 3
 UNIFORM_MODES = ("encoder", "denoise", "commit+denoise")
 
 
