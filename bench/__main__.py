@@ -48,8 +48,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-prompts", type=int, default=8, help="adaptive: prompts (run one at a time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over the workload after one warm-up pass")
-    p.add_argument("--stop-check", default="auto", choices=["auto", "sync", "deferred", "every_k"],
-                   help="ours-compiled: CompileOptions.stop_check (wasted forwards per block are reported)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="static committed slots of the compiled caches (default: just enough for the workload)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per system (default: $OMP_NUM_THREADS or 1)")
@@ -146,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         work, _ = systems.workload_for(spec, wspec)
         log(f"{spec.name} / {work.describe()}")
         payloads = [dict(system=system, model=dataclasses.asdict(spec), workload=wspec.to_dict(), device=device,
-                         dtype=dtype, threads=threads, max_seq_len=args.max_seq_len, stop_check=args.stop_check)
+                         dtype=dtype, threads=threads, max_seq_len=args.max_seq_len)
                     for system in chosen]
         measured = runner.measure(payloads, wspec.repeats, interleave=not args.sequential, isolated=not args.in_process,
                                   timeout_s=args.timeout_s, budget_s=args.budget_s, log=log)

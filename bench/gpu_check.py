@@ -3,12 +3,15 @@
     python bench/gpu_check.py [--repeats 20]
 
 1. Demo model, float32 on CUDA: compiled tokens must equal eager tokens (several prompts, blocks, batch sizes).
-2. Reports, per compile unit and bucket, whether its CUDA graph was captured or why it fell back (logged).
-3. The public `Observer` hook on CUDA (CUDA-event spans read after each block): one `on_step` per denoise step,
-   one denoise-unit span per step (compiled), positive durations, block ends in order (`check_observer`, which
-   also runs on a CPU: tests/test_bench.py).
-4. Per-step latency (median of CUDA-event timings) of the denoise step and the encoder chunk, eager vs compiled,
-   for the demo model and for a random-weight bf16 model with DiffusionGemma-like proportions.
+2. Reports, per batch size of the bucket (`Bucket.views()`), whether its compiled step's CUDA graph was captured or
+   why it fell back (logged).
+3. The public `Observer` hook on CUDA (CUDA-event spans): eager, one `on_step` per denoise step and block ends
+   0, 1, ... in order; compiled, one `on_step` per iteration of the driver (prefill chunks and commits included, so
+   at least one per decoder pass) and one "step[B{b}_...]" unit span per `on_step`; positive durations
+   (`check_observer`, which also runs on a CPU: tests/test_bench.py).
+4. Per-step latency (median of CUDA-event timings) of a denoise step at context 512, eager (`denoise_block` over the
+   same buffers) vs compiled (`BucketView.step` of size 1 with one request in row 0 denoising), for the demo model
+   and for a random-weight bf16 model with DiffusionGemma-like proportions.
 5. `dgemma::sample_step`'s CUDA implementation (the Triton kernel, `templates/sample_step.py`; what the
    `sample_step_fusion` pass puts in every compiled denoise step) against its CPU implementation at the released
    vocabulary (bf16 logits [2, 256, 262144], softcap 30, one greedy row): argmax identical, sampled ids identical at
@@ -34,6 +37,7 @@ from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
 from dgemma_compile.compile import CompileOptions, build  # noqa: E402
 from dgemma_compile.config import ModelConfig, RopeConfig  # noqa: E402
 from dgemma_compile.model import DiffusionGemma  # noqa: E402
+from dgemma_compile.phases import Phase  # noqa: E402
 
 
 def cuda_ms(fn, repeats: int) -> float:
@@ -49,7 +53,8 @@ def cuda_ms(fn, repeats: int) -> float:
 
 
 def check_tokens(model, gen) -> bool:
-    """Compiled (`gen`, buckets 1 and 4) == eager tokens and stats; prints each unit's CUDA-graph state."""
+    """Compiled (`gen`, batch sizes 1 and 4) == eager tokens and stats; prints each size's step's CUDA-graph
+    state."""
     cfg = model.generation_config.replace(max_new_tokens=40)
     prompts = [[2, 5, 6, 7], [2] + [9] * 20, [2, 11, 12]]
     ok = True
@@ -60,9 +65,10 @@ def check_tokens(model, gen) -> bool:
         print(f"tokens compiled == eager (batch {len(ps)}): {same}")
         ok &= same
     for bucket in gen.buckets:
-        for unit in bucket.units:
+        for view in bucket.views():
+            unit = view.step
             state = "captured" if unit.graph is not None else f"no graph ({unit.graph_error or 'not captured yet'})"
-            print(f"  {unit.name}: {state}")
+            print(f"  {view.name}: {state}, called by {unit.strategy!r}, {unit.calls} calls")
     return ok
 
 
@@ -85,40 +91,78 @@ class CountingObserver(dg.Observer):
 
 
 def check_observer(generate, cfg: dg.GenerationConfig, label: str, compiled: bool) -> bool:
-    """One prompt through `generate(prompts, cfg, seed=..., observer=...)`: as many `on_step` spans as decoder
-    passes, block ends 0, 1, ... in order, every duration > 0, and (compiled) one denoise-unit span per step plus
-    encoder-chunk spans; eager generators report no units."""
+    """One prompt through `generate(prompts, cfg, seed=..., observer=...)`, every duration > 0. Eager: as many
+    `on_step` spans as decoder passes, block ends 0, 1, ... in order, no unit spans. Compiled: one `on_step` per
+    iteration of the driver -- one per decoder pass, plus the prefill chunk (the 4-token prompt is one chunk) and one
+    per separate commit -- each holding one "step[" unit span (the bucket's compiled step), and the last block's end
+    reported."""
     obs = CountingObserver()
     out = generate([[2, 5, 6, 7]], cfg, seed=5, observer=obs)
     passes = out.stats[0].steps_per_block
-    denoise = [s for n, s in obs.units if n.startswith("denoise_step[")]
-    encode = [s for n, s in obs.units if n.startswith("encoder_chunk[")]
-    ok = (len(obs.steps) == sum(passes) and obs.blocks == list(range(len(passes)))
-          and all(s > 0 for s in obs.steps + [s for _, s in obs.units])
-          and ((len(denoise) == len(obs.steps) and len(encode) >= len(passes)) if compiled else not obs.units))
+    steps = [s for n, s in obs.units if n.startswith("step[")]
+    durations_ok = all(s > 0 for s in obs.steps + [s for _, s in obs.units])
+    if compiled:
+        separate = out.commits  # one request: its commit iterations; fused commits ride in a counted denoise step
+        ok = (durations_ok and len(steps) == len(obs.units) == len(obs.steps)
+              and len(obs.steps) == 1 + sum(passes) + separate and obs.blocks[-1:] == [len(passes) - 1])
+    else:
+        ok = durations_ok and len(obs.steps) == sum(passes) and obs.blocks == list(range(len(passes))) \
+            and not obs.units
     print(f"observer ({label}): {len(obs.steps)} steps for {sum(passes)} decoder passes, blocks {obs.blocks}, "
-          f"{len(denoise)} denoise + {len(encode)} encoder unit spans, median step "
+          f"{len(steps)} step[...] unit spans of {len(obs.units)}, median step "
           f"{statistics.median(obs.steps) * 1e3:.3f} ms: {'ok' if ok else 'WRONG'}")
     return ok
 
 
+CONTEXT = 512
+"""Committed slots before the timed denoise steps (the prompt's length)."""
+
+
 def step_latency(model, label: str, repeats: int) -> None:
+    """A denoise step at context `CONTEXT`, batch 1: the compiled step of size 1 (`BucketView.step`) with one request
+    in row 0 denoising (its prompt of `CONTEXT` tokens prefilled by the step), vs the eager `denoise_block` over the
+    same buffers. Each compiled step advances the row (its block may end): the row is re-admitted and prefilled
+    again (untimed) whenever it is not DENOISE, and each timing is of one call."""
     gen = build(model, CompileOptions(batch_buckets=(1,), max_seq_len=1024))
     t0 = time.perf_counter()
     gen.warmup(1)
     compile_s = time.perf_counter() - t0
-    bucket = gen.bucket(1)
-    bucket.cache.lengths.fill_(512)
-    for _ in range(3):  # reach and pass the CUDA-graph capture
-        bucket.denoise()
-    compiled_ms = cuda_ms(bucket.denoise, repeats)
-    state = bucket.state
-    eager_ms = cuda_ms(lambda: model.denoise_block(state.canvas, bucket.cache, None, state.has_sc,
-                                                   moe_impl=gen.moe_impl, self_conditioning_probs=state.sc_probs),
-                       repeats)
-    graph = "graph" if bucket.denoise.graph is not None else "no graph"
-    print(f"{label}: denoise step at context 512: eager {eager_ms:.2f} ms, compiled ({graph}) {compiled_ms:.2f} ms, "
-          f"ratio {eager_ms / compiled_ms:.2f}x; compile {compile_s:.0f} s")
+    cfg = model.generation_config.resolved(model.config)
+    bucket = gen.bucket(cfg)
+    view = bucket.view(1)
+    prompt = [model.config.bos_token_id] + [3 + i % 20 for i in range(CONTEXT - 1)]
+    readmits = -1
+
+    def ready() -> None:
+        nonlocal readmits
+        phase = lambda: Phase(int(view.row_state.phase[0]))  # noqa: E731
+        if phase() == Phase.DENOISE:
+            return
+        if phase() != Phase.PREFILL:
+            bucket.admit(0, prompt, cfg, 0)
+            view.refresh()
+            readmits += 1
+        while phase() == Phase.PREFILL:
+            view.step()
+
+    with torch.no_grad():
+        ready()
+        for _ in range(3):  # untimed (warmup captured the graph already)
+            ready()
+            view.step()
+        times = []
+        for _ in range(repeats):
+            ready()
+            times.append(cuda_ms(view.step, 1))
+        compiled_ms = statistics.median(times)
+        ready()
+        state, cache = view.state, view.cache
+        eager_ms = cuda_ms(lambda: model.denoise_block(state.canvas, cache, None, state.has_sc, moe_impl=gen.moe_impl,
+                                                       self_conditioning_probs=state.sc_probs), repeats)
+    graph = "graph" if view.step.graph is not None else "no graph"
+    print(f"{label}: denoise step at context {CONTEXT}, batch 1: eager {eager_ms:.2f} ms, compiled {view.name} "
+          f"({graph}) {compiled_ms:.2f} ms, ratio {eager_ms / compiled_ms:.2f}x; compile {compile_s:.0f} s; "
+          f"{readmits} re-admissions (untimed)")
 
 
 def scaled_model(device) -> DiffusionGemma:

@@ -1,19 +1,29 @@
-"""`python -m bench.mixed_step`: the serving engine's iteration, two forwards (encoder pass + denoise step) vs one
-mixed-phase forward vs that with commit fusion, side by side in one run on the demo model.
+"""`python -m bench.mixed_step`: the serving engine over a bucket of 8 rows, stepping at batch sizes (1, 2, 4, 8) vs at
+one size (8), side by side in one run on the demo model.
 
-    OMP_NUM_THREADS=1 python -m bench.mixed_step --batch 8 --requests 32 --rounds 3
-    python -m bench.mixed_step --device cuda    # on a GPU: does commit fusion pay there? (not yet run)
+    OMP_NUM_THREADS=1 python -m bench.mixed_step --requests 16 --rounds 3
+    OMP_NUM_THREADS=1 python -m bench.mixed_step --quick      # a smoke run: 8 requests, 1 round (compiles 5 steps)
+    python -m bench.mixed_step --device cuda
 
-One compiled generator (bucket of `--batch` rows, no commit fusion) and two engines over that bucket's buffers:
-`build_engine(mixed=False)` (the encoder and denoise units) and `build_engine(mixed=True)` (the mixed_step unit); a
-second generator with commit fusion and its mixed engine (rows of 2C tokens).
-Per round and workload, each engine in turn (interleaved) serves the same `--requests` held-out demo prompts (prompt i,
-seed i, the checkpoint's config), "burst" (all submitted at once) and "staggered" (one submitted before each
-iteration), driven by `Engine.step` until idle; every `step` call is timed.
-Reports medians over rounds: wall seconds, tokens/s, iterations, forwards (compiled forward units run) per
-iteration, median iteration ms, the per-iteration flag read and the host plan refreshes (mixed), answers that differ
-between the engines, and recompiles during the rounds. Compile time is excluded (reported apart).
-Results: markdown in bench/results/mixed_step_{device}_{date}.md.
+Every iteration of an engine runs one forward, the bucket's compiled step (`steps.mixed_step`), at the smallest of
+its batch sizes that holds every busy row (`Bucket.size_for`): with sizes (1, 2, 4, 8) a lone request runs at batch 1,
+with (8,) every iteration runs all 8 rows, idle ones included. Two compiled generators on the same model
+(`CompileOptions(batch_buckets=...)`, 256 slots, the device's commit-fusion default), every size warmed before the
+rounds (`gen.warmup(b)`, compile time reported apart), and an engine over each (`build_engine(generator=gen)`).
+Per round, each engine in turn (interleaved, the order alternating between rounds) serves the same `--requests`
+held-out demo prompts (prompt i, seed i, the checkpoint's generation config), driven by `Engine.step` until idle:
+
+- concurrency 1: one request at a time (the next submitted when the previous finished and its row is free): wall
+  seconds per request (median over requests and rounds) and iterations;
+- concurrency 8: a closed loop of 8 requests in flight (a new one submitted as soon as one finishes, until none is
+  left): tokens per second over the round's wall time.
+
+Also: the median iteration (`Engine.step`) ms, iterations per batch size (`EngineStats.forwards_by_size`), answers
+that differ between the engines (none expected where rows are batch-invariant, the CPU default) and recompiles
+during the rounds. Results: markdown in bench/results/batch_sizes_{device}_{date}.md.
+
+(This module once compared the engine's two-forward iteration with the mixed-phase one; the mixed step is now the
+only step, so it compares batch sizes over it instead: bench/results/mixed_step_cpu_2026-12-01.md is that older run.)
 """
 
 from __future__ import annotations
@@ -28,40 +38,57 @@ import torch
 from . import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROWS = 8
+ENGINES = {"batch sizes (1, 2, 4, 8)": (1, 2, 4, 8), "one size (8)": (8,)}
 
 
-def _round(engine, prompts, config, staggered: bool = False) -> dict:
+def _drive(engine, prompts, config, concurrency: int) -> dict:
+    """Serve every prompt (prompt i, seed i) keeping `concurrency` requests in flight; every `step` timed. A request
+    is submitted only while no row is held by a finished request (the engine may free a row one iteration after the
+    request's last event), so at concurrency 1 each request runs alone, at batch 1 where that size exists."""
     from dgemma_compile.runtime import Request
 
-    st0 = {k: getattr(engine.stats, k) for k in ("iterations", "forwards", "encoder_forwards", "flag_reads",
-                                                  "flag_read_s", "plan_refreshes", "refresh_s", "tokens")}
+    st0 = dict(iterations=engine.stats.iterations, tokens=engine.stats.tokens,
+               by_size=dict(engine.stats.forwards_by_size))
     pending = [Request(prompt=p, config=config, seed=i) for i, p in enumerate(prompts)]
-    reqs = pending if staggered else [engine.submit(r) for r in pending]
-    pending = list(pending) if staggered else []
-    times = []
+    done: list = []
+    inflight: list = []
+    per_request: list[float] = []
+    started: dict[int, float] = {}  # id(request) -> when it was submitted
+    times: list[float] = []
     start = time.perf_counter()
-    while pending or not engine.idle():
-        if pending:  # staggered arrivals: one new request per iteration
-            engine.submit(pending.pop(0))
+    while pending or inflight or not engine.idle():
+        while pending and len(inflight) < concurrency and engine.running <= len(inflight):
+            req = pending.pop(0)
+            started[id(req)] = time.perf_counter()
+            inflight.append(engine.submit(req))
         t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        for req in [r for r in inflight if r.stats.finish_reason is not None]:
+            inflight.remove(req)
+            done.append(req)
+            per_request.append(t1 - started[id(req)])
     wall = time.perf_counter() - start
-    d = {k: getattr(engine.stats, k) - v for k, v in st0.items()}
-    return dict(wall=wall, iter_ms=1e3 * statistics.median(times), tokens=d["tokens"], iterations=d["iterations"],
-                forwards=d["forwards"] + d["encoder_forwards"], flag_us=1e6 * d["flag_read_s"] / max(d["flag_reads"], 1),
-                refreshes=d["plan_refreshes"], refresh_ms=1e3 * d["refresh_s"] / max(d["plan_refreshes"], 1),
-                answers=[r.sequence for r in reqs])
+    by_size = {b: n - st0["by_size"].get(b, 0) for b, n in engine.stats.forwards_by_size.items()
+               if n != st0["by_size"].get(b, 0)}
+    answers = {r.seed: r.sequence for r in done}
+    return dict(wall=wall, tokens=engine.stats.tokens - st0["tokens"],
+                iterations=engine.stats.iterations - st0["iterations"], iter_ms=1e3 * statistics.median(times),
+                per_request=per_request, by_size=by_size, answers=[answers[i] for i in range(len(prompts))])
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, 1 round")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--device", default="cpu", help="cpu, or cuda (where commit fusion is meant to pay)")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.rounds = 8, 1
     torch.set_num_threads(1)
 
     import dgemma_compile as dg
@@ -73,68 +100,61 @@ def main(argv=None) -> None:
     model, tok = dg.load(DEMO_MODEL, device=args.device), dg.load_tokenizer(DEMO_MODEL)
     texts = [q for _, q, _ in tasks.make_split("heldout", args.requests, seed=0)]
     prompts = [encode_prompt(tok, t, bos_token_id=model.config.bos_token_id) for t in texts]
-    gen = build(model, CompileOptions(batch_buckets=(args.batch,), max_seq_len=256, fuse_commit=False))
-    t0 = time.perf_counter()
-    engines = {"two forwards (encoder + denoise units)": build_engine(model, max_batch=args.batch, max_seq_len=256,
-                                                                      generator=gen, mixed=False)}
-    t1 = time.perf_counter()
-    engines["one mixed-phase forward (mixed_step unit)"] = build_engine(model, max_batch=args.batch, max_seq_len=256,
-                                                                        generator=gen, mixed=True)
-    t2 = time.perf_counter()
-    fused_gen = build(model, CompileOptions(batch_buckets=(args.batch,), max_seq_len=256, fuse_commit=True))
-    engines["one mixed-phase forward, commit fusion (2C rows)"] = build_engine(
-        model, max_batch=args.batch, max_seq_len=256, generator=fused_gen, mixed=True)
-    t3 = time.perf_counter()
-    compile_s = {"two": t1 - t0, "mixed": t2 - t1, "fused": t3 - t2}
     config = model.generation_config
-    for engine in engines.values():  # warm-up round, untimed
-        _round(engine, prompts[:args.batch], config)
-    base = dict(gen.compiles) | dict(fused_gen.compiles)
-    workloads = ("burst", "staggered")
-    results = {(w, name): [] for w in workloads for name in engines}
-    for _ in range(args.rounds):
-        for w in workloads:
-            for name, engine in engines.items():
-                results[(w, name)].append(_round(engine, prompts, config, staggered=w == "staggered"))
-    compiles = dict(gen.compiles) | dict(fused_gen.compiles)
-    recompiles = {k: v - base.get(k, 0) for k, v in compiles.items() if v != base.get(k, 0)}
+    gens, engines, compile_s = {}, {}, {}
+    for name, sizes in ENGINES.items():
+        gen = build(model, CompileOptions(batch_buckets=sizes, max_seq_len=256))
+        compile_s[name] = {b: gen.warmup(b, config) for b in sizes}
+        gens[name], engines[name] = gen, build_engine(model, max_batch=ROWS, max_seq_len=256, generator=gen)
+    fused = {name: gen.fuse_commit for name, gen in gens.items()}
+    for engine in engines.values():  # warm-up, untimed
+        _drive(engine, prompts[:ROWS], config, ROWS)
+    modes = {"concurrency 1": 1, f"concurrency {ROWS}": ROWS}
+    results = {(m, name): [] for m in modes for name in engines}
+    for r in range(args.rounds):
+        for m, c in modes.items():
+            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                results[(m, name)].append(_drive(engines[name], prompts, config, c))
+    recompiles = {name: dict(e.recompiles()) for name, e in engines.items() if e.recompiles()}
     names = list(engines)
-    ref = results[("burst", names[0])][0]["answers"]
-    lines = [f"# Serving iteration: two forwards vs one mixed-phase forward (unfused and fused), demo model, "
+    ref = results[("concurrency 1", names[0])][0]["answers"]
+    cmd = f"python -m bench.mixed_step --requests {args.requests} --rounds {args.rounds}" + (
+        f" --device {args.device}" if args.device != "cpu" else "")
+    lines = [f"# Serving engine: batch sizes (1, 2, 4, 8) vs one size (8) over a bucket of {ROWS} rows, demo model, "
              f"{environment.device_tag(args.device)} ({environment.today()})", "",
-             f"`OMP_NUM_THREADS=1 python -m bench.mixed_step --batch {args.batch} --requests {args.requests} "
-             f"--rounds {args.rounds}`", "",
+             f"`OMP_NUM_THREADS=1 {cmd}`", "",
              f"- device: {environment.device_name(args.device)}; load average at the end: {environment.load_average()}",
              f"- versions: {environment.versions()}; commit {environment.git_commit()}",
-             f"- compiled generators with one bucket of {args.batch} rows, 256 slots: one without commit fusion "
-             f"(the two-forward and mixed engines), one with it (the fused engine: numerics of "
-             f"`generate(fuse_commit=True)`); {args.requests} "
-             f"held-out demo prompts (prompt i, seed i), burst: all submitted at once, staggered: one submitted per "
-             f"iteration; each engine in turn, {args.rounds} rounds (medians); compile excluded: two units "
-             f"{compile_s['two']:.1f} s, mixed unit {compile_s['mixed']:.1f} s, fused mixed unit "
-             f"{compile_s['fused']:.1f} s",
+             f"- one compiled generator per engine, a bucket of {ROWS} rows, 256 slots, commit fusion "
+             f"{'on' if any(fused.values()) else 'off'}; {args.requests} held-out demo prompts (prompt i, seed i), "
+             f"the checkpoint's generation config; {args.rounds} interleaved rounds (medians); compile excluded: " +
+             "; ".join(f"{name}: " + ", ".join(f"B{b} {s:.1f} s" for b, s in per.items())
+                       for name, per in compile_s.items()),
              f"- recompiles during the rounds: {recompiles or 'none'}", "",
-             "| arrivals | iteration | wall s | tok/s | iterations | forwards/iteration | iteration ms (median) | flag read us | "
-             "host plan refreshes | refresh ms | answers differing from two-forward |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (w, name), rs in results.items():
+             "| load | engine | wall s | request s (median) | tok/s | iterations | iteration ms (median) | "
+             "iterations by batch size | answers differing |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (m, name), rs in results.items():
         med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        req_s = statistics.median(x for r in rs for x in r["per_request"])
         differ = sum(a != b for r in rs for a, b in zip(r["answers"], ref))
-        lines.append(f"| {w} | {name} | {med('wall'):.2f} | {med('tokens') / med('wall'):.1f} | {med('iterations'):.0f} | "
-                     f"{med('forwards') / med('iterations'):.2f} | {med('iter_ms'):.2f} | {med('flag_us'):.1f} | "
-                     f"{med('refreshes'):.0f} | {med('refresh_ms'):.2f} | {differ} |")
+        sizes = ", ".join(f"B{b}: {n}" for b, n in sorted(rs[-1]["by_size"].items()))
+        lines.append(f"| {m} | {name} | {med('wall'):.2f} | {req_s:.3f} | {med('tokens') / med('wall'):.1f} | "
+                     f"{med('iterations'):.0f} | {med('iter_ms'):.2f} | {sizes} | {differ} |")
     lines.append("")
-    for w in workloads:
-        two, mix, fused = (statistics.median(r["wall"] for r in results[(w, n)]) for n in names)
-        it2, itm, itf = (statistics.median(r["iter_ms"] for r in results[(w, n)]) for n in names)
-        lines.append(f"- {w}: mixed vs two forwards, wall {mix / two:.2f}x, median iteration {itm / it2:.2f}x; "
-                     f"fused mixed vs mixed, wall {fused / mix:.2f}x, median iteration {itf / itm:.2f}x "
+    one, many = names[1], names[0]
+    for m in modes:
+        wall = {n: statistics.median(r["wall"] for r in results[(m, n)]) for n in names}
+        req = {n: statistics.median(x for r in results[(m, n)] for x in r["per_request"]) for n in names}
+        lines.append(f"- {m}: {many} vs {one}: wall {wall[many] / wall[one]:.2f}x, request {req[many] / req[one]:.2f}x "
                      "(lower is better).")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = args.out or RESULTS / f"mixed_step_{environment.device_tag(args.device)}_{environment.today()}.md"
+    out = args.out or RESULTS / f"batch_sizes_{environment.device_tag(args.device)}_{environment.today()}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,16 +1,20 @@
-"""Per-call overhead of the compiled denoise unit (issue 10 item 7): through Dynamo with guards evaluated, through
-Dynamo with guards skipped, and direct calls of the compiled graph (the default).
+"""Per-call overhead of the compiled step (issue 10 item 7): through Dynamo with guards evaluated, through Dynamo
+with guards skipped, and direct calls of the compiled graph (the default).
 
     python -m bench.overhead [--calls 200] [--rounds 5] [--profiled-calls 100] [--out bench/results]
+    python -m bench.overhead --quick      # a smoke run: 5 calls, 1 round, 5 profiled calls (still compiles 3 units)
 
 The demo model, `build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, direct_calls=..., skip_guards=...))`,
-`warmup(1)`
-(compile time reported apart), then the bucket serving one request under the demo's own generation config is set up
-as a request would be (a 64-token prompt encoded by the bucket's encoder unit, block 0 begun) and its denoise unit is
-called again and again (each call resets the rows' finished flags and step counters, so every call runs a full step
-over the same state). Three generators on the same model take turns in interleaved rounds.
+`warmup(1)` (compile time reported apart), then the size-1 view of the bucket serving the demo's own generation config
+(`gen.bucket(config).view(1)`) runs one request as the compiled generator would: admitted into row 0
+(`Bucket.admit`), its 64-token prompt encoded by prefill iterations of the step, until the row is DENOISE. Then the
+step (`BucketView.step`, one `CompiledUnit`) is timed call after call, each call one denoise step of that row; each
+step advances the row, so before every timed call the row's phase is read (untimed) and, once its block has ended
+(COMMIT, or FREE when the request ended), the request is admitted afresh and prefilled again (untimed), so that every
+timed call is a denoise step at the same context (prompt + block 0). Three generators on the same model take turns in
+interleaved rounds.
 
-- unit call: median wall time of `bucket.denoise()` without a profiler (the step, as the block loop sees it);
+- unit call: median wall time of `view.step()` without a profiler (the step, as the compiled driver sees it);
 - under torch.profiler (CPU activity), per call: the unit call (a `record_function` around it), the compiled graph
   (event "## Call CompiledFxGraph ...", Inductor's compiled module), guard evaluation ("TorchDynamo Cache Lookup");
   overhead = unit call - graph, per call, then the median. Each round profiles some calls of each variant right after
@@ -19,7 +23,8 @@ over the same state). Three generators on the same model take turns in interleav
 - Δ unit call: each variant's unprofiled median minus the direct one's (a profiler-free cross-check);
 - micro costs: `applied(options)` (the config patches every call enters), `guards_skipped()`, and the fingerprint
   check made once per generate call;
-- where the step's time goes: torch.profiler's key_averages, top 15 by self CPU time, per variant.
+- where the step's time goes: the profiled events inside the timed unit calls (the untimed re-admissions and
+  prefill iterations left out), top 15 by self CPU time, per variant.
 
 Writes bench/results/overhead_cpu_<date>.md and prints it.
 """
@@ -39,8 +44,7 @@ import dgemma_compile as dg
 from dgemma_compile.compile import CompileOptions, applied
 from dgemma_compile.compile.units import guards_skipped
 from dgemma_compile.demo import DEMO_MODEL
-from dgemma_compile.observe import SpanTimer
-from dgemma_compile.steps import prefill
+from dgemma_compile.phases import Phase
 
 from . import environment
 
@@ -53,54 +57,69 @@ VARIANTS = (("Dynamo, guards evaluated", False, False), ("Dynamo, guards skipped
             ("direct calls (default)", True, True))
 
 
-def mid_request(gen, model, prompt_len: int = PROMPT_LEN):
-    """The B=1 bucket of compiled generator `gen`, set up as one request under the model's own generation config
-    would leave it: a `prompt_len`-token prompt encoded by the bucket's encoder unit, block 0 begun."""
-    bucket = gen.bucket(1)
-    cfg = model.generation_config.resolved(model.config)
-    runner = bucket.steps([cfg], [0], SpanTimer(model.device, None))
-    ids = torch.tensor([[model.config.bos_token_id] + [3 + i % 20 for i in range(prompt_len - 1)]])
-    with torch.no_grad():
-        prefill(runner, ids, torch.tensor([prompt_len]))
-        runner.begin_block(0, torch.zeros(1, dtype=torch.bool))
-    return bucket
+class MidRequest:
+    """The size-1 view of compiled generator `gen`'s bucket for the model's own generation config, with one request
+    (a `prompt_len`-token prompt, seed 0) in row 0 kept in phase DENOISE (see the module docstring): `ready()` before
+    each timed `view.step()`."""
+
+    def __init__(self, gen, model, prompt_len: int = PROMPT_LEN):
+        self.cfg = model.generation_config.resolved(model.config)
+        self.bucket = gen.bucket(self.cfg)
+        self.view = self.bucket.view(1)
+        self.prompt = [model.config.bos_token_id] + [3 + i % 20 for i in range(prompt_len - 1)]
+        self.admissions = 0
+        self.ready()
+
+    def phase(self) -> Phase:
+        return Phase(int(self.view.row_state.phase[0]))
+
+    def ready(self) -> None:
+        """Untimed: make row 0 DENOISE (its block in flight): admit the request afresh if its block ended (COMMIT) or
+        it ended (FREE), then run prefill iterations of the step until its prompt is encoded."""
+        if self.phase() == Phase.DENOISE:
+            return
+        with torch.no_grad():
+            if self.phase() != Phase.PREFILL:
+                self.bucket.admit(0, self.prompt, self.cfg, 0)
+                self.view.refresh()
+                self.admissions += 1
+            while self.phase() == Phase.PREFILL:
+                self.view.step()
+        if self.phase() != Phase.DENOISE:
+            raise RuntimeError(f"row 0 is {self.phase().name} after its prefill, not DENOISE")
+
+
+def mid_request(gen, model, prompt_len: int = PROMPT_LEN) -> MidRequest:
+    """`MidRequest(gen, model, prompt_len)`: one request in row 0 of the size-1 view, its block 0 in flight."""
+    return MidRequest(gen, model, prompt_len)
 
 
 class Variant:
-    """One compiled generator on the demo model and its B=1 bucket, set up mid-request."""
+    """One compiled generator on the demo model and its size-1 view, set up mid-request."""
 
     def __init__(self, model, label: str, direct_calls: bool, skip_guards: bool):
         self.label = label
         self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, direct_calls=direct_calls,
                                                   skip_guards=skip_guards))
         self.compile_s = self.gen.warmup(1)
-        self.bucket = mid_request(self.gen, model)
+        self.request = mid_request(self.gen, model)
+        self.view = self.request.view
         self.wall: list[float] = []
-
-    def call(self) -> None:
-        state = self.bucket.state
-        state.finished.zero_()
-        state.steps.zero_()
-        self.bucket.denoise()
 
     def time_calls(self, n: int) -> None:
         with torch.no_grad():
             for _ in range(n):
-                state = self.bucket.state
-                state.finished.zero_()
-                state.steps.zero_()
+                self.request.ready()
                 t = time.perf_counter()
-                self.bucket.denoise()
+                self.view.step()
                 self.wall.append(time.perf_counter() - t)
 
     def profiled(self, n: int):
         with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(n):
-                state = self.bucket.state
-                state.finished.zero_()
-                state.steps.zero_()
+                self.request.ready()
                 with record_function(CALL):
-                    self.bucket.denoise()
+                    self.view.step()
         return prof
 
 
@@ -131,13 +150,17 @@ def _per_call(calls, inner, out: dict[str, list[float]]) -> None:
 
 
 def top_table(profs, n_calls: int, rows: int = 15) -> list[str]:
-    """Markdown: the top `rows` events by self CPU time, per step, over all of a variant's profiles."""
+    """Markdown: the top `rows` events by self CPU time, per step, over all of a variant's profiles; only events that
+    start inside a timed unit call (the `CALL` ranges), so the untimed re-admissions and prefill steps are left out."""
     self_us: dict[str, float] = {}
     counts: dict[str, int] = {}
     for prof in profs:
-        for a in prof.key_averages():
-            self_us[a.key] = self_us.get(a.key, 0.0) + a.self_cpu_time_total
-            counts[a.key] = counts.get(a.key, 0) + a.count
+        events = list(prof.events())
+        calls = [(e.time_range.start, e.time_range.end) for e in events if e.name == CALL]
+        for e in events:
+            if any(lo <= e.time_range.start <= hi for lo, hi in calls):
+                self_us[e.name] = self_us.get(e.name, 0.0) + e.self_cpu_time_total
+                counts[e.name] = counts.get(e.name, 0) + 1
     total = sum(self_us.values())
     lines = ["| event | self µs per step | % of self total | calls per step |", "|---|---:|---:|---:|"]
     for key in sorted(self_us, key=self_us.get, reverse=True)[:rows]:
@@ -163,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=200, help="timed unit calls per variant per round")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--profiled-calls", type=int, default=50, help="unit calls under the profiler per variant per round")
+    p.add_argument("--quick", action="store_true", help="smoke run: 5 calls, 1 round, 5 profiled calls")
     p.add_argument("--out", type=Path, default=environment.REPO / "bench" / "results")
     args = p.parse_args(argv)
+    if args.quick:
+        args.calls, args.rounds, args.profiled_calls = 5, 1, 5
     torch.set_num_threads(1)
     started, load0 = environment.now(), environment.load_average()
 
@@ -187,17 +213,20 @@ def main(argv: list[str] | None = None) -> int:
             pass
 
     fingerprint = variants[-1].gen.fingerprint
-    owners_check = variants[-1].bucket.denoise.check_owners
+    owners_check = variants[-1].view.step.check_owners
     costs = {"`applied(options)` enter+exit (every unit call)": micro(enter_applied),
              "`guards_skipped()` enter+exit (every call, skipping variant)": micro(enter_skipped),
              "`ModelFingerprint.check` (once per generate call)": micro(lambda: fingerprint.check(model), 200),
              "`CompiledUnit.check_owners` (once per generate call, per unit)": micro(owners_check, 200)}
 
     ms = lambda us: f"{us / 1e3:.3f}"  # noqa: E731
-    lines = [f"# Per-call overhead of the compiled denoise unit, demo model, B=1, cpu ({environment.today()})", "",
+    lines = [f"# Per-call overhead of the compiled step, demo model, B=1, cpu ({environment.today()})", "",
              f"- command: python -m bench.overhead {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
              f"- checkpoint: {DEMO_MODEL} (float32, canvas {model.config.canvas_length}, vocabulary "
-             f"{model.config.vocab_size}); prompt {PROMPT_LEN} tokens encoded, block 0 begun, demo generation config",
+             f"{model.config.vocab_size}); each timed call a denoise step of one request in row 0 of the size-1 view "
+             f"(`{variants[-1].view.name}`), prompt {PROMPT_LEN} tokens encoded, block 0 in flight, demo generation "
+             f"config; requests admitted afresh (untimed) as blocks ended: " +
+             ", ".join(f"{v.label} {v.request.admissions}" for v in variants),
              f"- device: {environment.device_name('cpu')}; torch threads {torch.get_num_threads()}",
              f"- versions: " + ", ".join(f"{k} {v}" for k, v in environment.versions().items()),
              f"- load average 1/5/15 min: {load0} at start, {environment.load_average()} at end "

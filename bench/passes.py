@@ -1,22 +1,25 @@
-"""Our graph passes on and off (issue 13): the denoise step's time, and its transient memory at the released vocabulary.
+"""Our graph passes on and off (issue 13): the compiled step's time on denoise steps, and its transient memory at the
+released vocabulary.
 
     python -m bench.passes time [--calls 200] [--rounds 5] [--out bench/results]
     python -m bench.passes memory [--out bench/results]
 
 `time`: the demo model, one compiled generator with every pass (defaults), one with `CompileOptions.disabled_passes`
 naming them all, and one with `sample_step_fusion` forced on at the demo's size (`sample_step_fusion_min_bytes=0`),
-each with its B=1 bucket set up mid-request (a 64-token prompt encoded, block 0 begun), its denoise unit
-called `--calls` times per round, the two taking turns for `--rounds` rounds. Reports the median, p10 and p90 of the
-unit call per variant, and whether the passes-on median lies inside the passes-off p10-p90 band (issue 13's CPU
+each with the size-1 view of its bucket set up mid-request (`overhead.MidRequest`: a 64-token prompt encoded, block 0
+in flight; re-admitted, untimed, whenever the block ends), its step (`BucketView.step`) called `--calls` times per
+round, each call a denoise step, the variants taking turns for `--rounds` rounds. Reports the median, p10 and p90 of
+the unit call per variant, and whether the passes-on median lies inside the passes-off p10-p90 band (issue 13's CPU
 target).
 
 `memory`: a 2-layer model of the released width and vocabulary (hidden 2816, vocab 262,144, one sliding and one full
 layer as released, 8 experts top-2 instead of 128 top-8 to keep CPU weights and compile small: the sampler region,
 not the experts, is what is measured), bfloat16, random weights. Per (passes, batch) configuration, in a fresh
-process: the denoise unit compiled and called once, then the step's transient memory of a second call (default settings: at the released vocabulary the fusion runs at every
-batch size): peak resident
-memory during the call (VmHWM, reset through /proc/self/clear_refs) minus resident memory before it (weights, KV
-cache, static buffers), as a multiple of the float32 logits' size (B x 256 x 262,144 x 4 bytes). glibc returns
+process: B requests (8-token prompts) admitted into the bucket's B rows, the compiled step of size B called once
+(it compiles; the prefill iteration, which leaves every row DENOISE), then the transient memory of a second call, a
+denoise step of every row (default settings: at the released vocabulary the fusion runs at every batch size): peak
+resident memory during the call (VmHWM, reset through /proc/self/clear_refs) minus resident memory before it
+(weights, KV cache, static buffers), as a multiple of the float32 logits' size (B x 256 x 262,144 x 4 bytes). glibc returns
 freed blocks above its mmap threshold to the system; the child runs with MALLOC_MMAP_THRESHOLD_=131072 (fixed, not
 glibc's sliding one), so every vocabulary-sized buffer is its own mapping and shows in RSS while it lives.
 
@@ -40,6 +43,7 @@ import torch
 import dgemma_compile as dg
 from dgemma_compile.compile import CompileOptions
 from dgemma_compile.passes import PASS_NAMES
+from dgemma_compile.phases import Phase
 
 from . import environment
 
@@ -58,7 +62,7 @@ def _quantiles(xs: list[float]) -> tuple[float, float, float]:
 
 # ----- time --------------------------------------------------------------------------------------------------------
 class Variant:
-    """One compiled generator on the demo model (passes on or off) and its B=1 bucket, set up mid-request."""
+    """One compiled generator on the demo model (passes on or off) and its size-1 view, set up mid-request."""
 
     def __init__(self, model, label: str, disabled: tuple[str, ...], **options):
         from .overhead import mid_request
@@ -67,17 +71,16 @@ class Variant:
         self.gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, disabled_passes=disabled,
                                                   **options))
         self.compile_s = self.gen.warmup(1)
-        self.bucket = mid_request(self.gen, model)
+        self.request = mid_request(self.gen, model)
         self.wall: list[float] = []
 
     def time_calls(self, n: int) -> None:
-        state = self.bucket.state
+        step = self.request.view.step
         with torch.no_grad():
             for _ in range(n):
-                state.finished.zero_()
-                state.steps.zero_()
+                self.request.ready()  # untimed: the row denoising (re-admitted once its block ended)
                 t = time.perf_counter()
-                self.bucket.denoise()
+                step()
                 self.wall.append(time.perf_counter() - t)
 
 
@@ -98,7 +101,8 @@ def time_table(calls: int, rounds: int) -> str:
         rows.append(f"| {v.label} | {med:.3f} | {p10:.3f} | {p90:.3f} | {v.compile_s:.1f} |")
     on, off, forced = (_quantiles(v.wall) for v in variants)
     inside = off[0] <= on[1] <= off[2]
-    lines = [f"# Graph passes on vs off: the demo denoise step, B=1 ({time.strftime('%Y-%m-%d')})", "",
+    lines = [f"# Graph passes on vs off: the demo's compiled step on denoise steps, B=1 ({time.strftime('%Y-%m-%d')})",
+             "",
              _describe(), "",
              f"`python -m bench.passes time --calls {calls} --rounds {rounds}`: {rounds} interleaved rounds of {calls} "
              "unit calls per variant (milliseconds per call).", "",
@@ -125,8 +129,8 @@ def _rss_kib(field: str) -> int:
 
 
 def memory_child(passes: str, batch: int) -> dict:
-    """In this process: compile the denoise unit of the 2-layer released-width model at `batch`, call it twice,
-    measure the second call (see the module docstring)."""
+    """In this process: compile the step of the 2-layer released-width model at `batch`, call it twice (a prefill
+    iteration, then a denoise step of every row), measure the second call (see the module docstring)."""
     from dgemma_compile.config import FULL, SLIDING
 
     from .models import build_direct, full_config
@@ -137,18 +141,23 @@ def memory_child(passes: str, batch: int) -> dict:
     model = build_direct(cfg, torch.device("cpu"), torch.bfloat16)
     gen = dg.build(model, CompileOptions(batch_buckets=(batch,), max_seq_len=512,
                                          disabled_passes=PASS_NAMES if passes == "off" else ()))
-    bucket = gen.bucket(batch)
-    state = bucket.state
+    config = model.generation_config.resolved(model.config)
+    bucket = gen.bucket(config)
+    view = bucket.view(batch)
+    for row in range(batch):
+        bucket.admit(row, [cfg.bos_token_id] + [3 + i for i in range(7)], config, row)
+    view.refresh()
     t = time.perf_counter()
     with torch.no_grad():
-        bucket.denoise()  # compiles
+        view.step()  # compiles; the prefill iteration: every row DENOISE after it
         compile_s = time.perf_counter() - t
-        state.finished.zero_()
-        state.steps.zero_()
+        phases = set(view.row_state.phase.tolist())
+        if phases != {int(Phase.DENOISE)}:
+            raise RuntimeError(f"rows in phases {phases} after the prefill iteration, not all DENOISE")
         before = _rss_kib("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         t = time.perf_counter()
-        bucket.denoise()
+        view.step()
         step_s = time.perf_counter() - t
         peak = _rss_kib("VmHWM")
     logits = batch * cfg.canvas_length * cfg.vocab_size * 4
@@ -174,7 +183,8 @@ def memory_table() -> str:
              _describe(), "",
              "`python -m bench.passes memory`: 2 layers at the released width and vocabulary (hidden 2816, vocab "
              "262,144, one sliding + one full layer, 8 experts top-2), bfloat16, canvas 256; the second call of the "
-             "compiled denoise unit in a fresh process per row (module docstring: how it is measured).", "",
+             "compiled step (a denoise step of every row) in a fresh process per row (module docstring: how it is "
+             "measured).", "",
              "| passes | B | transient GiB | float32 logits GiB | transient / logits | held before GiB | step s | "
              "compile s |", "|---|---|---|---|---|---|---|---|", *rows, "",
              "Target (issue 13): passes on, B=8, transient <= 1.1x the float32 logits.", "",

@@ -200,7 +200,8 @@ def section(title: str, description: str, raw: list[dict], roof: rl.Roofline | N
 
 
 LEGEND = (
-    "Columns: step = one denoise step (AR: one one-token forward), min, median and p90 over every timed step; canvas = "
+    "Columns: step = one denoise step (ours-compiled: one iteration of its compiled step, prefill chunks and "
+    "separate commits included; AR: one one-token forward), min, median and p90 over every timed step; canvas = "
     "median time per canvas (block 0 from its first step; later blocks include the previous block's commit "
     "pass; AR: C tokens); TTFB = request start to the first canvas final, prefill included; request = median "
     "generate call; tok/s = generated tokens per pass / median pass time (prefill included); tok/fwd = generated "
@@ -254,7 +255,7 @@ def markdown(meta: dict, sections: list[Section]) -> str:
             notes = raw.get("notes") or []
             if raw.get("status") == "ok" and "unit_step_s" in raw.get("extra", {}):
                 u = [x * 1e3 for x in raw["extra"]["unit_step_s"]]
-                notes = notes + [f"compiled denoise unit alone: median {_fmt(median(u))} ms, p90 {_fmt(p90(u))} ms"]
+                notes = notes + [f"compiled step alone: median {_fmt(median(u))} ms, p90 {_fmt(p90(u))} ms"]
             if raw.get("status") != "ok" and raw.get("detail"):
                 notes = notes + [raw["detail"]]
             out.append(line + ("; " + "; ".join(notes) if notes else ""))

@@ -38,7 +38,7 @@ class Session:
     """
 
     def __init__(self, system: str, spec: models.ModelSpec, wspec: workloads.WorkloadSpec, device: str = "cpu",
-                 dtype: str | None = None, max_seq_len: int | None = None, stop_check: str = "auto"):
+                 dtype: str | None = None, max_seq_len: int | None = None):
         if system not in systems.SYSTEMS:
             raise ValueError(f"unknown system {system!r}; choose from {systems.SYSTEMS}")
         warnings.filterwarnings("ignore")
@@ -51,7 +51,7 @@ class Session:
         load = models.load_transformers if system.startswith("hf-") else models.load_ours
         dt = systems.DTYPES[dtype] if dtype else None
         self.ctx = systems.Context(model=load(spec, dev, dt), work=self.work, rec=Recorder(self.clock),
-                                   max_seq_len=max_seq_len, stop_check=stop_check)
+                                   max_seq_len=max_seq_len)
         t0 = time.perf_counter()
         cache_before = (_counter("inductor", "fxgraph_cache_hit"), _counter("inductor", "fxgraph_cache_miss"))
         self.sut = systems.make(system, self.ctx)

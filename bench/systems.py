@@ -1,9 +1,12 @@
 """The systems under test and where each one's steps are timed (`session.py` prepares and repeats them).
 
-- ours-compiled: `dg.build(model).generate` (compiled denoise step + encoder chunk); a step is the block loop's
-  step span reported to a public `dgemma_compile.Observer` (`on_step`: host-side buffer fills + the compiled unit),
-  the compiled unit alone is its `on_unit` span.
-- ours-eager: `dg.generate(model, ...)`, the eager reference loop; steps from the same `Observer.on_step`.
+- ours-compiled: `dg.build(model).generate`, one compiled step per batch size (`steps.mixed_step` over the bucket's
+  rows, each row in its own phase: prefill chunk, denoise step, commit); a step is one iteration of the compiled
+  driver reported to a public `dgemma_compile.Observer` (`on_step`), so prefill chunks and (unfused) commits are
+  steps too, beside the denoise steps; the compiled unit alone is its `on_unit` span ("step[B{b}_...]"). Its block
+  ends are marked from `generate`'s public `on_block` callback (the first call of each block index).
+- ours-eager: `dg.generate(model, ...)`, the eager reference loop; steps from the same `Observer.on_step` (denoise
+  steps only: its prefill and commits are not step spans).
 - hf-eager: transformers `DiffusionGemmaForBlockDiffusion.generate` (dynamic cache); timed at its
   `_denoising_step` (decoder forward + sampling + acceptance + stop check, like ours).
 - hf-compiled: the same with `cache_implementation="static"`, which makes transformers torch.compile its decoder
@@ -14,7 +17,7 @@
   timed); the row carries the scheme and the weight bytes before / after from the `QuantReport`, and the report
   compares it with bf16 `ours-compiled` of the same run. Asked for by name (not in the default systems).
 
-Our library is never patched: ours are observed through `generate(..., observer=...)`. transformers' model gets a
+Our library is never patched: ours are observed through `generate(..., observer=..., on_block=...)`. transformers' model gets a
 step timer on its own instance for the session (`install()`); the AR baseline wraps its own step. Blocks are marked by
 `Observer.on_block_end` (ours), the streamer's `put` (transformers) or every C tokens (AR).
 """
@@ -55,7 +58,6 @@ class Context:
     work: workloads.Workload
     rec: Recorder
     max_seq_len: int | None = None
-    stop_check: str = "auto"
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
@@ -101,9 +103,12 @@ class System(abc.ABC):
 class _Ours(System):
     """Our generators, observed through the public `Observer` hook (`RecorderObserver`), never patched."""
 
+    marks_blocks = True
+    """Whether `Observer.on_block_end` marks the block ends (else `on_block`, see `OursCompiled`)."""
+
     def __init__(self, ctx: Context):
         self.ctx = ctx
-        self.observer = RecorderObserver(ctx.rec, live=ctx.model.device.type != "cuda")
+        self.observer = RecorderObserver(ctx.rec, live=ctx.model.device.type != "cuda", marks_blocks=self.marks_blocks)
         C = ctx.model.config.canvas_length
         need = ctx.work.max_prompt_len + (-(-ctx.cfg.max_new_tokens // C) - 1) * C
         # one cache size for eager and compiled: attention reduces over every slot
@@ -113,11 +118,18 @@ class _Ours(System):
     def _generate(self, *args, **kwargs):
         """`generate` with the library's signature (eager function or compiled generator)."""
 
+    def _on_block(self):
+        """The `on_block` callback of one request (None: the observer marks the blocks)."""
+        return None
+
     def request(self, req):
-        out = self._generate(req.prompts, self.ctx.cfg, seed=req.seeds, observer=self.observer)
+        out = self._generate(req.prompts, self.ctx.cfg, seed=req.seeds, observer=self.observer,
+                             on_block=self._on_block())
+        # frozen-only forwards per block: the eager loop's late stop check; always 0 for the compiled generator (a
+        # finished block leaves at once)
         self.wasted = getattr(self, "wasted", []) + list(out.wasted_forwards)
-        # every forward the batch ran (denoise steps, fused or not, plus separate commits) and the canvases it
-        # denoised; prefill excluded
+        # every forward the batch ran (denoise steps, fused or not, plus separate commits, counted per request block:
+        # `GenerationOutput.commits`) and the canvases it denoised; prefill excluded
         self.batch_forwards = getattr(self, "batch_forwards", 0) + sum(out.forwards_per_block) + out.commits
         self.canvases = getattr(self, "canvases", 0) + len(out.forwards_per_block)
         return out.sequences, self.ctx.count(out.sequences), sum(s.decoder_passes for s in out.stats)
@@ -143,8 +155,10 @@ class OursEager(_Ours):
 
 
 class OursCompiled(_Ours):
-    timing = (f"per step: Observer.on_step, the block loop's step span (host-side input fills + the compiled "
-              f"denoise unit; {_SPAN}); the unit alone: Observer.on_unit")
+    timing = (f"per step: Observer.on_step, one iteration of the compiled driver (the compiled step over every row "
+              f"in its phase: prefill chunks and separate commits are steps too; {_SPAN}); the unit alone: "
+              f"Observer.on_unit; block ends: generate's on_block callback")
+    marks_blocks = False  # the compiled driver delivers its spans and `on_block_end` at the end of the call
 
     def __init__(self, ctx: Context, fuse_commit: bool | None = None, quant: str | None = None):
         import dgemma_compile as dg
@@ -154,9 +168,19 @@ class OursCompiled(_Ours):
         super().__init__(ctx)
         B = ctx.batch
         self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=self.max_seq_len,
-                                                      stop_check=ctx.stop_check, fuse_commit=fuse_commit))
+                                                      fuse_commit=fuse_commit))
         self.compile_s = self.gen.warmup(B, ctx.cfg)
-        self.bucket = self.gen.bucket(B, ctx.cfg)
+        self.bucket = self.gen.bucket(ctx.cfg)
+
+    def _on_block(self):
+        rec, seen = self.ctx.rec, set()
+
+        def on_block(block: int, _tokens) -> None:  # called per block index and iteration where some row's ended
+            if block not in seen:
+                seen.add(block)
+                rec.block_end()
+
+        return on_block
 
     def _generate(self, *args, **kwargs):
         return self.gen.generate(*args, **kwargs)
@@ -165,15 +189,13 @@ class OursCompiled(_Ours):
         super().finish()
         ctx = self.ctx
         from dgemma_compile.sampler import SCHEME
-        from dgemma_compile.stop_check import resolve
 
-        ctx.notes.append(f"stop check {resolve(self.gen.options.stop_check, ctx.model.device)} "
-                         f"(CompileOptions.stop_check={self.gen.options.stop_check!r}), sampling {SCHEME}, "
-                         f"moe_impl {self.gen.moe_impl}")
+        ctx.notes.append(f"finished blocks: one [b] event flag read per iteration, sampling {SCHEME}, "
+                         f"moe_impl {self.gen.moe_impl}, commit fusion {'on' if self.gen.fuse_commit else 'off'}")
         ctx.extra.update(unit_step_s=self.observer.units, compile_units=dict(self.gen.compiles),
                          inductor_s=self.gen.compile_seconds)
         ctx.notes.append(f"compile s = gen.warmup({ctx.batch}) wall time (Inductor {self.gen.compile_seconds:.1f} s of it)")
-        _graph_notes(ctx, self.bucket.units)
+        _graph_notes(ctx, [v.step for v in self.bucket.views()])
 
 
 def _weights(ctx: Context, scheme: str | None) -> None:
@@ -292,7 +314,11 @@ class Autoregressive(System):
 
 def _graph_notes(ctx: Context, units) -> None:
     """Say, per `CompiledUnit`, whether its CUDA graph replayed or why its capture failed (CUDA only)."""
+    from dgemma_compile.compile.units import CompiledUnit
+
     for u in units:
+        if not isinstance(u, CompiledUnit):
+            continue
         if u.graph_error:
             ctx.notes.append(f"{u.name}: CUDA graph capture failed ({u.graph_error[:200]})")
         elif u.graph is not None:

@@ -99,17 +99,18 @@ class Recorder:
 
 class RecorderObserver(Observer):
     """Feeds a `dgemma_compile.Observer`'s timings into `rec` while a request is recorded: each `on_step` is a step,
-    `on_unit` durations of units whose name starts with `unit_prefix` are kept in `units` (the compiled denoise unit
-    alone), each `on_block_end` marks a block end (clock time).
+    `on_unit` durations of units whose name starts with `unit_prefix` are kept in `units` (the compiled step alone,
+    "step[B{b}_...]"), each `on_block_end` marks a block end (clock time) unless `marks_blocks` is False (the system
+    marks its block ends itself, `Recorder.block_end`).
 
     The first step's start instant (block 0 of `RequestTimes.block_durations`): with `live` spans (CPU, delivered
     as each step ends) it is the clock at delivery minus the step's duration; on CUDA spans arrive only after the
     block, so it is the block end minus the summed device time of the block's steps (the host gaps between steps
-    of block 0 are then left out).
+    of block 0 are then left out); without `marks_blocks`, on CUDA, it is the request's start.
     """
 
-    def __init__(self, rec: Recorder, *, live: bool, unit_prefix: str = "denoise_step["):
-        self.rec, self.live, self.unit_prefix = rec, live, unit_prefix
+    def __init__(self, rec: Recorder, *, live: bool, unit_prefix: str = "step[", marks_blocks: bool = True):
+        self.rec, self.live, self.unit_prefix, self.marks_blocks = rec, live, unit_prefix, marks_blocks
         self.units: list[float] = []
         self._block_steps = 0.0
 
@@ -130,7 +131,7 @@ class RecorderObserver(Observer):
 
     def on_block_end(self, block: int) -> None:
         cur = self.rec.current
-        if cur is None:
+        if cur is None or not self.marks_blocks:  # not marking: on CUDA block 0 then counts from the request start
             return
         now = self.rec.clock()
         if cur.first_step is None:

@@ -65,7 +65,7 @@ class Worker:
         start = time.perf_counter()
         self.session = Session(self.system, models.ModelSpec(**payload["model"]),
                                workloads.WorkloadSpec(**payload["workload"]), payload["device"], payload.get("dtype"),
-                               payload.get("max_seq_len"), payload.get("stop_check", "auto"))
+                               payload.get("max_seq_len"))
         return {"ok": True, "prepare_s": time.perf_counter() - start, "compile_s": self.session.compile_s}
 
 

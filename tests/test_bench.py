@@ -79,8 +79,11 @@ def test_bench_end_to_end_on_a_tiny_checkpoint(tiny_dir, tmp_path):
         for key, _ in report.RATIOS:
             assert _positive(r, f"speedup_{key}"), (r["system"], key)
     raw = {r["system"]: r for r in res["sections"][0].raw}
-    assert len(raw["ours-compiled"]["extra"]["unit_step_s"]) == 2 * 2  # one unit span per step, 2 steps x 2 repeats
-    assert all(len(r["step_s"]) == 2 * 2 for r in raw.values())
+    # ours-compiled: a step is an iteration of its compiled step (the 5-token prompt's prefill chunk, then 2 denoise
+    # steps; one block, so no commit), each one unit span; the others time their 2 denoise steps; x 2 repeats
+    assert len(raw["ours-compiled"]["extra"]["unit_step_s"]) == len(raw["ours-compiled"]["step_s"]) == (1 + 2) * 2
+    assert all(len(r["step_s"]) == 2 * 2 for s, r in raw.items() if s != "ours-compiled")
+    assert all(len(r["canvas_s"]) == len(r["ttfb_s"]) == 2 for r in raw.values())  # one block end per request
     md = md_path.read_text()
     assert md == res["markdown"]
     for needle in ["| system | step ms min | step ms median | step ms p90", "Spread over the timed repeats",
@@ -130,9 +133,12 @@ def test_a_timeout_and_a_crash_are_rows_not_errors(tiny_dir):
     assert not reply["ok"] and reply["result"]["status"] == f"n/a (worker exited with status {-signal.SIGKILL})"
 @pytest.mark.slow
 def test_the_observer_check_of_gpu_check_runs_on_a_cpu(tiny_dir):
-    """bench/gpu_check.py imports without a GPU, says so, and its observer check holds on the eager generator."""
+    """bench/gpu_check.py imports without a GPU, says so, and its observer check holds on the eager generator and on
+    the compiled one (two blocks: a prefill chunk, denoise steps, a commit; compiled as the end-to-end test's
+    ours-compiled is, so Inductor's FX graph cache serves it)."""
     import dgemma_compile as dg
     from bench import gpu_check
+    from dgemma_compile.compile import CompileOptions
 
     import torch
 
@@ -141,6 +147,9 @@ def test_the_observer_check_of_gpu_check_runs_on_a_cpu(tiny_dir):
     model = dg.load(tiny_dir)
     cfg = model.generation_config.replace(max_new_tokens=16)
     assert gpu_check.check_observer(lambda *a, **k: dg.generate(model, *a, **k), cfg, "eager cpu", compiled=False)
+    fixed = cfg.replace(max_denoising_steps=2, stop_early=False, eos_token_ids=())
+    gen = dg.build(model, CompileOptions(batch_buckets=(1,), max_seq_len=64))
+    assert gpu_check.check_observer(gen.generate, fixed, "compiled cpu", compiled=True)
 
 
 def _private_uses(path: Path) -> list[str]:

@@ -13,7 +13,6 @@ from ..config import DEFAULT_MAX_SEQ_LEN, FULL, SLIDING, ConfigError
 from ..ops.moe import MOE_IMPLS
 from ..passes.pipeline import check_names
 from ..plan import QUERY_KINDS
-from ..stop_check import STOP_CHECKS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,11 +31,6 @@ class CompileOptions:
     # Static width of the per-row temperature table (its shape is part of the graph): the most denoise steps per
     # block a request may ask for. The reference default is 48; vLLM-style fixed runs use 16.
     max_denoising_steps: int = 256
-    # When the host reads a block's all-finished flag (stop_check.py): "auto" = "sync" on CPU (the host is the
-    # device; a late read only wastes a forward), "deferred" on CUDA (read one step late from pinned memory, so the
-    # host never waits on a step in flight); "every_k" reads every `stop_check_k` steps.
-    stop_check: str = "auto"
-    stop_check_k: int = 4
     # A graph break must be an error: a split step would run pieces eagerly and sync with the host.
     fullgraph: bool = True
     # Shapes are static per bucket; per-step scalars are tensors, so dynamic shapes would only add guards.
@@ -117,10 +111,6 @@ class CompileOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
-        if self.stop_check not in STOP_CHECKS:
-            raise ConfigError(f"stop_check: must be one of {STOP_CHECKS}, got {self.stop_check!r}")
-        if not isinstance(self.stop_check_k, int) or isinstance(self.stop_check_k, bool) or self.stop_check_k < 1:
-            raise ConfigError(f"stop_check_k: must be a positive integer, got {self.stop_check_k!r}")
         if self.moe_impl not in ("auto", *MOE_IMPLS):
             raise ConfigError(f"moe_impl: must be one of {('auto', *MOE_IMPLS)}, got {self.moe_impl!r}")
         if not isinstance(self.skip_guards, bool):
