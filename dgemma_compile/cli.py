@@ -103,6 +103,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
     s.add_argument("--input-timeout", type=float, default=30.0, metavar="S",
                    help="seconds one request's parsing and tokenization may take; longer gets HTTP 400 (default 30)")
+    s.add_argument("--max-logprobs", type=int, default=20, metavar="K",
+                   help="the most alternatives per token a request's logprobs may ask for (completions' logprobs, "
+                        "chat's top_logprobs; more get HTTP 400); each denoise step keeps K per position (default "
+                        "20, vLLM's; 0: only the returned tokens' own log-probabilities)")
     s.add_argument("--eager", action="store_true", help="eager steps instead of the compiled bucket (no compile)")
     s.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
                    help="each row's logits bitwise those of its solo run whatever the bucket and batch mates "
@@ -452,6 +456,8 @@ def serve_command(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"{name}: must be a positive integer, got {v}")
+    if not 0 <= args.max_logprobs <= 64:
+        raise ConfigError(f"max_logprobs: must be an integer in [0, 64], got {args.max_logprobs}")
     if not args.input_timeout > 0:
         raise ConfigError(f"input_timeout: must be a positive number of seconds, got {args.input_timeout}")
     model_dir = args.model if args.model is not None else DEMO_MODEL
@@ -466,7 +472,8 @@ def serve_command(args: argparse.Namespace) -> int:
     engine = build_engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, eager=args.eager,
                           tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics, page_size=args.kv_page_size,
                           kv_pages=args.kv_pages, fuse_commit={"auto": None, "on": True, "off": False}[args.fuse_commit],
-                          batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant])
+                          batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant],
+                          max_logprobs=args.max_logprobs)
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics, max_body_bytes=args.max_body_bytes,
                      input_timeout_s=args.input_timeout)
@@ -474,7 +481,7 @@ def serve_command(args: argparse.Namespace) -> int:
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "
           f"kv={'static' if engine.memory is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
-          f"batch_invariant={'on' if engine.batch_invariant else 'off'} "
+          f"batch_invariant={'on' if engine.batch_invariant else 'off'} max_logprobs={engine.max_logprobs} "
           f"setup_s={time.perf_counter() - start:.1f} threads={threads}", file=sys.stderr, flush=True)
     for b in engine.bucket_table():
         print(f"dgemma: bucket rows={b['rows']} tokens_per_row={b['tokens_per_row']} "

@@ -232,7 +232,8 @@ def _post(srv, path: str, body, **kw) -> httpx.Response:
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/completions", "{not json", 400, None),
     ("/v1/completions", "[1, 2]", 400, None),
-    ("/v1/completions", {"prompt": "sort 1 2=", "logprobs": 1}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "sort 1 2=", "logprobs": 1, "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "sort 1 2=", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "sort 1 2=", "frobnicate": 1}, 400, "frobnicate"),
     ("/v1/completions", {"prompt": "sort 1 2=", "max_tokens": 0}, 400, "max_tokens"),
@@ -248,8 +249,8 @@ def _post(srv, path: str, body, **kw) -> httpx.Response:
                               "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "add 1+2="}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "add 1+2="}], "logprobs": True}, 400,
-     "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "add 1+2="}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/completions", {"prompt": "sort 1 2=", "draft_every": 2}, 400, "draft_every"),
     ("/v1/completions", {"prompt": "sort 1 2=", "draft_every": 0, "stream": True}, 400, "draft_every"),
@@ -267,7 +268,7 @@ def test_refusals(eager_server, path, body, status, param):
 def test_openai_client_errors_and_routes(eager_server):
     client = eager_server.client(max_retries=0)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt="sort 1 2=", logprobs=2)
+        client.completions.create(model=MODEL, prompt="sort 1 2=", logprobs=21)
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(eager_server.url + "/health").json()
     assert health["status"] == "ok" and health["buckets"] == [
@@ -297,7 +298,8 @@ def test_openai_client_errors_and_routes(eager_server):
     (dict(echo=True), "BadRequestError"),
     (dict(chat=True, response_format={"type": "json_object"}), "BadRequestError"),
     (dict(chat=True, tools=[{"type": "function", "function": {"name": "f"}}]), "BadRequestError"),
-    (dict(chat=True, logprobs=True), "BadRequestError"),
+    (dict(chat=True, top_logprobs=2), "BadRequestError"),
+    (dict(logprobs=2, echo=True), "BadRequestError"),
 ])
 def test_openai_client_refusals(eager_server, kw, error):
     """The refusals through the official client: each raises the client's error class for its status, with the

@@ -245,7 +245,8 @@ def test_ignore_eos_runs_to_the_token_budget(server, demo):
     ({"prompt": "add 1+2=", "best_of": 2}, "best_of"),
     ({"prompt": "add 1+2=", "best_of": True}, "best_of"),
     ({"prompt": "add 1+2=", "logit_bias": {"5": 1}}, "logit_bias"),
-    ({"prompt": "add 1+2=", "logprobs": 0}, "logprobs"),
+    ({"prompt": "add 1+2=", "logprobs": 21}, "logprobs"),
+    ({"prompt": "add 1+2=", "logprobs": 1, "echo": True}, "echo"),
     ({"prompt": "add 1+2=", "store": True}, "store"),
     ({"prompt": "add 1+2=", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
@@ -255,7 +256,7 @@ def test_ignore_eos_runs_to_the_token_budget(server, demo):
      "messages"),
 ])
 def test_non_neutral_refused(server, body, param):
-    """Non-neutral values are refused with a 400 naming the field (and, for logprobs, saying it is not yet)."""
+    """Non-neutral values are refused with a 400 naming the field (and, for logprobs, the limit or the rule)."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = _post(server, path, body)
     assert r.status_code == 400, r.text
@@ -263,8 +264,12 @@ def test_non_neutral_refused(server, body, param):
     assert err["param"] == param and param in err["message"]
     if param == "messages":
         assert "image_url" in err["message"]
-    if "logprobs" in param:
-        assert "not supported yet" in err["message"]
+    if param == "logprobs":
+        assert "--max-logprobs is 20" in err["message"]
+    if param == "top_logprobs":
+        assert "needs logprobs: true" in err["message"]
+    if param == "echo":
+        assert "causally" in err["message"]
 
 
 def test_models_tokenize_detokenize_openapi(server, demo):

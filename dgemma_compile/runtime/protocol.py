@@ -3,12 +3,18 @@
 Requests forbid unknown fields (400, naming the field). Fields this server does not implement are accepted at a
 neutral value and refused otherwise with a 400 naming the field and the values it accepts (`NEUTRAL_COMPLETION`,
 `NEUTRAL_CHAT`): OpenAI's (`top_p` 1, penalties 0, `logit_bias` {}, `response_format` {"type": "text"}, `tools` [],
-`tool_choice` "none", `best_of` 1, `echo` false, `store` false, ...; `logprobs` / `top_logprobs` absent, null,
-false or 0 only, for now) and vLLM's sampling extensions (`repetition_penalty` 1, `top_k` -1 or 0, `min_p` 0,
-`min_tokens` 0). vLLM's `ignore_eos` is implemented (a bool: the request runs to `max_tokens`, its eos ids kept as
-ordinary tokens; `GenerationConfig.ignore_eos`).
+`tool_choice` "none", `best_of` 1, `echo` false, `store` false, ...) and vLLM's sampling extensions
+(`repetition_penalty` 1, `top_k` -1 or 0, `min_p` 0, `min_tokens` 0). vLLM's `ignore_eos` is implemented (a bool:
+the request runs to `max_tokens`, its eos ids kept as ordinary tokens; `GenerationConfig.ignore_eos`).
 `user` and `metadata` are accepted and ignored. Chat content is a string or text parts; an `image_url` (or any
 other non-text) part is refused, never dropped.
+
+Logprobs (what they are, and which tokens they cover: `server.py`): completions `logprobs: k` (an integer >= 0,
+OpenAI's legacy field; at most the server's `--max-logprobs`, checked by the server) -> `CompletionLogprobs`; chat
+`logprobs: true` with `top_logprobs: k` (0..20, OpenAI's range, and at most `--max-logprobs`; `top_logprobs` > 0
+needs `logprobs: true`, OpenAI's rule) -> `ChoiceLogprobs`. Neutral values stay accepted (`logprobs` null or false,
+`top_logprobs` 0). `echo` with `logprobs` (prompt logprobs) is refused with its reason: a block-diffusion model
+encodes its prompt causally, once, with no distribution over the prompt's tokens.
 
 Every per-request value that reaches a device tensor is bounded here or in `GenerationConfig`: floats finite and
 within float32 (`temperature`, `entropy_bound`), integers within int64 / the tables (`seed` < 2**64,
@@ -24,7 +30,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 
 class APIError(Exception):
@@ -38,8 +44,6 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-
-NOT_YET = "not supported yet (logprobs need the redesigned denoise step)"
 
 # Fields this server does not implement, accepted only at a neutral value (absent and null are always neutral):
 # name -> (the neutral values, why others are refused). OpenAI's, then vLLM's sampling extensions.
@@ -57,10 +61,9 @@ NEUTRAL_COMMON: dict[str, tuple[tuple, str]] = {
     "skip_special_tokens": ((True,), "special tokens are never returned as text"),
     "include_stop_str_in_output": ((False,), "a stop string is never part of the text"),
 }
-NEUTRAL_COMPLETION = {**NEUTRAL_COMMON, "logprobs": ((), NOT_YET), "echo": ((False,), "no echo of the prompt"),
+NEUTRAL_COMPLETION = {**NEUTRAL_COMMON, "echo": ((False,), "no echo of the prompt"),
                       "suffix": (("",), "no suffix"), "best_of": ((1,), "no server-side best-of")}
-NEUTRAL_CHAT = {**NEUTRAL_COMMON, "logprobs": ((False,), NOT_YET), "top_logprobs": ((0,), NOT_YET),
-                "response_format": (({"type": "text"},), "text only, no structured output"),
+NEUTRAL_CHAT = {**NEUTRAL_COMMON, "response_format": (({"type": "text"},), "text only, no structured output"),
                 "tools": (([],), "no tool calls"), "tool_choice": (("none", "auto"), "no tool calls"),
                 "functions": (([],), "no tool calls"), "function_call": (("none", "auto"), "no tool calls"),
                 "parallel_tool_calls": ((False, True), "no tool calls"), "audio": ((), "text only"),
@@ -117,7 +120,6 @@ class _Common(BaseModel):
     draft_every: int | None = Field(default=None, ge=1, lt=2**31,
                                     description="a draft event every k denoise steps (stream)")
     # fields refused unless neutral (NEUTRAL_*; each request model's `_unsupported` checks them)
-    logprobs: Any = None
     top_p: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -167,6 +169,9 @@ class CompletionRequest(_Common):
     (each prompt of a list its own `n` choices)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: StrictInt | None = Field(default=None, ge=0,
+                                       description="k: each returned token's log-probability and the k most likely "
+                                                   "alternatives' (at most the server's --max-logprobs)")
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -174,6 +179,11 @@ class CompletionRequest(_Common):
     @model_validator(mode="before")
     @classmethod
     def _unsupported(cls, values):
+        if isinstance(values, dict) and values.get("echo") not in (None, False) and values.get("logprobs") is not None:
+            raise ValueError("echo: echo with logprobs asks for the prompt's logprobs, which this server cannot give: "
+                             "a block-diffusion model encodes its prompt causally, once, with no distribution over "
+                             "the prompt's tokens (only the generated blocks are denoised); ask for logprobs without "
+                             "echo")
         return _refuse_unsupported(values, NEUTRAL_COMPLETION)
 
     def prompts(self) -> list[str | list[int]]:
@@ -222,7 +232,10 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    top_logprobs: Any = None
+    logprobs: StrictBool | None = Field(default=None, description="the returned tokens' log-probabilities")
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20,
+                                           description="with logprobs: the k most likely alternatives of each token "
+                                                       "(at most the server's --max-logprobs)")
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -237,6 +250,12 @@ class ChatCompletionRequest(_Common):
     @classmethod
     def _unsupported(cls, values):
         return _refuse_unsupported(values, NEUTRAL_CHAT)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true (OpenAI's rule)")
+        return self
 
     @model_validator(mode="after")
     def _budget(self):
@@ -301,10 +320,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs, per returned token: its string (the id decoded alone), its log p, a
+    dict {string: log p} of the k most likely tokens and itself (k + 1 entries where it is not among them), and
+    the offset of its string in the choice's token strings joined."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -317,6 +347,24 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """One returned token (OpenAI's ChatCompletionTokenLogprob): its string (the id decoded alone), its log p, the
+    UTF-8 bytes of its string, and the k most likely tokens (`top_logprobs`, descending)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -326,7 +374,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
 
 
@@ -347,7 +395,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -374,6 +422,6 @@ def validation_message(error: Exception) -> tuple[str, str | None]:
     msg = e.get("msg", str(error)).removeprefix("Value error, ")
     if e.get("type") == "extra_forbidden":
         return f"{'.'.join(loc)}: unrecognized request argument", (loc[0] if loc else None)
-    if not loc and ": " in msg:  # a model-level check naming its field ("logprobs: not supported ...")
+    if not loc and ": " in msg:  # a model-level check naming its field ("echo: echo with logprobs ...")
         return msg, msg.split(":", 1)[0]
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), (loc[0] if loc else None)

@@ -21,13 +21,34 @@ back), the last one with its finish_reason, then a usage event when `stream_opti
 One event holds a whole block (up to the canvas length of tokens, committed together), so a client's
 "time to first token" is the time to the first committed block and its "inter-token latency" is the time between
 blocks; divide by the tokens in an event for a per-token figure. `stream_options.continuous_usage_stats` adds the
-usage so far to every chunk. An engine failure mid-stream sends `data: {"error": {...}}` and `[DONE]`.
+usage so far to every chunk. An engine failure mid-stream sends `data: {"error": {...}}` and `[DONE]`. With
+logprobs, a chunk's `logprobs` covers the tokens behind the text it adds (see "Logprobs").
 
 Usage: `prompt_tokens` counts the ids the model reads, BOS included: the token ids a client sent, or the tokenizer's
 encoding of the text / rendered template (what `tokenizer(text)["input_ids"]` gives with the checkpoint's own
 tokenizer, as vLLM counts); `completion_tokens` counts the generated tokens behind the returned text, the eos that
 ended an answer NOT counted (so it equals the client tokenizer's count of the returned text wherever the text
 re-tokenizes to the same ids; at a stop string, the shortest prefix whose text covers what was returned).
+
+Logprobs (completions `logprobs: k`; chat `logprobs: true` with `top_logprobs: k`; k at most the server's
+`--max-logprobs`, `Engine.max_logprobs`, else a 400 naming the field and the limit): per returned token, its
+log-probability and the k most likely tokens' in the model's distribution at the denoise step whose argmax canvas
+was committed (a block's last step; each committed token is that step's argmax, so it is the top alternative
+whenever k >= 1), at temperature 1: log_softmax of the model's own (softcapped) logits, vLLM's default "raw"
+logprobs; the request's temperature schedule shapes the sampling, not these. Token strings are each id decoded
+alone (vLLM's rule; a special token as its string, e.g. "<eos>" kept as an ordinary token with `ignore_eos`). The
+entries cover exactly the tokens `completion_tokens` counts (the usage rule below): the eos that ended an answer has
+NO entry (it is not part of the answer; vLLM returns one and counts it), and at a stop string only the shortest
+prefix covering the returned text has entries. Completions: OpenAI's legacy shape {"tokens", "token_logprobs",
+"top_logprobs": [{string: log p}] (the k most likely and the token itself: k entries, k + 1 where the token is not
+among them, so 1 for k = 0, as vLLM), "text_offset"} (each token string's offset in the choice's token strings
+joined: its offset in `text` wherever they join into it); chat: {"content": [{"token", "logprob", "bytes" (the
+string's UTF-8), "top_logprobs": [k of {"token", "logprob", "bytes"}]}], "refusal": null}. Streamed, each chunk
+carries the entries of the tokens behind the text it adds (a token whose text is held back, e.g. as the possible
+start of a stop string, comes with the chunk that shows it), so a stream's entries joined equal the non-streamed
+ones. Each choice's entries are its own row's (the engine reads each row's; a batch mate's never). `echo` with
+logprobs (the prompt's) is refused: a block-diffusion model encodes its prompt causally, with no distribution over
+it.
 
 Text prompts may hold the tokenizer's special tokens written literally (vLLM's bench renders its custom dataset
 through the chat template, so its completions prompts start with "<bos>"): they encode as those tokens, as the
@@ -56,7 +77,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -187,12 +208,26 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         except ConfigError as e:
             raise _config_error(e) from None
 
-    def submit(prompts: list[list[int]], req: P._Common, on_event) -> list[EngineRequest]:
+    def logprobs_of(req: P._Common, chat: bool) -> int | None:
+        """The k of the request's logprobs (None: none asked), at most `engine.max_logprobs` (else a 400)."""
+        limit = engine.max_logprobs
+        if chat:
+            if not req.logprobs:
+                return None
+            k, name, most = req.top_logprobs or 0, "top_logprobs", min(20, limit)
+        else:
+            k, name, most = req.logprobs, "logprobs", limit
+        if k is not None and k > most:
+            raise P.APIError(400, f"{name}: {k} is more than this server allows: 0 to {most} (its --max-logprobs is "
+                                  f"{limit})", param=name)
+        return k
+
+    def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None) -> list[EngineRequest]:
         """Validate every choice, then queue them all (or none: 429)."""
         cfg = config_of(req)
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
-                                 on_event=on_event, draft_every=req.draft_every or 0)
+                                 on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
@@ -212,14 +247,16 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
-        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+        k = logprobs_of(req, chat)
+        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k)
         index = {id(c): i for i, c in enumerate(choices)}
+        lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if req.stream:
             return EventSourceResponse(_stream(engine, choices, index, events, req, rid, now, model_name, chat,
-                                               prompt_tokens), ping=15, sep="\n")
+                                               prompt_tokens, lps), ping=15, sep="\n")
         texts, reasons, tokens = [""] * len(choices), [None] * len(choices), [0] * len(choices)
         gone = asyncio.create_task(_disconnected(request))
         gone.add_done_callback(lambda t: t.cancelled() or [engine.cancel(c) for c in choices])
@@ -230,6 +267,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                 if e.draft:
                     continue
                 texts[i] += e.text
+                if lps[i] is not None and e.finish_reason not in ("cancelled", "error"):
+                    lps[i].add(e)
                 if e.finish_reason is not None:
                     reasons[i], tokens[i] = e.finish_reason, _completion_tokens(e)
         finally:
@@ -243,17 +282,27 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         usage = P.Usage(prompt_tokens=prompt_tokens, completion_tokens=sum(tokens),
                         total_tokens=prompt_tokens + sum(tokens))
         finish = [P.FINISH_REASONS.get(r, r) for r in reasons]
+        logprobs = [None if lp is None else lp.take(n) for lp, n in zip(lps, tokens)]
         if chat:
             body = P.ChatCompletionResponse(
                 id=rid, created=now, model=model_name, usage=usage,
-                choices=[P.ChatChoice(index=i, message=P.AssistantMessage(content=t), finish_reason=f)
-                         for i, (t, f) in enumerate(zip(texts, finish))])
+                choices=[P.ChatChoice(index=i, message=P.AssistantMessage(content=t), finish_reason=f, logprobs=lp)
+                         for i, (t, f, lp) in enumerate(zip(texts, finish, logprobs))])
         else:
             body = P.CompletionResponse(
                 id=rid, created=now, model=model_name, usage=usage,
-                choices=[P.CompletionChoice(index=i, text=t, finish_reason=f)
-                         for i, (t, f) in enumerate(zip(texts, finish))])
+                choices=[P.CompletionChoice(index=i, text=t, finish_reason=f, logprobs=lp)
+                         for i, (t, f, lp) in enumerate(zip(texts, finish, logprobs))])
         return JSONResponse(body.model_dump())
+
+    strings: dict[int, str] = {}  # id -> its string, decoded alone (at most the vocabulary)
+
+    def token_string(token: int) -> str:
+        s = strings.get(token)
+        if s is None:
+            s = strings[token] = tokenizer.decode([token], skip_special_tokens=False,
+                                                  clean_up_tokenization_spaces=False)
+        return s
 
     def encode_completion(prompts: list) -> list[list[int]]:
         return [encode_prompt(tokenizer, p, bos_token_id=bos) if isinstance(p, str) else list(p) for p in prompts]
@@ -328,6 +377,70 @@ def _completion_tokens(e: BlockEvent) -> int:
     return e.completion_tokens - (e.finish_reason == "eos")
 
 
+def _finite(logp: float) -> float:
+    """JSON has no -inf (nor NaN): at least -9999.0, as vLLM clamps."""
+    return logp if logp > -9999.0 else -9999.0
+
+
+class _ChoiceLogprobs:
+    """One choice's logprobs (module docstring, "Logprobs"): `add` each of its block events (their tokens and
+    `BlockEvent.logprobs`), `take(end)` the entries of tokens [given so far, end) in the response's shape;
+    `behind()` is the end a stream chunk may give: the shortest prefix of the tokens whose text covers what was
+    shown (the engine's `completion_tokens` rule at a stop string)."""
+
+    def __init__(self, tokenizer, token_string: Callable[[int], str], chat: bool):
+        self.tokenizer, self.token_string, self.chat = tokenizer, token_string, chat
+        self.ids: list[int] = []
+        self.entries: list[tuple[float, list[tuple[int, float]]]] = []
+        self.shown = 0  # characters of text returned
+        self.given = 0  # tokens whose entries were returned
+        self.offset = 0  # their strings' characters (completions' text_offset)
+
+    def add(self, e: BlockEvent) -> None:
+        if e.logprobs is None or len(e.logprobs) != len(e.tokens):
+            raise RuntimeError(f"request {e.request.id}: the engine's logprobs do not align with its tokens")
+        self.ids += e.tokens
+        self.entries += e.logprobs
+        self.shown += len(e.text)
+
+    def _text_len(self, k: int) -> int:
+        return len(self.tokenizer.decode(self.ids[:k], skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+    def behind(self) -> int:
+        lo, hi = self.given, len(self.ids)  # the text grows with the prefix: the least k in [lo, hi] covering
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._text_len(mid) >= self.shown:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def take(self, end: int) -> dict:
+        new = [(t, *x) for t, x in zip(self.ids[self.given:end], self.entries[self.given:end])]
+        self.given = max(self.given, end)
+        s = self.token_string
+        if self.chat:
+            def entry(t: int, p: float) -> dict:
+                text = s(t)
+                return {"token": text, "logprob": _finite(p), "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [{**entry(t, p), "top_logprobs": [entry(a, q) for a, q in top]} for t, p, top in new],
+                    "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, p, top in new:
+            text = s(t)
+            alternatives: dict[str, float] = {}
+            for a, q in ((t, p), *top):  # the token itself first; k entries where it is among the top k
+                alternatives.setdefault(s(a), _finite(q))
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_finite(p))
+            out["top_logprobs"].append(alternatives)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
 def _draft_chunk(e: BlockEvent, i: int, rid: str, now: int, model_name: str, chat: bool) -> dict:
     """The SSE chunk of one draft event (see the module docstring)."""
     draft = {"text": e.text, "block": e.block, "step": e.step}
@@ -355,7 +468,8 @@ def _config_error(e: ConfigError) -> P.APIError:
 
 
 async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, events: asyncio.Queue, req: P._Common,
-                  rid: str, now: int, model_name: str, chat: bool, prompt_tokens: int) -> AsyncIterator[dict]:
+                  rid: str, now: int, model_name: str, chat: bool, prompt_tokens: int,
+                  lps: list[_ChoiceLogprobs | None]) -> AsyncIterator[dict]:
     """The SSE events of one streamed request (see the module docstring); cancels unfinished choices when the
     client goes away (sse-starlette cancels this generator on a disconnect)."""
     reasons: list = [None] * len(choices)
@@ -396,10 +510,14 @@ async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, eve
             tokens[i] = _completion_tokens(e)
             if e.finish_reason is not None:
                 reasons[i] = e.finish_reason
+            lp = lps[i]
+            if lp is not None:
+                lp.add(e)
+                lp = lp.take(tokens[i] if e.finish_reason is not None else lp.behind())
             if chat:
-                yield event({"index": i, "delta": {"content": e.text}, "logprobs": None, "finish_reason": finish})
+                yield event({"index": i, "delta": {"content": e.text}, "logprobs": lp, "finish_reason": finish})
             else:
-                yield event({"index": i, "text": e.text, "logprobs": None, "finish_reason": finish})
+                yield event({"index": i, "text": e.text, "logprobs": lp, "finish_reason": finish})
         if opts is not None and opts.include_usage:
             yield {"data": json.dumps({"id": rid, "object": obj, "created": now, "model": model_name, "choices": [],
                                        "usage": usage()})}
