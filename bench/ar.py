@@ -7,9 +7,9 @@ so no position recompiles; on CUDA a graph captured after two warm calls, a fail
 counts the compiles and their seconds.
 
 Two units over one static cache (`block_size` = canvas length):
-- `prefill`: `model.encode_block(ids [B, C], cache, n_new)`, then the greedy token at each row's last real prompt
+- `prefill`: `uniform.encode_block(model, ids [B, C], cache, n_new)`, then the greedy token at each row's last real prompt
   position (`model.logits` + argmax); prompts longer than C run in C-token chunks.
-- `step`: `model.encode_block(tok [B, 1], cache, ones)` (a one-token causal pass reading S+1 slots; the larger
+- `step`: `uniform.encode_block(model, tok [B, 1], cache, ones)` (a one-token causal pass reading S+1 slots; the larger
   block_size only leaves unused block slots, it adds no reads), `model.logits`, argmax into `tok`.
 The cache holds block_size = C rather than 1 so that the prompt is encoded in C-token compiled chunks like ours,
 instead of one forward per prompt token; decode forwards are unaffected.
@@ -23,6 +23,7 @@ import torch
 
 from dgemma_compile.compile import CompileOptions, UnitFactory
 from dgemma_compile.ops.moe import resolve_moe_impl
+from dgemma_compile.uniform import encode_block
 
 
 class ARBaseline:
@@ -59,13 +60,13 @@ class ARBaseline:
         return sum(self.units.compiles.values())
 
     def _prefill(self) -> None:
-        hidden = self.model.encode_block(self.ids, self.cache, self.n_new, moe_impl=self.moe_impl)
+        hidden = encode_block(self.model, self.ids, self.cache, self.n_new, moe_impl=self.moe_impl)
         last = hidden[self.rows, (self.n_new - 1).clamp(min=0)]
         tok = self.model.logits(last).argmax(-1)
         self.tok.copy_(torch.where(self.n_new > 0, tok, self.tok[:, 0])[:, None])
 
     def _step(self) -> None:
-        hidden = self.model.encode_block(self.tok, self.cache, self.ones, moe_impl=self.moe_impl)
+        hidden = encode_block(self.model, self.tok, self.cache, self.ones, moe_impl=self.moe_impl)
         self.tok.copy_(self.model.logits(hidden[:, -1]).argmax(-1)[:, None])
 
     def prefill(self, prompts: list[list[int]]) -> None:

@@ -38,6 +38,7 @@ from dgemma_compile.compile import CompileOptions, build  # noqa: E402
 from dgemma_compile.config import ModelConfig, RopeConfig  # noqa: E402
 from dgemma_compile.model import DiffusionGemma  # noqa: E402
 from dgemma_compile.phases import Phase  # noqa: E402
+from dgemma_compile.uniform import denoise_block  # noqa: E402
 
 
 def cuda_ms(fn, repeats: int) -> float:
@@ -157,8 +158,8 @@ def step_latency(model, label: str, repeats: int) -> None:
         compiled_ms = statistics.median(times)
         ready()
         state, cache = view.state, view.cache
-        eager_ms = cuda_ms(lambda: model.denoise_block(state.canvas, cache, None, state.has_sc, moe_impl=gen.moe_impl,
-                                                       self_conditioning_probs=state.sc_probs), repeats)
+        eager_ms = cuda_ms(lambda: denoise_block(model, state.canvas, cache, None, state.has_sc, moe_impl=gen.moe_impl,
+                                                 self_conditioning_embeds=state.sc_embeds), repeats)
     graph = "graph" if view.step.graph is not None else "no graph"
     print(f"{label}: denoise step at context {CONTEXT}, batch 1: eager {eager_ms:.2f} ms, compiled {view.name} "
           f"({graph}) {compiled_ms:.2f} ms, ratio {eager_ms / compiled_ms:.2f}x; compile {compile_s:.0f} s; "

@@ -85,7 +85,7 @@ class Bucket:
         kernel_options: FlexAttention kernel options of the plans (`plan.build_plan`; the compiled generator's).
         unit: makes each size's step (`UnitMaker`); None: eager.
         max_logprobs: K, the most likely ids whose log-probabilities each step keeps per position (`steps.logprobs`;
-            0: only the committed tokens'); part of the compiled step's shapes.
+            0: only the committed tokens'; None: no logprobs, none computed); part of the compiled step's shapes.
         tag: the name of the bucket's steps, "step[B{b}_{tag}]" (default from the structural config).
     Raises:
         ConfigError: `sizes` not increasing positive integers.
@@ -95,7 +95,7 @@ class Bucket:
     def __init__(self, model: DiffusionGemma, sizes: Sequence[int], *, max_seq_len: int, max_denoising_steps: int,
                  config: GenerationConfig | None = None, fuse_commit: bool = False, moe_impl: str = "dense",
                  page_size: int | None = None, kv_pages: int | None = None, kernel_options: dict | None = None,
-                 unit: UnitMaker | None = None, tag: str | None = None, max_logprobs: int = 0):
+                 unit: UnitMaker | None = None, tag: str | None = None, max_logprobs: int | None = None):
         sizes = tuple(sizes)
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes) or \
                 list(sizes) != sorted(set(sizes)):
@@ -110,8 +110,9 @@ class Bucket:
         self.tokens_per_row = block
         self.cache = (model.new_cache(B, max_seq_len, block_size=block) if page_size is None else
                       paged_cache(model, B, max_seq_len, block_size=block, page_size=page_size, kv_pages=kv_pages))
-        if not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool) or not 0 <= max_logprobs <= 64:
-            raise ConfigError(f"max_logprobs: must be an integer in [0, 64], got {max_logprobs!r}")
+        if max_logprobs is not None and (not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool)
+                                         or not 0 <= max_logprobs <= 64):
+            raise ConfigError(f"max_logprobs: must be None or an integer in [0, 64], got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
         self.state = DenoiseState.allocate(model, B, cfg.stability_threshold if cfg.stop_early else 0, max_logprobs)
         self.inputs = StepInputs.allocate(model, B, C, max_denoising_steps)
@@ -213,11 +214,12 @@ class Bucket:
         """Per row of `rows` (their block finished in the latest step): per canvas position, (log p of its argmax
         token, the k <= `max_logprobs` most likely (id, log p)) -- `steps.logprobs` of that step; one host read.
         Raises ConfigError for k above `max_logprobs`."""
-        if k > self.max_logprobs:
+        if self.max_logprobs is None or k > self.max_logprobs:
             raise ConfigError(f"top_logprobs: {k} is more than this bucket keeps (max_logprobs={self.max_logprobs})")
         if not rows:
             return []
         idx = torch.tensor(rows, device=self.state.steps.device)
         st = self.state
-        token, ids, top = st.logprob[idx].tolist(), st.top_ids[idx, :, :k].tolist(), st.top_logprobs[idx, :, :k].tolist()
+        token, ids = st.logprob[idx].tolist(), st.top_ids[idx, :, :k].tolist()
+        top = st.top_logprobs[idx, :, :k].tolist()
         return [[(t, list(zip(i, p))) for t, i, p in zip(*row)] for row in zip(token, ids, top)]

@@ -27,14 +27,17 @@ class Observer:
     """Receives timings in seconds; override what you need (the defaults ignore everything).
 
     On CPU each call arrives as its span ends; on CUDA spans are delivered at the next block end. `on_block_end(b)`
-    follows every step of block b; the commit that follows block b (an `encoder_chunk` unit) is reported after it.
+    follows every step of block b (compiled: once per iteration in which some request's block b ended, after that
+    iteration's spans; requests progress independently there).
     """
 
     def on_step(self, seconds: float) -> None:
-        """One denoise step of the whole batch (host-side input fills + the step)."""
+        """One step of the whole batch: the eager block loop's denoise step (host-side input fills + the step), or
+        one iteration of the compiled generator (one forward serving every row's prefill chunk, denoise step or
+        commit)."""
 
     def on_unit(self, name: str, seconds: float) -> None:
-        """One call of compile unit `name` (e.g. "denoise_step[B1_P1_stop]")."""
+        """One call of compile unit `name` (e.g. "step[B1_P1_stop]")."""
 
     def on_block_end(self, block: int) -> None:
         """Block `block` was finalised (its timings above are complete)."""

@@ -58,8 +58,9 @@ class DenoiseState:
     greedy rows; `sampler.StepUpdate`), computed at the end of that step, meaningful where has_sc: bool [B]. D, not
     V, values per position: at the released sizes 2,816 instead of 262,144 (`sampler.SCHEME` v4).
     logprob: float32 [B, C], top_ids: int64 [B, C, K], top_logprobs: float32 [B, C, K]: log-probabilities of the
-    latest step of each row (`logprobs`), K = the bucket's `max_logprobs` (0: none); what a block's argmax canvas
-    was taken from when its block finished in that step.
+    latest step of each row (`logprobs`), K = the bucket's `max_logprobs` (0: none; None: no logprobs at all, the
+    buffers [B, 0] and [B, 0, 0], and the step computes none); what a block's argmax canvas was taken from when its
+    block finished in that step.
     """
 
     canvas: torch.Tensor
@@ -74,7 +75,8 @@ class DenoiseState:
     top_logprobs: torch.Tensor
 
     @classmethod
-    def allocate(cls, model: DiffusionGemma, rows: int, stability: int, max_logprobs: int = 0) -> "DenoiseState":
+    def allocate(cls, model: DiffusionGemma, rows: int, stability: int,
+                 max_logprobs: int | None = None) -> "DenoiseState":
         C, D, dev = model.config.canvas_length, model.config.hidden_size, model.device
         long = dict(dtype=torch.long, device=dev)
         return cls(canvas=torch.zeros(rows, C, **long), argmax=torch.zeros(rows, C, **long),
@@ -82,9 +84,10 @@ class DenoiseState:
                    finished=torch.zeros(rows, dtype=torch.bool, device=dev), steps=torch.zeros(rows, **long),
                    sc_embeds=torch.zeros(rows, C, D, dtype=model.dtype, device=dev),
                    has_sc=torch.zeros(rows, dtype=torch.bool, device=dev),
-                   logprob=torch.zeros(rows, C, dtype=torch.float32, device=dev),
-                   top_ids=torch.zeros(rows, C, max_logprobs, **long),
-                   top_logprobs=torch.zeros(rows, C, max_logprobs, dtype=torch.float32, device=dev))
+                   logprob=torch.zeros(rows, C if max_logprobs is not None else 0, dtype=torch.float32, device=dev),
+                   top_ids=torch.zeros(rows, C if max_logprobs is not None else 0, max_logprobs or 0, **long),
+                   top_logprobs=torch.zeros(rows, C if max_logprobs is not None else 0, max_logprobs or 0,
+                                            dtype=torch.float32, device=dev))
 
     def view(self, rows: int) -> "DenoiseState":
         """The first `rows` rows (views of these buffers)."""
@@ -341,7 +344,9 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
 
 def _keep_logprobs(state: DenoiseState, logits_BCV: torch.Tensor, argmax_BC: torch.Tensor) -> None:
     """The step's `logprobs` of its argmax canvas into the state (every row: the host reads a row's only in the
-    iteration its block finished)."""
+    iteration its block finished). Nothing when the state keeps none (a static shape: no branch at run time)."""
+    if state.logprob.shape[1] == 0:
+        return
     token, ids, top = logprobs(logits_BCV, argmax_BC, state.top_ids.shape[-1])
     state.logprob.copy_(token)
     state.top_ids.copy_(ids)

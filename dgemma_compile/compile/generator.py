@@ -120,7 +120,8 @@ class CompiledGenerator:
             self._buckets[key] = Bucket(model, o.batch_buckets, max_seq_len=o.max_seq_len,
                                         max_denoising_steps=o.max_denoising_steps, config=cfg,
                                         fuse_commit=self.fuse_commit, moe_impl=self.moe_impl, page_size=page_size,
-                                        kv_pages=kv_pages, kernel_options=o.attention_kernels(), unit=unit)
+                                        kv_pages=kv_pages, kernel_options=o.attention_kernels(), unit=unit,
+                                        max_logprobs=o.max_logprobs)
         return self._buckets[key]
 
     def reset(self) -> None:
@@ -193,7 +194,8 @@ class _Driver:
 
     def __init__(self, gen: CompiledGenerator, bucket: Bucket, prompts: list[list[int]],
                  cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer):
-        self.gen, self.bucket, self.prompts, self.cfgs, self.seeds, self.timer = gen, bucket, prompts, cfgs, seeds, timer
+        self.gen, self.bucket, self.timer = gen, bucket, timer
+        self.prompts, self.cfgs, self.seeds = prompts, cfgs, seeds
         R = len(prompts)
         self.out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
                                     fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl)
@@ -244,7 +246,6 @@ class _Driver:
                 out.forwards_per_block[blk] += 1
             ended = [b for b in busy if events[b]]
             dirty |= self._finalize(ended, bucket.read_blocks(ended), on_block, stop)
-        self.timer.flush(max(len(out.forwards_per_block) - 1, 0))
         return out
 
     def _admit(self) -> bool:
@@ -270,6 +271,7 @@ class _Driver:
             by_block.setdefault(row.block, []).append((b, done, device_done, keep))
         freed = False
         for blk in sorted(by_block):
+            self.timer.flush(blk)  # the spans so far, then on_block_end(blk) (the host already waited for the step)
             toks: list[list[int]] = [[] for _ in range(R)]
             for b, _, _, keep in by_block[blk]:
                 toks[self.rows[b].request] = keep

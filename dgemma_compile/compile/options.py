@@ -93,6 +93,11 @@ class CompileOptions:
     # call: the mode checks the rule (`check_batch_invariant`) and costs nothing (on and off compile the same graphs).
     # None = on for CPU; on CUDA unmeasured (cuBLAS picks kernels, split-K included, by M), so off, and True refused.
     batch_invariant: bool | None = None
+    # Log-probabilities each step keeps per canvas position (`steps.logprobs`, temperature 1): None = none computed
+    # (`generate` returns none); 0 = the committed tokens' own; K = also the K most likely alternatives (the
+    # server's `top_logprobs` limit; `dgemma serve` uses 20, vLLM's default). Part of the step's shapes; K > 0 adds a
+    # top-K over the vocabulary to every step.
+    max_logprobs: int | None = None
     # FlexAttention kernel options per query kind ("encoder": prefill chunks and unfused commits; "canvas": denoise
     # steps and commit + denoise) and layer type ("sliding_attention", "full_attention"), passed to `flex_attention`
     # as they are. Canvas queries are pinned to the main FlexAttention template (FORCE_USE_FLEX_ATTENTION): with
@@ -133,6 +138,9 @@ class CompileOptions:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         _check_attention_kernel_options(self.attention_kernel_options)
+        k = self.max_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64):
+            raise ConfigError(f"max_logprobs: must be None or an integer in [0, 64], got {self.max_logprobs!r}")
         if self.attention_kernel_options is not None:  # a private copy: the caller's dicts may change later
             object.__setattr__(self, "attention_kernel_options", copy.deepcopy(self.attention_kernel_options))
         if self.recompile_limit < 2 * len(b):

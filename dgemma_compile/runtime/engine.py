@@ -207,8 +207,9 @@ class Engine:
 
     # ----- requests ------------------------------------------------------------------------------------------------
     @property
-    def max_logprobs(self) -> int:
-        """The most alternatives per token a request may ask log-probabilities for (the bucket's)."""
+    def max_logprobs(self) -> int | None:
+        """The most alternatives per token a request may ask log-probabilities for (the bucket's; None: no
+        logprobs)."""
         return self.bucket.max_logprobs
 
     @property
@@ -262,7 +263,8 @@ class Engine:
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ConfigError(f"draft_every: must be an integer >= 0, got {k!r}")
         lp = request.logprobs
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= self.max_logprobs):
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or self.max_logprobs is None
+                               or not 0 <= lp <= self.max_logprobs):
             raise ConfigError(f"top_logprobs: must be an integer in [0, {self.max_logprobs}] (the server's "
                               f"--max-logprobs), got {lp!r}")
         request.config, request.slots = self._check(request.prompt, request.config, request.seed)
@@ -598,7 +600,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         return engine
     gen = generator or build(model, CompileOptions(batch_buckets=batch_sizes, max_seq_len=max_seq_len,
                                                    max_denoising_steps=max_denoising_steps, fuse_commit=fuse,
-                                                   batch_invariant=batch_invariant))
+                                                   batch_invariant=batch_invariant, max_logprobs=max_logprobs))
     gen.warmup(1, config, **paging)  # the smallest size: a lone first request never waits for a compile
     engine = Engine(model, gen.bucket(config, **paging), config=config, tokenizer=tokenizer, max_queue=max_queue,
                     compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache,
