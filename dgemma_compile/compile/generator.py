@@ -28,11 +28,11 @@ import torch
 from ..bucket import Bucket, BucketView
 from ..config import ConfigError, GenerationConfig
 from ..finish import finalize_row
-from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan
+from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan_requests
 from ..model import DiffusionGemma
 from ..observe import STEP, UNIT, Observer, SpanTimer
 from ..ops.moe import resolve_moe_impl
-from ..phases import Phase, stepping_phases
+from ..phases import Phase, RowMirror
 from .options import CompileOptions, check_batch_invariant
 from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
@@ -40,13 +40,10 @@ log = logging.getLogger("dgemma_compile")
 
 
 @dataclass
-class _Row:
-    """The host's mirror of one busy row: its request (index in the call), phase, prompt tokens encoded, block."""
+class _Row(RowMirror):
+    """The host's mirror of one busy row (`phases.RowMirror`) and its request (index in the call)."""
 
-    request: int
-    phase: Phase = Phase.PREFILL
-    prefilled: int = 0
-    block: int = 0
+    request: int = 0
 
 
 @dataclass
@@ -150,7 +147,7 @@ class CompiledGenerator:
             ValueError: `stop` returned an index outside the call.
         """
         self.fingerprint.check(self.model)
-        cfgs, prompts, seeds, needed = plan(self.model, prompts, config, seed)
+        cfgs, prompts, seeds, needed = plan_requests(self.model, prompts, config, seed)
         check_slots(needed, self.options.max_seq_len, "CompileOptions.max_seq_len")
         steps = max(c.max_denoising_steps for c in cfgs)
         if steps > self.options.max_denoising_steps:
@@ -201,11 +198,9 @@ class _Driver:
                                     fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl)
         self.queue = deque(range(R))
         self.rows: list[_Row | None] = [None] * bucket.rows
-        self.done = [False] * R
 
     def run(self, on_block: BlockCallback | None, stop: StopHook | None) -> GenerationOutput:
         bucket, out, C = self.bucket, self.out, self.gen.model.config.canvas_length
-        stepped_phases = stepping_phases(bucket.fuse_commit)
         size, dirty = 0, True
         bucket.clear()
         while True:
@@ -224,20 +219,12 @@ class _Driver:
             blocks = set()  # block indices some row stepped in this iteration
             for b in busy:  # the host's mirror of the device's transitions
                 row = self.rows[b]
-                if row.phase == Phase.PREFILL:
-                    row.prefilled += min(C, len(self.prompts[row.request]) - row.prefilled)
-                    if row.prefilled >= len(self.prompts[row.request]):
-                        row.phase = Phase.DENOISE
-                    continue
-                if row.phase == Phase.COMMIT:  # committed; its next block began (fused: and took its first step)
-                    row.block += 1
-                    row.phase = Phase.DENOISE
-                    if bucket.fuse_commit:
-                        out.fused_commits += 1
-                    else:
-                        out.commits += 1
-                        continue
-                if row.phase in stepped_phases:
+                _, committed, stepped = row.advance(len(self.prompts[row.request]), C, fused=bucket.fuse_commit)
+                if committed and bucket.fuse_commit:
+                    out.fused_commits += 1
+                elif committed:
+                    out.commits += 1
+                if stepped:
                     blocks.add(row.block)
             for blk in blocks:
                 while len(out.forwards_per_block) <= blk:
@@ -288,7 +275,6 @@ class _Driver:
                 if r in stopped:
                     out.stats[r].finish_reason = "stop"
                 if done or device_done or r in stopped:  # device_done implies done (tests/test_finish.py)
-                    self.done[r] = True
                     if not device_done:  # only the host ended it (the stop hook): its row is COMMIT on the device
                         self.bucket.retire(b)
                         freed = True
