@@ -46,7 +46,7 @@ def _drive(engine, prompts, config, concurrency: int) -> dict:
     """Serve every prompt (prompt i, seed i) keeping `concurrency` requests in flight; every `step` timed. A request
     is submitted only while no row is held by a finished request (the engine may free a row one iteration after the
     request's last event), so at concurrency 1 each request runs alone, at batch 1 where that size exists."""
-    from dgemma_compile.runtime import Request
+    from dgemma_runtime import Request
 
     st0 = dict(iterations=engine.stats.iterations, tokens=engine.stats.tokens,
                by_size=dict(engine.stats.forwards_by_size))
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import dgemma_compile as dg
     from dgemma_compile.compile import CompileOptions, build
     from dgemma_compile.demo import DEMO_MODEL, tasks
-    from dgemma_compile.runtime import build_engine
+    from dgemma_runtime import build_engine
     from dgemma_compile.text import encode_prompt
 
     model, tok = dg.load(DEMO_MODEL, device=args.device), dg.load_tokenizer(DEMO_MODEL)

@@ -82,7 +82,7 @@ def worker(threads: str) -> None:
     sys.path.insert(0, str(REPO))
     import dgemma_compile as dg
     from dgemma_compile.demo import DEMO_MODEL
-    from dgemma_compile.generate import plan
+    from dgemma_compile.generate import plan_requests
     from dgemma_compile.text import encode_prompt
     from dgemma_compile.threads import free_cpus, recommended_threads
 
@@ -93,7 +93,7 @@ def worker(threads: str) -> None:
     torch.set_num_threads(n)
     ids = encode_prompt(tok, PROMPT, bos_token_id=model.config.bos_token_id)
     config = model.generation_config
-    slots = plan(model, [ids], config, 0)[3]  # committed slots the request needs
+    slots = plan_requests(model, [ids], config, 0)[3]  # committed slots the request needs
     gen = dg.build(model, dg.CompileOptions(batch_buckets=(1,), max_seq_len=-(-slots // 256) * 256))
     compile_s = gen.warmup(1, config)
     out = gen.generate([ids], config, seed=0)

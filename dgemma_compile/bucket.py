@@ -136,6 +136,16 @@ class Bucket:
         """The views made so far (sizes that ran or were warmed)."""
         return [self._views[b] for b in sorted(self._views)]
 
+    def made(self, size: int) -> BucketView | None:
+        """The view of `size` rows if it has been made (by `view`: a size that ran or was warmed), else None; makes
+        nothing (the engine's bucket table reads whether a size has compiled without compiling it)."""
+        return self._views.get(size)
+
+    def step_name(self, size: int) -> str:
+        """The name of the step over `size` rows, "step[B{size}_{tag}]": its compile unit's name in logs, explain
+        reports and observer spans."""
+        return f"step[B{size}_{self.tag}]"
+
     def view(self, size: int) -> BucketView:
         """The step over the first `size` rows (made on first use; with a `unit` maker, compiled on its first call).
         Raises ConfigError for a size not in `sizes`."""
@@ -155,7 +165,7 @@ class Bucket:
             def step() -> None:
                 mixed_step(model, cache, state, inputs, rows, plan, stop_early=cfg.stop_early, moe_impl=moe)
 
-            name = f"step[B{size}_{self.tag}]"
+            name = self.step_name(size)
             view = BucketView(rows=size, name=name, cache=cache, state=state, inputs=inputs, row_state=rows,
                               plan=plan, step=step)
             if self.unit is not None:

@@ -292,12 +292,12 @@ def generate_command(args: argparse.Namespace) -> int:
 
 
 def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
-    from .generate import plan
+    from .generate import plan_requests
     from .text import StopStrings
 
     matcher = StopStrings(tokenizer, args.stop or ())  # validates --stop before any compile
     ids = _encode(tokenizer, model, args.prompt, args)
-    slots = plan(model, [ids], config, args.seed)[3]  # validate prompt, config and seed before any compile
+    slots = plan_requests(model, [ids], config, args.seed)[3]  # validate prompt, config and seed before any compile
     threads = _apply_threads(args, model)
     run, one_time = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps)
 
@@ -329,7 +329,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
     from tqdm import tqdm
 
     from .config import ConfigError
-    from .generate import STRUCTURAL, plan
+    from .generate import STRUCTURAL, plan_requests
     from .text import StopStrings, check_stop_strings
 
     batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH_SIZE
@@ -346,7 +346,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
                 ln.config = ln.config.with_temperature(temperature)
             ln.stops = check_stop_strings(args.stop if ln.stop is None else ln.stop)
             ln.seed = args.seed if ln.seed is None else ln.seed
-            slots = max(slots, plan(model, [ln.ids], ln.config, ln.seed)[3])  # validates; committed slots needed
+            slots = max(slots, plan_requests(model, [ln.ids], ln.config, ln.seed)[3])  # validates; slots needed
         except ConfigError as e:
             ln.error = str(e)
     good = [ln for ln in lines if ln.error is None]
@@ -445,12 +445,12 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from .runtime.metrics import ServeMetrics
-        from .runtime.server import create_app
+        from dgemma_runtime.metrics import ServeMetrics
+        from dgemma_runtime.server import create_app
     except ImportError as e:
         raise ConfigError(f"serve: needs the [serve] extra (pip install 'dgemma-compile[serve]'): {e}") from None
     from . import load, load_tokenizer
-    from .runtime import build_engine
+    from dgemma_runtime import build_engine
 
     for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes"):
         v = getattr(args, name)

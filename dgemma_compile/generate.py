@@ -155,11 +155,19 @@ def resolve_configs(model: DiffusionGemma, config: GenerationConfig | Sequence[G
     return cfgs
 
 
-def plan(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
-         config: GenerationConfig | Sequence[GenerationConfig] | None, seed: int | Sequence[int]
-         ) -> tuple[list[GenerationConfig], list[list[int]], list[int], int]:
-    """Resolve and validate a request batch: (one config per request, prompts, seeds, committed slots needed per
-    row)."""
+def plan_requests(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
+                  config: GenerationConfig | Sequence[GenerationConfig] | None, seed: int | Sequence[int]
+                  ) -> tuple[list[GenerationConfig], list[list[int]], list[int], int]:
+    """Resolve and validate a request batch: (one config per request, prompts as lists, seeds, committed slots
+    needed per row: the longest prompt + max_new_tokens rounded up to whole canvases, the last block uncommitted).
+
+    `config` is one config for every request, one per request, or None (the model's). `seed` is one seed (every request
+    gets it) or one per request. The generators and the serving engine (`dgemma_runtime.engine`) validate
+    with it.
+
+    Raises:
+        ConfigError: an empty prompt, ids outside the vocabulary, prompt + max_new_tokens beyond the model's
+            context, a config list of the wrong length, a bad seed."""
     n = len(prompts) if hasattr(prompts, "__len__") else 0
     cfgs = resolve_configs(model, config, n)
     prompts = validate_prompts(model, prompts, [c.max_new_tokens for c in cfgs])
@@ -213,7 +221,7 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
             `max_seq_len` not a positive integer or smaller than the committed slots a request needs; `fuse_commit`
             not a bool.
     """
-    cfgs, prompts, seeds, needed = plan(model, prompts, config, seed)
+    cfgs, prompts, seeds, needed = plan_requests(model, prompts, config, seed)
     check_slots(needed, max_seq_len, "max_seq_len")
     if not isinstance(fuse_commit, bool):
         raise ConfigError(f"fuse_commit: must be a bool, got {fuse_commit!r}")

@@ -19,7 +19,7 @@ requests) goes through it; no path writes a committed slot at or beyond a row's 
 drawn from one pool that rows of different lengths share; a per-row page table (a device tensor, read by the
 forward) maps logical page -> physical page. The model sees the same [B, H_kv, S + T, D_h] view either way
 (`layer_kv`), so masks, plans and numerics are the static cache's; the pool's bookkeeping (which request holds
-which page, the prefix cache) lives in `runtime/kv_pool.py`.
+which page, the prefix cache) lives in `runtime/kv_pool.py` (`dgemma_runtime`).
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ class PagedKVCache:
     """`KVCache`'s interface over a shared pool of pages (see the module docstring).
 
     Physical pages: `ZERO_PAGE` (0), then each row's private block pages (row b: pages 1 + b*nb .. (b+1)*nb, nb =
-    ceil(block_size / P); they hold the row's block slots), then the committed-data pages that `runtime.kv_pool`
-    hands out (`first_pool_page` ..). Logical page j of row b is `page_table[b, j]`; slot s lives at
+    ceil(block_size / P); they hold the row's block slots), then the committed-data pages that
+    `dgemma_runtime.kv_pool` hands out (`first_pool_page` ..). Logical page j of row b is `page_table[b, j]`; slot s lives at
     (page_table[b, s // P], s % P).
 
     Attributes:

@@ -57,13 +57,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigError, GenerationConfig
-from ..bucket import Bucket
-from ..finish import finalize_row
-from ..generate import STRUCTURAL, RequestStats, check_slots, plan
-from ..model import DiffusionGemma
-from ..phases import Phase, stepping_phases
-from ..text import StopStrings
+from dgemma_compile.config import ConfigError, GenerationConfig
+from dgemma_compile.bucket import Bucket
+from dgemma_compile.finish import finalize_row
+from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
+from dgemma_compile.model import DiffusionGemma
+from dgemma_compile.phases import Phase, stepping_phases
+from dgemma_compile.text import StopStrings
 from .kv_memory import PagedMemory
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     submitted: float = 0.0
     matcher: StopStrings | None = None
-    slots: int = 0  # committed slots it can need (`generate.plan`)
+    slots: int = 0  # committed slots it can need (`generate.plan_requests`)
     draft_every: int = 0
     logprobs: int | None = None
     """k >= 0: each block event carries the log-probabilities of its tokens and the k most likely alternatives
@@ -224,10 +224,10 @@ class Engine:
         bk = self.bucket
         out = []
         for size in bk.sizes:
-            view = bk._views.get(size)
+            view = bk.made(size)
             calls = getattr(view.step, "calls", None) if view is not None else None
             out.append(dict(rows=size, tokens_per_row=bk.tokens_per_row, fuse_commit=bk.fuse_commit,
-                            kv="paged" if bk.paged else "static", unit=f"step[B{size}_{bk.tag}]",
+                            kv="paged" if bk.paged else "static", unit=bk.step_name(size),
                             compiled=None if bk.unit is None else bool(calls)))
         return out
 
@@ -235,14 +235,15 @@ class Engine:
         """Validate one request against the model and this engine's bucket; returns the resolved config.
 
         Raises:
-            ConfigError: as `generate.plan` (empty prompt, ids outside the vocabulary, prompt + max_new_tokens beyond
-                the model's context, bad seed); committed slots beyond the cache (`max_seq_len`); more denoise steps
-                than the temperature table; a structural field different from the engine's.
+            ConfigError: as `generate.plan_requests` (empty prompt, ids outside the vocabulary, prompt +
+                max_new_tokens beyond the model's context, bad seed); committed slots beyond the cache
+                (`max_seq_len`); more denoise steps than the temperature table; a structural field different from the
+                engine's.
         """
         return self._check(prompt, config, seed)[0]
 
     def _check(self, prompt: Sequence[int], config: GenerationConfig, seed: int) -> tuple[GenerationConfig, int]:
-        cfgs, _, _, needed = plan(self.model, [list(prompt)], config, seed)
+        cfgs, _, _, needed = plan_requests(self.model, [list(prompt)], config, seed)
         cfg = cfgs[0]
         check_slots(needed, self.max_seq_len, "the server's max_seq_len")
         if self.memory is not None:
@@ -569,8 +570,8 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
             disagreeing with the given `generator`; `batch_sizes` not increasing up to `max_batch`; with the prefix
             cache, a `page_size` that is not a multiple of the canvas length.
         ValueError: `kv_cache.new_paged_cache`'s (max_seq_len not a multiple of page_size)."""
-    from ..compile import CompileOptions, build
-    from ..config import DEFAULT_MAX_SEQ_LEN
+    from dgemma_compile.compile import CompileOptions, build
+    from dgemma_compile.config import DEFAULT_MAX_SEQ_LEN
 
     if max_seq_len is None:
         max_seq_len = min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)

@@ -1,15 +1,15 @@
 """The engine's KV memory over a `kv_cache.PagedKVCache`: a `PagePool`, an optional `PrefixCache`, and what each
 row's admission and prefill mean for them.
 
-A request is admitted when a row is free and every page it can need (its committed slots, `generate.plan`: prompt +
-max_new_tokens) is free or evictable; it takes them all at admission (`admit`) and gives them back when it retires
-(`release`), so a running request never waits for memory and is never evicted (queued requests wait, in order).
-With the prefix cache a request maps the cached full pages its prompt starts with (at most (len(prompt) - 1) // P:
-the last prompt token is always encoded, the pass that fills the next block's denoise plan) and its prefill starts
-after them; its own full prompt pages are registered once the encoder pass that wrote them has run (`encoded`).
-Until then they are pending: a request whose prompt continues into a page another row is computing waits for it
-(`computing`; the engine admits the requests behind it meanwhile) instead of computing the same page again -- so
-the n choices of one prompt, admitted together, encode it once.
+A request is admitted when a row is free and every page it can need (its committed slots, `generate.plan_requests`:
+prompt + max_new_tokens) is free or evictable; it takes them all at admission (`admit`) and gives them back when it
+retires (`release`), so a running request never waits for memory and is never evicted (queued requests wait, in
+order). With the prefix cache a request maps the cached full pages its prompt starts with (at most (len(prompt) - 1)
+// P: the last prompt token is always encoded, the pass that fills the next block's denoise plan) and its prefill
+starts after them; its own full prompt pages are registered once the encoder pass that wrote them has run
+(`encoded`). Until then they are pending: a request whose prompt continues into a page another row is computing waits
+for it (`computing`; the engine admits the requests behind it meanwhile) instead of computing the same page again --
+so the n choices of one prompt, admitted together, encode it once.
 
 Committed blocks: when a request's prompt length is a multiple of the encoder chunk T, each commit pass is the pass a
 later prompt's prefill runs over the same tokens (`prefix_cache.py`, "Exactness"), so the full pages of its committed
@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import ConfigError
-from ..kv_cache import PagedKVCache
+from dgemma_compile.config import ConfigError
+from dgemma_compile.kv_cache import PagedKVCache
 from .kv_pool import PagePool
 from .prefix_cache import PrefixCache
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from ..kv_cache import ZERO_PAGE, PagedKVCache
+from dgemma_compile.kv_cache import ZERO_PAGE, PagedKVCache
 
 
 class OutOfPagesError(RuntimeError):

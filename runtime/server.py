@@ -85,8 +85,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
-from ..config import ConfigError, GenerationConfig
-from ..text import chat_template, encode_chat, encode_prompt
+from dgemma_compile.config import ConfigError, GenerationConfig
+from dgemma_compile.text import chat_template, encode_chat, encode_prompt
 from . import protocol as P
 from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest

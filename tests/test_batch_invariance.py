@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.generate import EagerSteps, plan, run_block_diffusion
+from dgemma_compile.generate import EagerSteps, plan_requests, run_block_diffusion
 
 # the settings: no row stops on confidence, at most 8 denoise steps per block
 SETTINGS = dict(confidence_threshold=1e9, max_denoising_steps=8, max_new_tokens=48)
@@ -97,7 +97,7 @@ def test_eager_rows_are_bitwise_batch_invariant(demo):
     cfg = model.generation_config.replace(**SETTINGS)
 
     def run(prompts, seeds):
-        cfgs, prompts, seeds, _ = plan(model, prompts, cfg, seeds)
+        cfgs, prompts, seeds, _ = plan_requests(model, prompts, cfg, seeds)
         runner = EagerSteps(model, cfgs, seeds, dg.config.DEFAULT_MAX_SEQ_LEN, "dense")
         trace = _recorded(runner)
         return run_block_diffusion(model, runner, prompts, cfgs), trace

@@ -16,9 +16,9 @@ import torch
 import dgemma_compile as dg
 from dgemma_compile.kv_cache import ZERO_PAGE, new_paged_cache, paged_cache
 from dgemma_compile.bucket import Bucket
-from dgemma_compile.runtime import Engine, Request, build_engine
-from dgemma_compile.runtime.kv_pool import OutOfPagesError, PagePool
-from dgemma_compile.runtime.prefix_cache import PrefixCache
+from dgemma_runtime import Engine, Request, build_engine
+from dgemma_runtime.kv_pool import OutOfPagesError, PagePool
+from dgemma_runtime.prefix_cache import PrefixCache
 from dgemma_compile.text import encode_prompt
 
 SLOTS = 256

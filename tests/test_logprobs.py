@@ -9,7 +9,7 @@ import torch
 
 import dgemma_compile as dg
 from dgemma_compile.bucket import Bucket
-from dgemma_compile.runtime import Engine, Request
+from dgemma_runtime import Engine, Request
 from dgemma_compile.steps import logprobs
 from dgemma_compile.text import encode_prompt
 

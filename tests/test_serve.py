@@ -1,5 +1,5 @@
-"""The serving runtime (`dgemma_compile/runtime/`): the engine against the generators, and the OpenAI-compatible
-server on loopback through the official `openai` client.
+"""The serving runtime (`runtime/`, imported as `dgemma_runtime`): the engine against the generators, and the
+OpenAI-compatible server on loopback through the official `openai` client.
 
 Fast tier: the engine over the eager step (`bucket.Bucket`, moe "dense": batch-invariant rows) against `dg.generate`, and
 the HTTP behaviour (refusals, queue limit, disconnect, metrics) against eager servers. Slow tier: one compiled bucket
@@ -25,14 +25,14 @@ import torch
 import dgemma_compile as dg
 from dgemma_compile.demo import tasks
 from dgemma_compile.bucket import Bucket
-from dgemma_compile.runtime import Engine, Request, build_engine
+from dgemma_runtime import Engine, Request, build_engine
 from dgemma_compile.text import encode_prompt
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from dgemma_compile.runtime.metrics import ServeMetrics  # noqa: E402
-from dgemma_compile.runtime.server import choice_seed, create_app  # noqa: E402
+from dgemma_runtime.metrics import ServeMetrics  # noqa: E402
+from dgemma_runtime.server import choice_seed, create_app  # noqa: E402
 
 MODEL = "dgemma-demo"
 SLOTS = 256

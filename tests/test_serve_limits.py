@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 import dgemma_compile as dg
 from dgemma_compile.config import FLOAT32_MAX
 from dgemma_compile.bucket import Bucket
-from dgemma_compile.runtime import Engine, Request, build_engine
-from dgemma_compile.runtime import protocol as P
+from dgemma_runtime import Engine, Request, build_engine
+from dgemma_runtime import protocol as P
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")

@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dgemma_compile.runtime import Request, build_engine
+from dgemma_runtime import Request, build_engine
 from dgemma_compile.text import encode_chat, encode_prompt
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from dgemma_compile.runtime.server import choice_seed  # noqa: E402
+from dgemma_runtime.server import choice_seed  # noqa: E402
 from test_serve import MODEL, REV, SLOTS, ServerThread, _post  # noqa: E402
 from test_serve_protocol import _stream  # noqa: E402
 
@@ -314,7 +314,7 @@ def test_ignore_eos_special_tokens_as_strings(server, demo):
 
 def test_cli_max_logprobs_reaches_build_engine(monkeypatch):
     """`dgemma serve --max-logprobs K` passes K to build_engine; out of [0, 64] it is refused before loading."""
-    import dgemma_compile.runtime as runtime
+    import dgemma_runtime as runtime
     from dgemma_compile.cli import _parser, main, serve_command
 
     seen = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dgemma_compile.runtime import build_engine
+from dgemma_runtime import build_engine
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")

@@ -5,7 +5,7 @@ import torch
 
 import dgemma_compile as dg
 from dgemma_compile.demo import DEMO_MODEL, tasks
-from dgemma_compile.generate import plan, run_block_diffusion
+from dgemma_compile.generate import plan_requests, run_block_diffusion
 from dgemma_compile.generate import EagerSteps
 from dgemma_compile.stop_check import StopCheck, resolve
 
@@ -49,7 +49,7 @@ def _demo_run(check: StopCheck, fuse_commit: bool = False):
     model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
     cfg = model.generation_config.replace(**DEMO_SETTINGS)
     texts = [p for _, p, _ in tasks.make_split("heldout", 4, seed=0)]
-    cfgs, prompts, seeds, _ = plan(model, [tok(t)["input_ids"] for t in texts], cfg, [3, 4, 5, 6])
+    cfgs, prompts, seeds, _ = plan_requests(model, [tok(t)["input_ids"] for t in texts], cfg, [3, 4, 5, 6])
     runner = EagerSteps(model, cfgs, seeds, 256, "loop", fuse_commit=fuse_commit)
     return run_block_diffusion(model, runner, prompts, cfgs, stop_check=check)
 

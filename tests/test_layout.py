@@ -1,0 +1,108 @@
+"""The import graph of the two packages, read with `ast` (nothing is imported): `dgemma_compile` (the compiler and
+the generators) never imports `dgemma_runtime` (the top-level `runtime/`, serving) except in the CLI's lazy `serve`
+dispatch, inside a function; `dgemma_compile/compile/` imports nothing of serving; `dgemma_runtime` is a user of
+dgemma_compile's public API: no underscore name imported, no private attribute read off its objects. Also: the
+packages pyproject.toml lists are every package directory, so `pip install .` ships them all."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIP = {".venv", ".git", "build", "dist", "__pycache__", ".hypothesis", ".pytest_cache"}
+
+
+def _py_files(*parts: str) -> list[Path]:
+    base = ROOT.joinpath(*parts)
+    return sorted(p for p in base.rglob("*.py") if not SKIP & set(p.relative_to(ROOT).parts)
+                  and not any(s.endswith(".egg-info") for s in p.parts))
+
+
+def _imports(path: Path) -> list[tuple[str, list[tuple[str, str]], int, bool, int]]:
+    """(absolute module, imported (name, bound name) pairs, relative level, inside a function, line) of every import
+    in `path`; relative imports are resolved against the file's package."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "runtime":
+        parts[0] = "dgemma_runtime"
+    package = parts[:-1]
+    out = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                for a in child.names:
+                    out.append((a.name, [], 0, in_function, child.lineno))
+            elif isinstance(child, ast.ImportFrom):
+                mod = child.module or ""
+                if child.level:
+                    base = package[:len(package) - (child.level - 1)] if child.level > 1 else package
+                    mod = ".".join(base + ([mod] if mod else []))
+                out.append((mod, [(a.name, a.asname or a.name) for a in child.names], child.level, in_function,
+                            child.lineno))
+            visit(child, inner)
+
+    visit(tree, False)
+    return out
+
+
+def _rel(p: Path) -> str:
+    return p.relative_to(ROOT).as_posix()
+
+
+def test_dgemma_compile_imports_runtime_only_in_the_cli_serve_dispatch():
+    bad, lazy = [], []
+    for path in _py_files("dgemma_compile"):
+        for mod, _, _, in_function, line in _imports(path):
+            if mod == "dgemma_runtime" or mod.startswith("dgemma_runtime.") or mod.startswith("dgemma_compile.runtime"):
+                if _rel(path) == "dgemma_compile/cli.py" and in_function:
+                    lazy.append(line)
+                else:
+                    bad.append(f"{_rel(path)}:{line} imports {mod}")
+    assert not bad, bad
+    assert lazy, "cli.py's serve dispatch should import dgemma_runtime (lazily)"
+
+
+def test_compile_imports_nothing_of_serving():
+    serving = ("dgemma_runtime", "fastapi", "uvicorn", "sse_starlette", "prometheus_client")
+    bad = [f"{_rel(p)}:{line} imports {mod}" for p in _py_files("dgemma_compile", "compile")
+           for mod, _, _, _, line in _imports(p) if mod.split(".")[0] in serving]
+    assert not bad, bad
+
+
+def test_runtime_uses_only_public_names_of_dgemma_compile():
+    bad = []
+    for path in _py_files("runtime"):
+        own = {"self", "cls"}
+        for mod, names, level, _, line in _imports(path):
+            if level > 1:
+                bad.append(f"{_rel(path)}:{line}: a relative import beyond dgemma_runtime ({'.' * level}{mod})")
+            if mod.startswith("dgemma_runtime"):
+                own |= {bound for _, bound in names}
+            if mod == "dgemma_compile" or mod.startswith("dgemma_compile."):
+                private = [p for p in mod.split(".") if p.startswith("_")] + \
+                          [n for n, _ in names if n.startswith("_")]
+                if private:
+                    bad.append(f"{_rel(path)}:{line}: private name(s) {private} of {mod}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            # a private attribute read off anything but the runtime's own objects and modules
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = node.value
+                if not (isinstance(base, ast.Name) and base.id in own):
+                    bad.append(f"{_rel(path)}:{node.lineno}: private attribute {ast.unparse(node)}")
+    assert not bad, bad
+
+
+def test_pyproject_lists_every_package():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert cfg["package-dir"] == {"dgemma_compile": "dgemma_compile", "dgemma_runtime": "runtime"}
+    found = {"dgemma_runtime" if p.parent.name == "runtime" and p.parent.parent == ROOT else
+             ".".join(p.parent.relative_to(ROOT).parts)
+             for base in ("dgemma_compile", "runtime") for p in (ROOT / base).rglob("__init__.py")
+             if "__pycache__" not in p.parts}
+    assert set(cfg["packages"]) == found
+    assert not (ROOT / "dgemma_compile" / "runtime").exists()
