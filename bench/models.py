@@ -4,8 +4,9 @@
 - `scaled`: random weights with DiffusionGemma-26B-A4B proportions scaled down to run on a CPU (about 93M parameters,
   ~190 MB in bf16): built as a transformers `DiffusionGemmaForBlockDiffusion`, `save_pretrained` once to a cache
   directory under /tmp, then read by both transformers and `dg.load` (the same bytes for every system).
-- `full`: the full 26B-A4B text architecture (REFERENCE.md sizes) with random weights made directly on the device in
-  the benchmark dtype through our `DiffusionGemma(ModelConfig(...))`; no checkpoint, so transformers cannot run it.
+- `full`: the full 26B-A4B text architecture (the released config.json's sizes) with random weights made directly
+  on the device in the benchmark dtype through our `DiffusionGemma(ModelConfig(...))`; no checkpoint, so
+  transformers cannot run it.
 - `full-tiny`: the same code path as `full` at a CPU-friendly size (for dry runs of bench/h200.sh).
 - any checkpoint directory given with `--checkpoint`.
 
@@ -104,7 +105,8 @@ def write_random_checkpoint(directory: Path, text_config: dict, *, canvas_length
 
 # ----- full: our model built directly on the device --------------------------------------------------------------
 def full_config(tiny: bool = False) -> ModelConfig:
-    """DiffusionGemma-26B-A4B's text config (REFERENCE.md), or the same layout at a CPU-friendly size."""
+    """DiffusionGemma-26B-A4B's text config (the released checkpoint's config.json), or the same layout at a
+    CPU-friendly size."""
     rope = {SLIDING: RopeConfig(rope_type="default", theta=1e4),
             FULL: RopeConfig(rope_type="proportional", theta=1e6, partial_rotary_factor=0.25)}
     if tiny:

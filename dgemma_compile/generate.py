@@ -1,6 +1,6 @@
 """The eager reference block-diffusion generator: the oracle every compiled path is tested against.
 
-The loop of transformers' `DiffusionGemmaGenerationMixin.generate` (REFERENCE.md, "The block-diffusion loop"):
+The loop of transformers' `DiffusionGemmaGenerationMixin.generate` (`generation_diffusion_gemma.py`):
 prefill; per block: a uniform random canvas, denoise steps n = N..1 (temperature schedule, sampling, entropy-bound
 acceptance, renoise, stable-and-confident stop with per-row frozen state), commit of the argmax canvas with an
 encoder pass, eos -> pad. Deliberate differences, each tested:

@@ -9,7 +9,8 @@ One set of layers runs in two modes:
 uses are `forward_plan` (rows in any mix of modes, under a `plan.ForwardPlan` built outside the model), `logits` and
 `self_conditioning_embedding`.
 
-Numerics follow transformers' `modeling_diffusion_gemma.py` (the test oracle); see REFERENCE.md for the model facts.
+Numerics follow transformers' `modeling_diffusion_gemma.py` (the test oracle; its `configuration_diffusion_gemma.py`
+for the model's fields).
 No compile concerns live here.
 
 Legend: B batch, T block tokens, C canvas, S cache slots, D hidden, H query heads, Hkv kv heads, Dh head dim,

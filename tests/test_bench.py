@@ -180,7 +180,7 @@ def _private_uses(path: Path) -> list[str]:
 
 
 def test_bench_uses_public_api_only(tmp_path):
-    """STYLE.md: bench and the GPU check use public hooks, never private attributes of dgemma_compile."""
+    """bench/README.md: bench and the GPU check use public hooks, never private attributes of dgemma_compile."""
     files = sorted(BENCH.glob("*.py"))
     assert len(files) >= 10
     assert [b for f in files for b in _private_uses(f)] == []
@@ -191,7 +191,8 @@ def test_bench_uses_public_api_only(tmp_path):
 
 
 def test_roofline_of_the_full_model_matches_the_reference_figures():
-    """REFERENCE.md: ~27.6 GB read per FP8 forward at batch 1, every expert touched by a 256-token canvas."""
+    """The released config's figures (bench/models.py): ~27.6 GB read per FP8 forward at batch 1, every expert
+    touched by a 256-token canvas."""
     cfg = models.full_config()
     assert roofline.total_weight_bytes(cfg, 1) == pytest.approx(25.25e9, rel=0.01)
     assert roofline.expected_experts(128, 8, 256) == pytest.approx(128, abs=1e-3)

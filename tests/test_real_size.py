@@ -1,13 +1,13 @@
 """Real-size shapes (issue 11, item 6): one sliding and one full layer at the released model's widths, against
 transformers' DiffusionGemma in float64.
 
-Shapes as released (REFERENCE.md): vocab 262144, hidden 2816, 16 query heads; the sliding layer 8 KV heads of dim
-256 with a window of 1024, the full layer 2 KV heads of dim 512 with K = V (no v_proj) and proportional RoPE; dense
-MLP 2112, expert intermediate size 704, canvas 256, FlexAttention mask blocks of 128, soft-cap 30, tied embeddings.
-Reduced: 2 layers instead of 30, and 4 experts with top-4 instead of 128 with top-8 (see `real_size_model` for why
-every expert is routed). A prompt of 1,040 tokens (committed context longer than the window: the encoder's causal
-window and the denoiser's anchored window both cut it) in a cache of 1,152 committed slots (unused slots at the end,
-as in the generator's buckets), then one 256-token canvas.
+Shapes as released (the checkpoint's config.json; `bench.models.full_config`): vocab 262144, hidden 2816, 16 query
+heads; the sliding layer 8 KV heads of dim 256 with a window of 1024, the full layer 2 KV heads of dim 512 with K =
+V (no v_proj) and proportional RoPE; dense MLP 2112, expert intermediate size 704, canvas 256, FlexAttention mask
+blocks of 128, soft-cap 30, tied embeddings. Reduced: 2 layers instead of 30, and 4 experts with top-4 instead of
+128 with top-8 (see `real_size_model` for why every expert is routed). A prompt of 1,040 tokens (committed context
+longer than the window: the encoder's causal window and the denoiser's anchored window both cut it) in a cache of
+1,152 committed slots (unused slots at the end, as in the generator's buckets), then one 256-token canvas.
 
 The float64 reference is transformers in float64 with `set_experts_implementation("eager")`. At this width float32
 noise is no fixed number, so each float32 check compares with transformers' own float32 error against that
