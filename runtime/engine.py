@@ -62,7 +62,7 @@ from dgemma_compile.bucket import Bucket
 from dgemma_compile.finish import finalize_row
 from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
 from dgemma_compile.model import DiffusionGemma
-from dgemma_compile.phases import Phase, stepping_phases
+from dgemma_compile.phases import Phase, RowMirror, stepping_phases
 from dgemma_compile.text import StopStrings
 from .kv_memory import PagedMemory
 
@@ -123,12 +123,14 @@ class Request:
 
 
 @dataclass
-class _Row:
-    request: Request | None = None
+class _Row(RowMirror):
+    """A row of the engine: the host's mirror of the device's transitions (`phases.RowMirror`; FREE without a
+    request; `prefilled` counts prompt tokens mapped from the prefix cache too), its request, and the denoise steps
+    of its block in flight (drafts)."""
+
     phase: Phase = Phase.FREE
-    prefilled: int = 0  # prompt tokens encoded so far (or mapped from the prefix cache)
-    block: int = 0
-    steps: int = 0  # denoise steps of the block in flight (drafts)
+    request: Request | None = None
+    steps: int = 0
 
 
 @dataclass
@@ -372,18 +374,15 @@ class Engine:
         denoised = [b for b in busy if self.rows[b].phase in stepped]
         for b in busy:  # the host's mirror of the device's transitions (metrics, drafts, pages)
             row = self.rows[b]
-            if row.phase == Phase.PREFILL:
-                chunk = min(self.C, len(row.request.prompt) - row.prefilled)
-                row.prefilled += chunk
-                st.prefill_tokens += chunk
+            encoded, committed, _ = row.advance(len(row.request.prompt), self.C, fused=bk.fuse_commit)
+            if encoded:
+                st.prefill_tokens += encoded
                 if self.memory is not None:
                     self.memory.encoded(b, row.prefilled)
-                if row.prefilled >= len(row.request.prompt):
-                    row.phase, row.steps = Phase.DENOISE, 0
-            elif row.phase == Phase.COMMIT:  # its next block began (fused: `_drafts` counts its first step)
-                row.block += 1
+            if committed:  # its next block began (fused: `_drafts` counts its first step)
                 self._committed(b, row)
-                row.phase, row.steps = Phase.DENOISE, 0
+            if committed or (encoded and row.phase == Phase.DENOISE):
+                row.steps = 0
         done = [b for b in busy if events[b]]
         asking = [b for b in done if self.rows[b].request.logprobs is not None]
         lps = dict(zip(asking, bk.read_logprobs(asking, max(self.rows[b].request.logprobs for b in asking))
