@@ -1,7 +1,7 @@
 """`python -m bench.before_after`: issue 23 item 7, before and after the redesign side by side in one run.
 
-    python -m bench.before_after --before /work/wt-before --after /work/main            # full: ~35-45 min, 2 cores
-    python -m bench.before_after --before /work/wt-before --after /work/main --quick    # ~5 min (warm Inductor cache)
+    python -m bench.before_after --before /work/wt-before --after /work/main            # full: ~30-40 min, 2 cores
+    python -m bench.before_after --before /work/wt-before --after /work/main --quick    # ~4-5 min (warm Inductor cache)
 
 Two source trees of dgemma_compile (each imported with `PYTHONPATH=<tree>` from a neutral working directory, so that
 neither the venv's editable install nor the current directory decides which one runs; every worker reports the
@@ -738,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=Path, required=True, help="the tree after it")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true",
-                   help="1 round, few prompts, 5 s at c=16, no scaled model, no cold start (~7 min)")
+                   help="1 round, few prompts, 5 s at c=16, no scaled model, no cold start (~4-5 min)")
     p.add_argument("--prompts", type=int, default=None, help="demo b1 prompts (default 50; 8 with --quick)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of the c=16 window (default 20)")
     p.add_argument("--only", default=None, help="comma list of measurements to run (default: all)")
