@@ -46,6 +46,7 @@ Writes bench/results/before_after_cpu_<date>.md (`--quick`: ..._quick.md; `--out
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import importlib.metadata
 import json
@@ -758,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load_start = _load()
     scratch = Path(tempfile.mkdtemp(prefix="dgemma_before_after_"))
+    atexit.register(shutil.rmtree, scratch, True)  # also when a check below stops the run
     workdir = scratch / "cwd"  # neutral cwd: `python -c` and `-m` put it first on sys.path
     workdir.mkdir()
     pkgs = {side: packages(sources[side]) for side in SIDES}
