@@ -86,6 +86,7 @@ def test_with_temperature_scales_the_schedule_and_zero_is_greedy(demo):
             cfg.with_temperature(bad)
 
 
+@pytest.mark.slow
 def test_demo_answers_held_out_prompts(demo):
     """The first held-out prompts of every task, in one batch: the end-to-end accuracy signal. The shipped checkpoint
     answers all 500 held-out test prompts (README), so any broken layer, mask or sampler shows up here."""

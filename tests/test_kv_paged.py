@@ -136,6 +136,7 @@ def test_paged_cache_equals_static_cache(demo):
         paged_cache(model, B, 60, block_size=C, page_size=P)
 
 
+@pytest.mark.slow
 @FUSION
 def test_engine_paged_equals_generate(demo, fuse):
     """Staggered admission into 3 rows over a pool too small for three requests at once: requests wait for pages
@@ -166,6 +167,7 @@ def test_engine_paged_equals_generate(demo, fuse):
     assert engine.memory.pool.available() == engine.memory.pool.capacity and engine.memory.pool.stats.evicted == 0
 
 
+@pytest.mark.slow
 def test_prefix_cache_shared_prefix_computed_once(demo):
     """A prompt's two full pages are encoded once: a request submitted with it waits while they are computed (a
     request of another prompt behind it is admitted meanwhile), three later requests starting with them (other
@@ -201,6 +203,7 @@ def test_prefix_cache_shared_prefix_computed_once(demo):
     assert len(engine.memory.pool.cached) == 3 and not engine.memory.pending  # kept for the next request, evictable
 
 
+@pytest.mark.slow
 def test_eviction_under_memory_pressure(demo):
     """A pool of 6 pages for 2 rows, 6 requests of 4 prefixes (each needs 2-3 pages): cached prefix pages are evicted
     to admit new requests, later requests still hit the pages that survive, no running request is lost, and every
@@ -222,6 +225,7 @@ def test_eviction_under_memory_pressure(demo):
     _assert_solo(model, reqs)
 
 
+@pytest.mark.slow
 @FUSION
 def test_prefix_cache_committed_blocks(demo, fuse):
     """The next turn of a chat maps the previous answer: a request whose prompt is a multiple of C tokens registers

@@ -1,5 +1,6 @@
 """Encoder and denoiser logits against transformers' DiffusionGemmaForBlockDiffusion (float32, CPU)."""
 
+import pytest
 import torch
 from helpers import hf_model, softcap, write_checkpoint
 from hypothesis import given, settings
@@ -50,6 +51,7 @@ def reference_run(ref, prompt, canvases, sc_temps):
     return enc_logits, outs
 
 
+@pytest.mark.slow
 @settings(max_examples=16)
 @given(cfg=configs(), prompt_lens=st.lists(st.integers(1, 20), min_size=1, max_size=3), blocks=st.integers(1, 3),
        attention=st.sampled_from(["flex", "dense"]))

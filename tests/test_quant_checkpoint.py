@@ -176,6 +176,7 @@ def float_logits(demo):
     return _demo_logits(*demo)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LOGITS_SQNR_FLOOR))
 def test_logits_against_the_float_demo(demo, float_logits, name):
     ref, got = float_logits, _demo_logits(_load(name), demo[1])
@@ -183,6 +184,7 @@ def test_logits_against_the_float_demo(demo, float_logits, name):
     assert sqnr >= LOGITS_SQNR_FLOOR[name], f"{name}: logits SQNR {sqnr:.1f} dB"
 
 
+@pytest.mark.slow
 def test_loaded_fp8_equals_quantize_fp8_of_the_float_demo(demo):
     """llmcompressor's FP8 (amax / 448 per row) and `quantize`'s are the same numbers: on the demo (whose 27-row
     embedding neither quantizes) the loaded checkpoint and the float demo quantized on load give equal weights,

@@ -104,6 +104,7 @@ def _check_answer(srv, path: str, body: dict) -> None:
         assert json.loads(raw)["choices"]
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_never_hurt_good_ones(server):
     """Hypothesis over every field of both request models (extreme numbers: 1e39 beyond float32, ints beyond
     int64, wrong types, nesting) while a thread runs good requests (plain, streamed chat, n=2): each fuzzed body gets

@@ -25,6 +25,8 @@ from test_serve_protocol import _stream  # noqa: E402
 
 USER = [{"role": "user", "content": REV}]
 
+pytestmark = pytest.mark.slow  # HTTP round trips through an eager server: ~5 s in all
+
 
 @pytest.fixture(scope="module")
 def server(demo):
@@ -139,6 +141,7 @@ def _joined(chunks: list, chat: bool) -> dict:
     return {"text": text, "logprobs": {"content": content, "refusal": None} if chat else entries}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["completions", "completions-stop", "chat"])
 def test_streamed_equals_non_streamed(server, demo, case):
     """The entries of a stream's chunks joined equal the non-streamed response's (draft chunks and the role chunk
@@ -169,6 +172,7 @@ def test_streamed_equals_non_streamed(server, demo, case):
         assert choice["logprobs"]["token_logprobs"] == [p for p, _ in direct]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chat", [False, True])
 def test_n2_each_choice_its_own(server, demo, chat):
     """n=2: each choice's entries are its own row's: equal to its seed's (`choice_seed`) request run directly
@@ -218,6 +222,7 @@ def _answer(srv, path: str, body: dict):
     return {"choices": out["choices"], "usage": out["usage"]}
 
 
+@pytest.mark.slow
 def test_mixed_batch_each_request_its_own(server):
     """Concurrent requests with and without logprobs (k 0, 2, 3, 5; chat and completions; n=2; a stream) share the
     engine's rows; each answer, logprobs included, equals the same request sent alone."""
@@ -234,6 +239,7 @@ def test_mixed_batch_each_request_its_own(server):
             assert all((c["logprobs"] is not None) == asked for c in a["choices"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,body,param,says", [
     ("/v1/completions", {"prompt": REV, "logprobs": 1, "echo": True}, "echo", "causally"),
     ("/v1/completions", {"prompt": REV, "logprobs": 0, "echo": True}, "echo", "prompt's logprobs"),

@@ -54,6 +54,7 @@ def _stream(srv, path: str, body: dict) -> list:
         return _events(r.read())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", FIXTURES, ids=[f.stem for f in FIXTURES])
 def test_client_bodies(server, fixture):
     """Each recorded body: accepted (a non-streaming answer parses; a stream splits on "\\n\\n" into JSON events,
@@ -109,6 +110,7 @@ def _vllm_bench(events: list, chat: bool) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vllm_bench_openai", "vllm_bench_openai_chat", "vllm_bench_openai_custom",
                                   "vllm_bench_openai_chat_custom"])
 def test_vllm_bench_counts_success(server, demo, name):
@@ -192,6 +194,7 @@ def test_prompt_forms(server, demo):
 _PLAIN: dict[str, dict] = {}  # the answer without the field, per path (same body, same seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field,value", [
     ("logit_bias", {}), ("best_of", 1), ("store", False), ("metadata", {"k": "v"}), ("service_tier", "auto"),
     ("user", "u"), ("top_k", -1), ("top_k", 0), ("top_p", 1.0), ("min_tokens", 0), ("repetition_penalty", 1),
@@ -236,6 +239,7 @@ def test_ignore_eos_runs_to_the_token_budget(server, demo):
     assert out["choices"][0]["text"] == text and text.startswith("0168")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "add 1+2=", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "add 1+2=", "min_tokens": 4}, "min_tokens"),

@@ -60,6 +60,7 @@ def oracle():
     return _demo_run(StopCheck("sync"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,k", [("deferred", 1), pytest.param("every_k", 3, marks=pytest.mark.slow)])
 def test_late_checks_give_the_oracles_tokens_with_bounded_waste(oracle, mode, k):
     """On the demo model (its blocks stop after ~2 of 8 steps), prompts long enough for several blocks."""
