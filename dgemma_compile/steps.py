@@ -106,16 +106,6 @@ class DenoiseState:
         self.steps.zero_()
         self.has_sc.zero_()
 
-    def begin_row(self, row: int, canvas_C: torch.Tensor) -> None:
-        """Reset one row in place for a new block from `canvas_C` (int64 [C]), live; the other rows are untouched
-        (a serving engine starts rows' blocks at different times)."""
-        self.canvas[row] = canvas_C
-        self.argmax[row] = canvas_C
-        self.history[:, row] = -1
-        self.finished[row] = False
-        self.steps[row] = 0
-        self.has_sc[row] = False
-
 
 @dataclass
 class StepInputs:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..bucket import Bucket, BucketView
+from ..bucket import Bucket
 from ..config import ConfigError, GenerationConfig
 from ..finish import finalize_row
 from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan_requests
