@@ -272,6 +272,40 @@ def make_block_mask(mask_mod, B: int, T: int, cache_slots: int, device,
     return create_block_mask(mask_mod, B, None, T, cache_slots + T, device=device, BLOCK_SIZE=block_size)
 
 
+def span_kv_blocks(lengths_B: torch.Tensor, *, block_len: int, cache_slots: int, block_size: tuple[int, int],
+                   sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key blocks that cover every key a row of this layout can see, from its committed length alone: the
+    committed slots [max(0, lengths - W), min(S, lengths + T)) (W only for a sliding layer; lengths + T: a commit +
+    denoise row's canvas also sees the tokens that forward commits) and the block slots [S, S + T).
+
+    A superset of the visible blocks of every mask here (`block_mask_mod` in either mode and window kind,
+    `commit_denoise_mask_mod`, their `select_mask_mod`), so a `BlockMask` with these blocks as partial ones (the
+    mask_mod runs on each) gives the same attention as `create_block_mask`'s, at a few tensor ops instead of
+    evaluating the mask_mod over B x T x (S + T) (tests/test_masks.py checks the cover). Same for every query block
+    of a row.
+
+    Args:
+        lengths_B: int64 [B]. block_len: T (Q_LEN; KV_LEN = S + T). cache_slots: S. block_size: (query, key)
+            block sizes of the BlockMask. sliding_window: W, or None for a full-attention layer.
+    Returns:
+        (kv_num_blocks int32 [B, 1, Qb], kv_indices int32 [B, 1, Qb, Kb]): the blocks in ascending order first, the
+        rest of each row the unvisited blocks (ignored). Qb = ceil(T / block_size[0]), Kb = ceil((S + T) / block_size[1]).
+    """
+    S, T = cache_slots, block_len
+    bq, bk = block_size
+    Qb, Kb = -(-T // bq), -(-(S + T) // bk)
+    start_K = torch.arange(Kb, device=lengths_B.device) * bk
+    end_K = start_K + bk
+    hi_B1 = (lengths_B + T).clamp(max=S)[:, None]
+    lo_B1 = (lengths_B - sliding_window).clamp(min=0)[:, None] if sliding_window is not None else 0
+    visited_BK = ((start_K < hi_B1) & (end_K > lo_B1)) | ((end_K > S) & (start_K < S + T))
+    num_B = visited_BK.sum(-1, dtype=torch.int32)
+    order_BK = torch.sort((~visited_BK).to(torch.int32), dim=-1, stable=True).indices.to(torch.int32)
+    B = lengths_B.shape[0]
+    return (num_B[:, None, None].expand(B, 1, Qb).contiguous(),
+            order_BK[:, None, None, :].expand(B, 1, Qb, Kb).contiguous())
+
+
 def flex_block_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, block_mask: BlockMask,
                          scale: float = 1.0, kernel_options: dict | None = None) -> torch.Tensor:
     """FlexAttention over the block mask; q [B, H, T, Dh], k/v [B, Hkv, S+T, Dh] with H a multiple of Hkv (GQA).

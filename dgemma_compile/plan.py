@@ -42,7 +42,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from .config import SLIDING
 from .kv_cache import KVCache, commit_slots
 from .masks import (block_mask_mod, commit_denoise_mask_mod, dense_block_mask, dense_commit_denoise_mask,
-                    make_block_mask, select_mask_mod)
+                    make_block_mask, select_mask_mod, span_kv_blocks)
 from .phases import COMMIT_DENOISE, ENCODER, IDLE  # the forward modes (`phases.Mode`)
 from .phases import DENOISE_MODE as DENOISE
 
@@ -122,7 +122,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         kernel_options: {query kind: {layer type: FlexAttention kernel options}} (`QUERY_KINDS`); the plan keeps
             the entry of its own query kind (`query_kind(mode)`). None: none.
         block_masks: False leaves out the FlexAttention block masks (`masks` is then empty for a flex model; what
-            `PlanBuffers(static_sparsity=True)` rebuilds: everything but its fixed masks).
+            `PlanBuffers(span_sparsity=True)` rebuilds: everything but its masks, whose sparsity it sets itself).
         canvas: C, a mixed plan's canvas length (default T). T = 2C makes it a fused mixed plan (the serving
             engine's commit fusion): `COMMIT_DENOISE` rows as in a uniform "commit+denoise" plan (n_new <= C
             committed tokens, the canvas in the second half), DENOISE rows with their canvas in the first half
@@ -248,8 +248,11 @@ class PlanBuffers:
       `n_new` and `self_conditioning` ([B]; all rows IDLE until filled): `fill(mode=..., n_new=...,
       self_conditioning=...)` copies the given rows' inputs in, then rebuilds. Its masks read per-row tensors of
       the buffers, which is what Inductor's CPU flex template needs (captured tensors must be graph inputs).
-      With `static_sparsity` (flex models), its masks have every block partial (`all_blocks_partial`) and `fill`
-      rewrites everything but them: no `create_block_mask` per fill.
+      With `span_sparsity` (flex models), its masks' key blocks are `masks.span_kv_blocks` of the cache's lengths
+      (every visited block partial), which `fill` rewrites in place beside the other tensors: no
+      `create_block_mask` per fill (its vmap over B x T x (S + T) took ~20 ms a fill eagerly at the demo's B=8),
+      and a row skips the key blocks it cannot see (all-partial masks cost the demo's B=8 mixed step ~1.5 ms).
+      The masks' `q_num_blocks` / `q_indices` (read by the backward only) stay every block partial.
 
     `plan` is a `ForwardPlan` over the buffers: each block mask's sparsity tensors are static (its mask_mod reads
     `cache.lengths` and the plan's own per-row tensors, as `build_plan`'s). `tensors` lists every buffer once, for the
@@ -257,7 +260,7 @@ class PlanBuffers:
     """
 
     def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None,
-                 static_sparsity: bool = False, canvas: int | None = None):
+                 span_sparsity: bool = False, canvas: int | None = None):
         self.model, self.cache, self.T, self.canvas = model, cache, T, canvas
         self.kernel_options = kernel_options
         B, dev = cache.batch_size, cache.lengths.device
@@ -267,11 +270,12 @@ class PlanBuffers:
             self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
             self.self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
         self.plan = self._build()  # fresh tensors: these become the buffers
-        self.static_sparsity = static_sparsity and mixed and model.attention != "dense"
-        if self.static_sparsity:
+        self.span_sparsity = span_sparsity and mixed and model.attention != "dense"
+        if self.span_sparsity:
             self.plan.masks = {lt: all_blocks_partial(m) for lt, m in self.plan.masks.items()}
+            self._fill_sparsity()
         self.tensors: list[torch.Tensor] = _plan_tensors(self.plan)
-        self._refilled = _plan_tensors(self.plan, masks=not self.static_sparsity)  # what `fill` rewrites
+        self._refilled = _plan_tensors(self.plan, masks=not self.span_sparsity)  # what `fill` rewrites
 
     def _build(self, block_masks: bool = True) -> ForwardPlan:
         if self.mixed:
@@ -295,9 +299,20 @@ class PlanBuffers:
                            (getattr(self, "self_conditioning", None), self_conditioning)):
             if value is not None:
                 buf.copy_(value)
-        new = self._build(block_masks=not self.static_sparsity)
-        for buf, t in zip(self._refilled, _plan_tensors(new, masks=not self.static_sparsity), strict=True):
+        new = self._build(block_masks=not self.span_sparsity)
+        for buf, t in zip(self._refilled, _plan_tensors(new, masks=not self.span_sparsity), strict=True):
             buf.copy_(t)
+        if self.span_sparsity:
+            self._fill_sparsity()
+
+    def _fill_sparsity(self) -> None:
+        """The masks' key blocks from the cache's lengths (`masks.span_kv_blocks`), into their buffers."""
+        cfg, S = self.model.config, self.cache.max_seq_len
+        for lt, mask in self.plan.masks.items():
+            num, idx = span_kv_blocks(self.cache.lengths, block_len=self.T, cache_slots=S, block_size=mask.BLOCK_SIZE,
+                                      sliding_window=cfg.sliding_window if lt == SLIDING else None)
+            mask.kv_num_blocks.copy_(num)
+            mask.kv_indices.copy_(idx)
 
 
 def all_blocks_partial(mask: BlockMask) -> BlockMask:

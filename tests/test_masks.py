@@ -22,6 +22,7 @@ from dgemma_compile.masks import (
     dense_commit_denoise_mask,
     flex_block_attention,
     make_block_mask,
+    span_kv_blocks,
 )
 from dgemma_compile.model import dense_attention
 
@@ -122,6 +123,47 @@ def test_commit_denoise_mask_mod_matches_dense(c):
     got = create_mask(commit_denoise_mask_mod(c["lengths_B"], c["n_new_B"], **kw), B, 1, 2 * C, S + 2 * C,
                       device="cpu")
     assert torch.equal(got[:, 0], dense_commit_denoise_mask(c["lengths_B"], c["n_new_B"], **kw))
+
+
+# --- span_kv_blocks covers every visible key ---------------------------------------------------------------------
+
+def _assert_span_covers(visible_BQK, lengths_B, T, S, W, block_size):
+    num, idx = span_kv_blocks(lengths_B, block_len=T, cache_slots=S, block_size=block_size, sliding_window=W)
+    bq, bk = block_size
+    B = len(lengths_B)
+    assert num.shape == (B, 1, -(-T // bq)) and idx.shape == (B, 1, -(-T // bq), -(-(S + T) // bk))
+    for b in range(B):
+        visited = set(idx[b, 0, 0, :num[b, 0, 0]].tolist())
+        assert sorted(visited) == idx[b, 0, 0, :num[b, 0, 0]].tolist(), "ascending, no repeats"
+        assert set(idx[b, 0, 0].tolist()) == set(range(idx.shape[-1])), "every block once"
+        needed = set((visible_BQK[b].any(0).nonzero().flatten() // bk).tolist())
+        assert needed <= visited, (b, needed - visited)
+        assert (num[b] == num[b, 0, 0]).all() and (idx[b] == idx[b, 0, 0]).all(), "same for every query block"
+
+
+@SETTINGS
+@given(layouts(max_T=20, max_S=60), st.sampled_from([(4, 4), (8, 16), (128, 128)]))
+def test_span_kv_blocks_cover_every_visible_key(c, block_size):
+    """Every key the dense mask shows a row lies in one of the row's `span_kv_blocks` (either mode, both window
+    kinds), so a BlockMask over them attends to what create_block_mask's does."""
+    _assert_span_covers(_dense(c), c["lengths_B"], c["T"], c["S"], c["W"], block_size)
+
+
+@SETTINGS
+@given(commit_layouts(max_S=60), st.sampled_from([(4, 4), (8, 16)]))
+def test_span_kv_blocks_cover_commit_denoise_rows(c, block_size):
+    """The same for commit + denoise rows, whose canvas half also sees the tokens that forward commits."""
+    C, S = c["C"], c["S"]
+    dense = dense_commit_denoise_mask(c["lengths_B"], c["n_new_B"], canvas=C, cache_slots=S, sliding_window=c["W"],
+                                      window_kind=c["kind"])
+    _assert_span_covers(dense, c["lengths_B"], 2 * C, S, c["W"], block_size)
+
+
+def test_span_kv_blocks_skip_what_no_row_sees():
+    """A short row visits its first committed block and the block slots' only; a long sliding row not the start."""
+    num, idx = span_kv_blocks(torch.tensor([3, 40]), block_len=4, cache_slots=48, block_size=(4, 8), sliding_window=5)
+    assert num[:, 0, 0].tolist() == [2, 3]
+    assert idx[0, 0, 0, :2].tolist() == [0, 6] and idx[1, 0, 0, :3].tolist() == [4, 5, 6]
 
 
 # --- properties of the dense reference ---------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import dgemma_compile as dg
-from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask
+from dgemma_compile.config import SLIDING
+from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask, span_kv_blocks
 from dgemma_compile.plan import COMMIT_DENOISE, DENOISE, ENCODER, IDLE, PlanBuffers, build_plan
 from dgemma_compile.uniform import commit_denoise_block, denoise_block, encode_block
 
@@ -249,17 +250,22 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
         plan.fill(mode=torch.zeros(3, dtype=torch.long))
 
 
-@pytest.mark.parametrize("static_sparsity", [False, True])
-def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir, static_sparsity):
+@pytest.mark.parametrize("span_sparsity", [False, True])
+def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir, span_sparsity):
     """A mixed `PlanBuffers` filled with the ROWS mix gives the forward of `build_plan`'s plan, bitwise, and keeps
-    its tensors; refilled with every row idle, then with the mix again, still the same. With `static_sparsity`
-    (every block partial, masks never rebuilt) too."""
+    its tensors; refilled with every row idle, then with the mix again, still the same. With `span_sparsity`
+    (key blocks from `masks.span_kv_blocks`, no create_block_mask) too."""
     model = dg.load(tiny_dir)
     cache, ids, sc_logits, mode, n_new, sc = _setup(model, seed=6)
-    buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True, static_sparsity=static_sparsity)
-    if static_sparsity:
-        for mask in buffers.plan.masks.values():
-            assert bool((mask.kv_num_blocks == mask.kv_indices.shape[-1]).all()) and mask.full_kv_num_blocks is None
+    buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True, span_sparsity=span_sparsity)
+    if span_sparsity:
+        assert bool(cache.lengths.gt(0).any()), "rows with context: the sparsity depends on the lengths"
+        for lt, mask in buffers.plan.masks.items():
+            num, idx = span_kv_blocks(cache.lengths, block_len=ids.shape[1], cache_slots=cache.max_seq_len,
+                                      block_size=mask.BLOCK_SIZE,
+                                      sliding_window=model.config.sliding_window if lt == SLIDING else None)
+            assert torch.equal(mask.kv_num_blocks, num) and torch.equal(mask.kv_indices, idx)
+            assert mask.full_kv_num_blocks is None
     ptrs = [t.data_ptr() for t in buffers.tensors]
     snapshot = lambda c: ([k.clone() for k in c.keys], [v.clone() for v in c.values], c.lengths.clone())  # noqa: E731
 
