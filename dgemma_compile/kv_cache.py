@@ -245,9 +245,11 @@ class PagedKVCache:
         `slots_BT` (logical slots, int64 [B, T]), each token's also at its slot."""
         B, _, T, _ = k_BHTD.shape
         block_BT = (self.max_seq_len + torch.arange(T, device=k_BHTD.device))[None, :].expand(B, T)
-        self._scatter(layer, block_BT, k_BHTD, v_BHTD)
-        if slots_BT is not None:
-            self._scatter(layer, slots_BT, k_BHTD, v_BHTD)
+        if slots_BT is None:
+            self._scatter(layer, block_BT, k_BHTD, v_BHTD)
+        else:  # one index_put per pool, as `KVCache.write_block` (a padding token writes its block slot twice)
+            self._scatter(layer, torch.cat([block_BT, slots_BT], dim=1), torch.cat([k_BHTD, k_BHTD], dim=2),
+                          torch.cat([v_BHTD, v_BHTD], dim=2))
 
     def _scatter(self, layer: int, slots_BT: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> None:
         P = self.page_size

@@ -92,13 +92,13 @@ def compiled(impl):
     return torch.compile(fn, backend=UnitFactory(CompileOptions(), "cpu").backend("t"), fullgraph=True)
 
 
-def runs_op(fn, *args) -> tuple[torch.Tensor, bool]:
-    """fn(*args) and whether the custom op ran in the compiled code (a profiler event: independent of Inductor's
+def runs_op(fn, *args, op: str = "dgemma::moe_experts") -> tuple[torch.Tensor, bool]:
+    """fn(*args) and whether the custom op `op` ran in the compiled code (a profiler event: independent of Inductor's
     caches). A first call compiles outside the profiler (tracing dispatches the op on fake tensors)."""
     fn(*args)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = fn(*args)
-    return out, any(e.name == "dgemma::moe_experts" for e in prof.events())
+    return out, any(e.name == op for e in prof.events())
 
 
 @pytest.mark.parametrize("impl,dtype", [("dense", torch.float32), ("gathered", torch.float32),
@@ -112,6 +112,14 @@ def test_compiled_matches_loop_and_decomposes(impl, dtype):
         out, ran = runs_op(compiled(impl), *args)
         assert ran == (impl == "loop"), f"{impl}: dgemma::moe_experts {'did not run' if ran is False else 'ran'}"
         assert_matches_loop(out / 2, call("loop", *args))
+    if impl == "gathered":  # its input is stored once (`ops.moe.materialize`), not recomputed in the weight loop
+        assert runs_op(compiled(impl), *args, op="dgemma::materialize")[1]
+
+
+def test_materialize_is_a_contiguous_copy():
+    x = torch.randn(6, 4).T
+    y = ops.moe.materialize(x)
+    assert torch.equal(y, x) and y.is_contiguous() and y.data_ptr() != x.data_ptr()
 
 
 def test_decompositions_per_graph():
