@@ -6,7 +6,8 @@
   deeper than `MAX_DEPTH` with a 400 (a 100k-deep `[[[...` is a RecursionError inside `json.loads`, answered as a 500
   `text/plain` before this existed).
 - `offload`: run CPU work (parsing a large body, tokenizing, rendering a chat template) in a worker thread with a
-  time bound, so the event loop keeps serving `/health` and every stream while it runs.
+  time bound, so the event loop keeps serving `/health` and every stream while it runs; a body of at most
+  `INLINE_BYTES` is worked on in place (a thread hop costs more than the work there: see `INLINE_BYTES`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 """`dgemma serve --max-body-bytes`'s default: 4 MiB (tokenizing that much text takes ~6 s on the demo tokenizer)."""
 DEFAULT_INPUT_TIMEOUT_S = 30.0
 """`dgemma serve --input-timeout`'s default: seconds one request's parsing + tokenization may take."""
+INLINE_BYTES = 4096
+"""Bodies up to this size are parsed and tokenized on the event loop, not in a worker thread: the work is ~2 ms at
+most (4 KiB through the demo tokenizer on this 2-core CPU; a typical request's ~0.5 ms), while each thread hop waits
+for the GIL, which the engine thread holds for a whole compiled step (~10 ms at batch 16): two hops per request
+cost `dgemma serve --max-batch 16` about a tenth of its c=16 throughput (bench/results/before_after_cpu_*.md)."""
+
 MAX_DEPTH = 64
 """JSON nesting deeper than this is refused (the deepest valid request nests ~6 levels)."""
 
@@ -115,13 +122,17 @@ def parse_json(body: bytes) -> dict:
     return value
 
 
-async def offload(fn: Callable[..., T], *args, timeout: float, what: str, param: str | None = None) -> T:
-    """`fn(*args)` in a worker thread (`asyncio.to_thread`), bounded by `timeout` seconds.
+async def offload(fn: Callable[..., T], *args, timeout: float, what: str, param: str | None = None,
+                  size: int | None = None) -> T:
+    """`fn(*args)` in a worker thread (`asyncio.to_thread`), bounded by `timeout` seconds; in place when `size` (the
+    body's bytes, which bound the work) is at most `INLINE_BYTES`.
 
     Raises:
         APIError: 400 naming `param` (code "input_timeout") when `fn` runs past `timeout` (the thread finishes its
             work in the background, its result dropped); whatever `fn` raises, unchanged.
     """
+    if size is not None and size <= INLINE_BYTES:
+        return fn(*args)
     try:
         return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout)
     except TimeoutError:

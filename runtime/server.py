@@ -65,8 +65,8 @@ Errors are OpenAI-shaped (`protocol.APIError`): malformed JSON (also NaN / Infin
 `limits.MAX_DEPTH`), unknown or unsupported fields, bad values, prompts beyond the context, parsing + tokenization
 past `input_timeout_s` -> 400; an unknown model -> 404; a body over `max_body_bytes` -> 413; a full queue -> 429; an
 engine failure -> 500 for the requests it hit alone. A request is validated whole before any of its choices is
-queued, so a bad request never reaches the engine. Parsing, tokenization and template rendering run in worker
-threads (`limits.offload`), never on the event loop. A client that disconnects (streaming or not) has its rows
+queued, so a bad request never reaches the engine. Parsing, tokenization and template rendering of a body over
+`limits.INLINE_BYTES` run in worker threads (`limits.offload`), never on the event loop; smaller ones in place. A client that disconnects (streaming or not) has its rows
 freed at the engine's next iteration, finish reason "cancelled".
 """
 
@@ -188,14 +188,17 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     async def parse(request: Request, model: type):
         raw = await request.body()
-        req = await offload(validate, raw, model, timeout=input_timeout_s, what="parsing the body")
+        request.state.body_bytes = len(raw)
+        req = await offload(validate, raw, model, timeout=input_timeout_s, what="parsing the body", size=len(raw))
         check_model(req.model)
         return req
 
-    async def tokenize(fn, *args):
-        """`fn(*args)` (tokenization, template rendering) off the event loop, bounded; ConfigError -> 400."""
+    async def tokenize(request: Request, fn, *args):
+        """`fn(*args)` (tokenization, template rendering) off the event loop, bounded (in place for a small body:
+        `limits.INLINE_BYTES`); ConfigError -> 400."""
         try:
-            return await offload(fn, *args, timeout=input_timeout_s, what="tokenizing", param="prompt")
+            return await offload(fn, *args, timeout=input_timeout_s, what="tokenizing", param="prompt",
+                                 size=request.state.body_bytes)
         except ConfigError as e:
             raise _config_error(e) from None
 
@@ -311,7 +314,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
               responses=_responses(P.CompletionResponse, 400, 404, 413, 429, 500))
     async def completions(request: Request):
         req = await parse(request, P.CompletionRequest)
-        prompts = await tokenize(encode_completion, req.prompts())
+        prompts = await tokenize(request, encode_completion, req.prompts())
         return await run(request, prompts, req, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=_body("/v1/chat/completions"),
@@ -319,7 +322,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     async def chat_completions(request: Request):
         req = await parse(request, P.ChatCompletionRequest)
         messages = [m.template_dict() for m in req.messages]
-        prompt = await tokenize(lambda: encode_chat(tokenizer, messages, bos_token_id=bos))
+        prompt = await tokenize(request, lambda: encode_chat(tokenizer, messages, bos_token_id=bos))
         return await run(request, [prompt], req, chat=True)
 
     def tokenize_request(req: P.TokenizeRequest) -> list[int]:
@@ -335,7 +338,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         """vLLM's /tokenize: `prompt` with the BOS (add_special_tokens, default) or without; or `messages` through
         the chat template. `count` = len(tokens), as `usage.prompt_tokens` counts them."""
         req = await parse(request, P.TokenizeRequest)
-        ids = await tokenize(tokenize_request, req)
+        ids = await tokenize(request, tokenize_request, req)
         strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return P.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
                                   token_strs=strs).model_dump()
@@ -348,7 +351,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise P.APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        text = await tokenize(lambda: tokenizer.decode(req.tokens, skip_special_tokens=False,
+        text = await tokenize(request, lambda: tokenizer.decode(req.tokens, skip_special_tokens=False,
                                                        clean_up_tokenization_spaces=False))
         return P.DetokenizeResponse(prompt=text).model_dump()
 

@@ -262,3 +262,26 @@ def test_nonstreaming_disconnect_cancels_at_next_iteration(demo):
             time.sleep(0.005)
         assert engine.stats.iterations - closed_at <= 2, (closed_at, engine.stats.iterations)
         assert engine.stats.requests == {"cancelled": 1}
+
+
+def test_offload_works_small_bodies_in_place_and_bounds_large_ones():
+    """`limits.offload`: a body of at most INLINE_BYTES is worked on in the event loop's thread (no GIL hop behind
+    the engine's step), a larger one in a worker thread under the time bound."""
+    import asyncio
+
+    from dgemma_runtime import limits
+
+    here = threading.get_ident()
+    where = lambda: threading.get_ident()  # noqa: E731
+
+    async def main():
+        small = await limits.offload(where, timeout=1, what="x", size=limits.INLINE_BYTES)
+        large = await limits.offload(where, timeout=1, what="x", size=limits.INLINE_BYTES + 1)
+        unsized = await limits.offload(where, timeout=1, what="x")
+        with pytest.raises(P.APIError, match="longer than") as e:
+            await limits.offload(time.sleep, 0.5, timeout=0.05, what="tokenizing", param="prompt", size=10**6)
+        assert e.value.status == 400
+        return small, large, unsized
+
+    small, large, unsized = asyncio.run(main())
+    assert small == here and large != here and unsized != here
