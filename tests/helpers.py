@@ -13,9 +13,11 @@ VOCAB_CHARS = string.ascii_lowercase + string.digits + " .,=+-"
 def hf_model(*, vocab_size=64, hidden_size=32, intermediate_size=48, layer_types=("sliding_attention", "full_attention"),
              num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
              sliding_window=4, num_experts=4, top_k_experts=2, moe_intermediate_size=16, canvas_length=8, seed=0,
-             **extra):
+             image_ids=None, **extra):
     """A float32 `DiffusionGemmaForBlockDiffusion` with random weights, non-trivial norm weights, router scales and
-    layer scalars (the encoder's differ from the decoder's), and a tiny vision tower."""
+    layer scalars (the encoder's differ from the decoder's), and a tiny vision tower. `image_ids` (image, boi, eoi)
+    puts the image token ids inside the vocabulary (transformers' defaults are outside a tiny one: such a checkpoint
+    loads text-only); `use_bidirectional_attention="vision"` (in `extra`) turns on the image-group mask."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4VisionConfig
 
     torch.manual_seed(seed)
@@ -27,7 +29,8 @@ def hf_model(*, vocab_size=64, hidden_size=32, intermediate_size=48, layer_types
                 num_global_key_value_heads=num_global_key_value_heads, sliding_window=sliding_window,
                 num_experts=num_experts, top_k_experts=top_k_experts, moe_intermediate_size=moe_intermediate_size,
                 **extra)
-    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length)
+    ids = {} if image_ids is None else dict(zip(("image_token_id", "boi_token_id", "eoi_token_id"), image_ids))
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length, **ids)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
