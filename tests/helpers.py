@@ -42,9 +42,13 @@ def hf_model(*, vocab_size=64, hidden_size=32, intermediate_size=48, layer_types
     return model
 
 
-def write_tokenizer(directory: Path) -> None:
-    """A character-level tokenizer (pad 0, eos 1, bos 2, unk last) with a chat template, saved as transformers
-    does."""
+IMAGE_TOKENS = ("<|image|>", "<|boi|>", "<|eoi|>")
+
+
+def write_tokenizer(directory: Path, images: bool = False) -> None:
+    """A character-level tokenizer (pad 0, eos 1, bos 2, unk) with a chat template, saved as transformers does;
+    `images`: also the image, boi and eoi tokens (`IMAGE_TOKENS`, ids `image_token_ids()`) and a template that renders
+    each {"type": "image"} part as the image token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -59,10 +63,22 @@ def write_tokenizer(directory: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                    unk_token="<unk>")
     fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if images:
+        fast.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+        fast.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+                              "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|image|>{% else %}"
+                              "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}")
     fast.save_pretrained(str(directory))
 
 
-def write_checkpoint(directory: Path, model=None, *, generation: dict | None = None, tokenizer: bool = False, **kw) -> Path:
+def image_token_ids() -> tuple[int, int, int]:
+    """The (image, boi, eoi) ids of `write_tokenizer(images=True)`: right after its characters and unk."""
+    first = 3 + len(VOCAB_CHARS) + 1
+    return first, first + 1, first + 2
+
+
+def write_checkpoint(directory: Path, model=None, *, generation: dict | None = None, tokenizer: bool = False,
+                     image_tokenizer: bool = False, **kw) -> Path:
     """save_pretrained a tiny model (built with `hf_model(**kw)` unless given) and optionally a generation config
     and a tokenizer. Returns the directory."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
@@ -71,8 +87,8 @@ def write_checkpoint(directory: Path, model=None, *, generation: dict | None = N
     if generation is not None:
         model.generation_config = DiffusionGemmaGenerationConfig(**generation)
     model.save_pretrained(str(directory))
-    if tokenizer:
-        write_tokenizer(directory)
+    if tokenizer or image_tokenizer:
+        write_tokenizer(directory, images=image_tokenizer)
     return Path(directory)
 
 
