@@ -53,6 +53,35 @@ def read_image(path: str | Path, *, max_bytes: int = 32 * 2**20):
         raise ConfigError(f"image: {p}: could not decode ({e})") from None
 
 
+def decode_data_url(url: str, name: str, *, max_bytes: int = 32 * 2**20):
+    """The image of a `data:image/...;base64,...` URL as an RGB PIL image, fully decoded. Raises `ConfigError` naming
+    `name` (e.g. the request part): another scheme, not base64, more than `max_bytes` decoded, not an image, or
+    truncated."""
+    import base64
+    import binascii
+    import io
+
+    PILImage, Unidentified = _pil()
+    head, sep, data = url.partition(",")
+    if not url.startswith("data:") or not sep or not head.endswith(";base64"):
+        scheme = url.split(":", 1)[0][:16] if ":" in url else url[:16]
+        raise ConfigError(f"{name}: only data:image/...;base64 URLs are accepted, got a {scheme!r} URL")
+    if len(data) > (max_bytes * 4) // 3 + 4:
+        raise ConfigError(f"{name}: the image is more than the {max_bytes} bytes allowed")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{name}: the data URL is not valid base64") from None
+    try:
+        with PILImage.open(io.BytesIO(raw)) as im:
+            im.load()
+            return im.convert("RGB")
+    except Unidentified:
+        raise ConfigError(f"{name}: not an image pillow can read") from None
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ConfigError(f"{name}: could not decode the image ({e})") from None
+
+
 def image_processor(model, directory: str | Path | None = None, *, max_soft_tokens: int | None = None):
     """transformers' `Gemma4ImageProcessorPil` for `model`'s vision encoder (see the module docstring); `directory`
     (default `model.checkpoint_dir`) may hold the processor's saved settings; `max_soft_tokens` overrides their

@@ -86,7 +86,8 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from dgemma_compile.config import ConfigError, GenerationConfig
-from dgemma_compile.text import chat_template, encode_chat, encode_prompt
+from dgemma_compile.images import prepare as prepare_images
+from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_prompt
 from . import protocol as P
 from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest
@@ -115,12 +116,18 @@ def _body(path: str) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+MAX_IMAGES = 8
+"""The most image_url parts one chat request may hold."""
+
+
 def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_image_bytes: int = 8 * 2**20,
                input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
     `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
-    `input_timeout_s`: seconds one request's parsing and tokenization may take (400 past it)."""
+    `max_image_bytes`: the largest decoded image of an image_url part (400 naming the part past it; at most
+    `MAX_IMAGES` per request); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
+    take (400 past it)."""
     app = FastAPI(title="dgemma serve")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     created = int(time.time())
@@ -222,12 +229,15 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                                   f"{limit})", param=name)
         return k
 
-    def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None) -> list[EngineRequest]:
-        """Validate every choice, then queue them all (or none: 429)."""
+    def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
+               images=None) -> list[EngineRequest]:
+        """Validate every choice, then queue them all (or none: 429). `images`: the prompt's `images.ImagePrompt`
+        (one prompt), shared by its choices."""
         cfg = config_of(req)
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
-                                 on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs)
+                                 on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
+                                 images=images)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
@@ -244,11 +254,11 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         return choices
 
-    async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool):
+    async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool, images=None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
         k = logprobs_of(req, chat)
-        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k)
+        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images)
         index = {id(c): i for i, c in enumerate(choices)}
         lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]
         prompt_tokens = sum(len(p) for p in prompts)
@@ -319,8 +329,29 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     async def chat_completions(request: Request):
         req = await parse(request, P.ChatCompletionRequest)
         messages = [m.template_dict() for m in req.messages]
-        prompt = await tokenize(lambda: encode_chat(tokenizer, messages, bos_token_id=bos))
-        return await run(request, [prompt], req, chat=True)
+        parts = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
+        images, slots = await tokenize(read_images, parts) if parts else (None, None)
+        prompt = await tokenize(lambda: encode_chat(tokenizer, messages, bos_token_id=bos, images=slots))
+        item = (await tokenize(lambda: prepare_images(engine.model, [prompt], [images])))[0] if parts else None
+        return await run(request, [prompt], req, chat=True, images=item)
+
+    def read_images(parts: list[tuple[str, str]]) -> tuple[list, ImageSlots]:
+        """The images of a chat's image_url parts (`data:` URLs), preprocessed, and their placeholders; ConfigError
+        naming the part: a model without a vision encoder, a paged KV cache, too many images, a bad URL or image."""
+        from dgemma_compile.preprocess import decode_data_url, num_soft_tokens, preprocess
+
+        model = engine.model
+        first = parts[0][0]
+        if getattr(model, "vision", None) is None:
+            raise ConfigError(f"{first}: image_url parts need a model with a vision encoder; this one has none")
+        if engine.memory is not None:
+            raise ConfigError(f"{first}: image_url parts need the static KV cache; this server runs a paged one "
+                              f"(--kv-page-size)")
+        if len(parts) > MAX_IMAGES:
+            raise ConfigError(f"{parts[MAX_IMAGES][0]}: more than the {MAX_IMAGES} images a request may hold")
+        pil = [decode_data_url(url, name, max_bytes=max_image_bytes) for name, url in parts]
+        images = preprocess(model, pil)
+        return images, ImageSlots.for_model(tokenizer, model, [num_soft_tokens(model, im) for im in images])
 
     def tokenize_request(req: P.TokenizeRequest) -> list[int]:
         if req.messages is not None:
