@@ -108,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
     s.add_argument("--input-timeout", type=float, default=30.0, metavar="S",
                    help="seconds one request's parsing and tokenization may take; longer gets HTTP 400 (default 30)")
+    s.add_argument("--image-dir", type=Path, default=None, metavar="DIR",
+                   help="image_url parts may name local files (file: URLs) inside DIR (default: none)")
+    s.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image_url parts (default: data: URLs only)")
+    s.add_argument("--max-image-bytes", type=int, default=8 * 2**20, metavar="B",
+                   help="the largest image an image_url part may hold, decoded or fetched (default 8 MiB)")
     s.add_argument("--max-logprobs", type=int, default=20, metavar="K",
                    help="the most alternatives per token a request's logprobs may ask for (completions' logprobs, "
                         "chat's top_logprobs; more get HTTP 400); each denoise step keeps K per position (default "
@@ -482,7 +488,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from . import load, load_tokenizer
     from dgemma_runtime import build_engine
 
-    for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes"):
+    for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes",
+                 "max_image_bytes"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"{name}: must be a positive integer, got {v}")
@@ -490,6 +497,12 @@ def serve_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"max_logprobs: must be an integer in [0, 64], got {args.max_logprobs}")
     if not args.input_timeout > 0:
         raise ConfigError(f"input_timeout: must be a positive number of seconds, got {args.input_timeout}")
+    if args.image_dir is not None and not args.image_dir.is_dir():
+        raise ConfigError(f"image_dir: {args.image_dir} is not a directory")
+    from .preprocess import ImageSources
+
+    sources = ImageSources(directory=args.image_dir, fetch=args.allow_image_urls, max_bytes=args.max_image_bytes,
+                           timeout_s=min(10.0, args.input_timeout / 2))  # inside the request's input timeout
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -506,7 +519,7 @@ def serve_command(args: argparse.Namespace) -> int:
                           max_logprobs=args.max_logprobs)
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics, max_body_bytes=args.max_body_bytes,
-                     input_timeout_s=args.input_timeout)
+                     input_timeout_s=args.input_timeout, image_sources=sources)
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "

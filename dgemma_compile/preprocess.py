@@ -6,7 +6,8 @@ normalisation), and cuts it into patches (`pixel_values` [max_patches, 3 * patch
 [max_patches, 2], (-1, -1) for padding; `num_soft_tokens_per_image`: the soft tokens the prompt must hold for it).
 The processor's settings come from the checkpoint's `processor_config.json` (its `image_processor` entry) or
 `preprocessor_config.json` when present, else from the vision config (patch and pooling sizes) and transformers'
-default budget of 280 soft tokens. Needs pillow (`pip install pillow`).
+default budget of 280 soft tokens. Needs pillow (`pip install pillow`). `open_image_url` reads an OpenAI
+`image_url` (data:, file: inside an allowed directory, http(s) when allowed, with a size limit and a timeout).
 
 Every failure raises `ConfigError` naming the file or the parameter; nothing is half-read.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError
@@ -59,9 +61,7 @@ def decode_data_url(url: str, name: str, *, max_bytes: int = 32 * 2**20):
     truncated."""
     import base64
     import binascii
-    import io
 
-    PILImage, Unidentified = _pil()
     head, sep, data = url.partition(",")
     if not url.startswith("data:") or not sep or not head.endswith(";base64"):
         scheme = url.split(":", 1)[0][:16] if ":" in url else url[:16]
@@ -72,6 +72,68 @@ def decode_data_url(url: str, name: str, *, max_bytes: int = 32 * 2**20):
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ConfigError(f"{name}: the data URL is not valid base64") from None
+    if len(raw) > max_bytes:
+        raise ConfigError(f"{name}: the image is more than the {max_bytes} bytes allowed")
+    return _decode_bytes(raw, name)
+
+
+@dataclass(frozen=True)
+class ImageSources:
+    """Where an image URL may point, and the limits (the server's `--image-dir`, `--allow-image-urls`,
+    `--max-image-bytes`): `data:` URLs always; `file:` URLs (or absolute paths) only inside `directory`; `http(s)`
+    URLs only with `fetch`, read with a `timeout_s` per request and at most `max_bytes`."""
+
+    directory: Path | None = None
+    fetch: bool = False
+    max_bytes: int = 8 * 2**20
+    timeout_s: float = 10.0
+
+
+def open_image_url(url: str, name: str, sources: ImageSources = ImageSources()):
+    """The image an OpenAI `image_url` names, as an RGB PIL image, under `sources`' rules. Raises `ConfigError`
+    naming `name`: a scheme not allowed, a file outside the allowed directory, a fetch that fails, times out or
+    passes `max_bytes`, and everything `decode_data_url` / `read_image` refuse."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    scheme = urllib.parse.urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
+    if scheme == "data":
+        return decode_data_url(url, name, max_bytes=sources.max_bytes)
+    if scheme == "file" or (scheme == "" and url.startswith("/")):
+        if sources.directory is None:
+            raise ConfigError(f"{name}: local files are not served (the server was started without --image-dir)")
+        path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path) if scheme else url).resolve()
+        root = Path(sources.directory).resolve()
+        if not path.is_relative_to(root):
+            raise ConfigError(f"{name}: {path} is outside the allowed image directory")
+        try:
+            return read_image(path, max_bytes=sources.max_bytes)
+        except ConfigError as e:
+            raise ConfigError(f"{name}: {str(e).removeprefix('image: ')}") from None
+    if scheme in ("http", "https"):
+        if not sources.fetch:
+            raise ConfigError(f"{name}: http(s) image URLs are not fetched (the server was started without "
+                              f"--allow-image-urls)")
+        try:
+            with urllib.request.urlopen(url, timeout=sources.timeout_s) as resp:  # noqa: S310 (http(s) only)
+                raw = resp.read(sources.max_bytes + 1)
+        except TimeoutError:
+            raise ConfigError(f"{name}: fetching the image timed out after {sources.timeout_s} s") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            kind = "timed out" if isinstance(reason, TimeoutError) else f"failed ({reason})"
+            raise ConfigError(f"{name}: fetching the image {kind}") from None
+        if len(raw) > sources.max_bytes:
+            raise ConfigError(f"{name}: the image is more than the {sources.max_bytes} bytes allowed")
+        return _decode_bytes(raw, name)
+    raise ConfigError(f"{name}: unsupported image URL scheme {scheme or url[:16]!r} (data:, file: or http(s))")
+
+
+def _decode_bytes(raw: bytes, name: str):
+    import io
+
+    PILImage, Unidentified = _pil()
     try:
         with PILImage.open(io.BytesIO(raw)) as im:
             im.load()

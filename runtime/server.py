@@ -121,12 +121,12 @@ MAX_IMAGES = 8
 
 
 def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_image_bytes: int = 8 * 2**20,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources=None,
                input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
     `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
-    `max_image_bytes`: the largest decoded image of an image_url part (400 naming the part past it; at most
-    `MAX_IMAGES` per request); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
+    `image_sources`: where image_url parts may point and the limits (`preprocess.ImageSources`; default `data:` URLs
+    only, 8 MiB each; at most `MAX_IMAGES` per request; a refusal is a 400 naming the part); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
     take (400 past it)."""
     app = FastAPI(title="dgemma serve")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -336,9 +336,10 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         return await run(request, [prompt], req, chat=True, images=item)
 
     def read_images(parts: list[tuple[str, str]]) -> tuple[list, ImageSlots]:
-        """The images of a chat's image_url parts (`data:` URLs), preprocessed, and their placeholders; ConfigError
-        naming the part: a model without a vision encoder, a paged KV cache, too many images, a bad URL or image."""
-        from dgemma_compile.preprocess import decode_data_url, num_soft_tokens, preprocess
+        """The images of a chat's image_url parts (`preprocess.open_image_url` under `image_sources`), preprocessed,
+        and their placeholders; ConfigError naming the part: a model without a vision encoder, a paged KV cache, too
+        many images, a URL not allowed, a bad image."""
+        from dgemma_compile.preprocess import ImageSources, num_soft_tokens, open_image_url, preprocess
 
         model = engine.model
         first = parts[0][0]
@@ -349,7 +350,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                               f"(--kv-page-size)")
         if len(parts) > MAX_IMAGES:
             raise ConfigError(f"{parts[MAX_IMAGES][0]}: more than the {MAX_IMAGES} images a request may hold")
-        pil = [decode_data_url(url, name, max_bytes=max_image_bytes) for name, url in parts]
+        sources = image_sources or ImageSources()
+        pil = [open_image_url(url, name, sources) for name, url in parts]
         images = preprocess(model, pil)
         return images, ImageSlots.for_model(tokenizer, model, [num_soft_tokens(model, im) for im in images])
 

@@ -5,7 +5,10 @@ disturbed."""
 from __future__ import annotations
 
 import base64
+import http.server
 import io
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ from helpers import hf_model, image_token_ids, write_checkpoint
 from test_serve import SLOTS, ServerThread, _post
 
 import dgemma_compile as dg
-from dgemma_compile.preprocess import num_soft_tokens, preprocess
+from dgemma_compile.preprocess import ImageSources, num_soft_tokens, preprocess
 from dgemma_compile.text import ImageSlots, encode_chat
 from dgemma_runtime import build_engine
 from dgemma_runtime.server import MAX_IMAGES, choice_seed
@@ -77,7 +80,8 @@ def test_bad_images_are_400s_naming_the_part(mm_server):
     part = lambda url: {"type": "image_url", "image_url": {"url": url}}  # noqa: E731
     text = {"type": "text", "text": "x"}
     cases = [
-        ([text, part("http://127.0.0.1:1/a.png")], "messages[0].content[1]", "only data:image/...;base64 URLs"),
+        ([text, part("http://127.0.0.1:1/a.png")], "messages[0].content[1]", "without --allow-image-urls"),
+        ([part("data:text/plain,hello")], "messages[0].content[0]", "only data:image/...;base64 URLs"),
         ([part("data:image/png;base64,@@@")], "messages[0].content[0]", "not valid base64"),
         ([part(data_url(b"not an image at all"))], "messages[0].content[0]", "not an image pillow can read"),
         ([part(data_url(raw[: len(raw) // 2]))], "messages[0].content[0]", "could not decode"),
@@ -91,3 +95,58 @@ def test_bad_images_are_400s_naming_the_part(mm_server):
         assert err["param"] == param and message in err["message"] and err["type"] == "invalid_request_error"
     ok = _post(srv, "/v1/chat/completions", chat([text]))  # nothing else disturbed
     assert ok.status_code == 200 and srv.engine.idle()
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """127.0.0.1 only: /ok.png an image, /big.png more bytes than allowed, /slow.png answers after 2 s, else 404."""
+
+    body = b""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path not in ("/ok.png", "/big.png", "/slow.png"):
+            self.send_error(404)
+            return
+        if self.path == "/slow.png":
+            time.sleep(2)
+        data = self.body * (4 if self.path == "/big.png" else 1)
+        self.send_response(200)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.mark.slow  # HTTP: two servers and a fetch timeout
+def test_file_and_http_urls_only_where_allowed(mm_server, tmp_path):
+    _, model, tok = mm_server
+    raw = png_bytes(48, 48, 4)
+    (tmp_path / "ok.png").write_bytes(raw)
+    _Images.body = raw
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{web.server_address[1]}"
+    engine = build_engine(model, max_batch=1, max_seq_len=SLOTS, eager=True, tokenizer=tok)
+    sources = ImageSources(directory=tmp_path, fetch=True, max_bytes=2 * len(raw), timeout_s=0.5)
+    part = lambda url: [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]  # noqa: E731
+    try:
+        with ServerThread(engine, tok, image_sources=sources) as srv:
+            for url in (f"{base}/ok.png", f"file://{tmp_path / 'ok.png'}", str(tmp_path / "ok.png")):
+                r = _post(srv, "/v1/chat/completions", chat(part(url), max_denoising_steps=1))
+                assert r.status_code == 200, (url, r.text)
+            for url, message in ((f"{base}/big.png", "more than the"), (f"{base}/slow.png", "timed out"),
+                                 (f"{base}/missing.png", "failed (Not Found)"), (f"file://{tmp_path}/../x.png", "outside the allowed"),
+                                 (f"file://{tmp_path}/none.png", "file not found"), ("ftp://x/y.png", "unsupported")):
+                r = _post(srv, "/v1/chat/completions", chat(part(url)))
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == "messages[0].content[0]", (url, r.text)
+                assert message in err["message"], (url, err["message"])
+        # the defaults: data: URLs only
+        with ServerThread(build_engine(model, max_batch=1, max_seq_len=SLOTS, eager=True, tokenizer=tok), tok) as srv:
+            for url, message in ((f"{base}/ok.png", "without --allow-image-urls"),
+                                 (str(tmp_path / "ok.png"), "without --image-dir")):
+                r = _post(srv, "/v1/chat/completions", chat(part(url)))
+                assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    finally:
+        web.shutdown()
