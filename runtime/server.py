@@ -241,7 +241,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
-                c.config = engine.check_request(c.prompt, c.config, c.seed)
+                c.config = engine.check_request(c.prompt, c.config, c.seed, c.images)
         except ConfigError as e:
             raise _config_error(e) from None
         queued = []

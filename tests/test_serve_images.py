@@ -93,6 +93,9 @@ def test_bad_images_are_400s_naming_the_part(mm_server):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == param and message in err["message"] and err["type"] == "invalid_request_error"
+    # a placeholder typed into the text, without its image: refused, as the generators refuse it
+    r = _post(srv, "/v1/chat/completions", chat([{"type": "text", "text": "a <|image|> b"}]))
+    assert r.status_code == 400 and "holds image placeholders" in r.json()["error"]["message"], r.text
     ok = _post(srv, "/v1/chat/completions", chat([text]))  # nothing else disturbed
     assert ok.status_code == 200 and srv.engine.idle()
 
