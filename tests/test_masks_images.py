@@ -79,7 +79,7 @@ def _flex(c, mask_mod):
     return create_mask(mask_mod, B, None, T, S + T, device="cpu")[:, 0]
 
 
-@settings(SETTINGS, max_examples=40)
+@settings(SETTINGS, max_examples=25)
 @given(c=layouts())
 def test_mask_mod_with_groups_matches_dense(c):
     mm = block_mask_mod(c["lengths_B"], c["n_new_B"], c["causal_B"], cache_slots=c["S"], sliding_window=c["W"],
@@ -113,7 +113,7 @@ def test_overlay_properties(c):
     assert torch.equal(_dense(none), without)
 
 
-@settings(SETTINGS, max_examples=20)
+@settings(SETTINGS, max_examples=12)
 @given(L=st.integers(0, 10), T=st.integers(1, 14), W=st.none() | st.integers(1, 8), data=st.data())
 def test_encoder_rows_match_transformers_mask_functions(L, T, W, data):
     """An encoder row of L committed tokens and T real new ones equals transformers' encoder mask over absolute
