@@ -190,7 +190,8 @@ class Bucket:
               ) -> None:
         """Put a request into FREE row `row` (phase PREFILL): its per-request inputs (`StepInputs.set_row`, block 0),
         its row state, and its cache row emptied -- or, with `prefilled` (a paged cache whose row the caller mapped,
-        `cache.lengths[row]` = prefilled), kept. `cfg` is resolved and validated. Raises ValueError as
+        or a static row the caller wrote, e.g. an image prefix by `images.prefill_images`; `cache.lengths[row]` =
+        prefilled), kept. `cfg` is resolved and validated. Raises ValueError as
         `StepInputs.set_row` / `RowState.admit`."""
         self.inputs.set_row(row, cfg, seed)
         self.inputs.block[row] = 0

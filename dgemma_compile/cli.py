@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", type=Path, default=None,
                    help="checkpoint directory (config.json, safetensors, tokenizer); default: the built-in demo model")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image the prompt is about (repeatable; a multimodal checkpoint): with --chat, one image "
+                        "part per image before the text; raw, the prompt's image placeholders, or one per image first")
+    g.add_argument("--max-soft-tokens", type=int, default=None, metavar="N",
+                   help="soft tokens per image (70, 140, 280, 560 or 1120; default: the checkpoint's processor, 280)")
     g.add_argument("--system", default=None, metavar="TEXT",
                    help="system message before the prompt in the chat template (implies --chat)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="exact token budget (default: generation config)")
@@ -103,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
     s.add_argument("--input-timeout", type=float, default=30.0, metavar="S",
                    help="seconds one request's parsing and tokenization may take; longer gets HTTP 400 (default 30)")
+    s.add_argument("--image-dir", type=Path, default=None, metavar="DIR",
+                   help="image_url parts may name local files (file: URLs) inside DIR (default: none)")
+    s.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image_url parts (default: data: URLs only)")
+    s.add_argument("--max-image-bytes", type=int, default=8 * 2**20, metavar="B",
+                   help="the largest image an image_url part may hold, decoded or fetched (default 8 MiB)")
     s.add_argument("--max-logprobs", type=int, default=20, metavar="K",
                    help="the most alternatives per token a request's logprobs may ask for (completions' logprobs, "
                         "chat's top_logprobs; more get HTTP 400); each denoise step keeps K per position (default "
@@ -121,14 +132,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ----- prompts ------------------------------------------------------------------------------------------------------
-def _encode(tokenizer, model, prompt: str, args: argparse.Namespace) -> list[int]:
-    """Token ids of one prompt: raw, or through the chat template with --chat/--system. Raises ConfigError."""
-    from .text import encode_chat, encode_prompt, user_messages
+def _encode(tokenizer, model, prompt: str, args: argparse.Namespace, images=None) -> list[int]:
+    """Token ids of one prompt: raw, or through the chat template with --chat/--system; `images` (`images.Image`,
+    --image) become the prompt's placeholder runs (`text.ImageSlots`). Raises ConfigError."""
+    from .preprocess import num_soft_tokens
+    from .text import ImageSlots, encode_chat, encode_prompt, user_messages
 
     bos = model.config.bos_token_id
+    slots = ImageSlots.for_model(tokenizer, model, [num_soft_tokens(model, im) for im in images]) if images else None
     if args.chat or args.system is not None:
-        return encode_chat(tokenizer, user_messages(prompt, args.system), bos_token_id=bos)
-    return encode_prompt(tokenizer, prompt, bos_token_id=bos)
+        messages = user_messages(prompt, args.system)
+        if images:
+            messages[-1] = {"role": "user", "content": [{"type": "image"} for _ in images]
+                            + [{"type": "text", "text": prompt}]}
+        return encode_chat(tokenizer, messages, bos_token_id=bos, images=slots)
+    return encode_prompt(tokenizer, prompt, bos_token_id=bos, images=slots)
 
 
 @dataclass
@@ -217,7 +235,7 @@ Run = Callable[..., object]  # (prompts, config, seed=..., on_block=...) -> Gene
 
 
 def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, first: tuple[list, int],
-            steps: int) -> tuple[Run, str]:
+            steps: int, images: list | None = None) -> tuple[Run, str]:
     """The generate function for this invocation and its one-time cost as a stats field: the compiled generator
     (one bucket of `rows`, a static cache of `slots` committed slots, a temperature table of at least `steps`
     denoise steps, compiled now: `compile_s`), or the eager one after an untimed run of `first` = (prompts, seeds)
@@ -227,7 +245,8 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
     max_seq_len = -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING  # the same cache, so eager and compiled agree
     if args.eager:
         start = time.perf_counter()
-        generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1], max_seq_len=max_seq_len)
+        generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1], max_seq_len=max_seq_len,
+                 images=images)
         return ((lambda *a, **kw: generate(model, *a, max_seq_len=max_seq_len, **kw)),
                 f" warmup_s={time.perf_counter() - start:.2f}")
     from . import CompileOptions, build
@@ -263,12 +282,20 @@ def generate_command(args: argparse.Namespace) -> int:
         raise ConfigError("prompt: give a prompt, or --prompts-file FILE")
     if args.batch_size is not None and args.prompts_file is None:
         raise ConfigError("batch_size: --batch-size applies to --prompts-file only")
+    if args.image and args.prompts_file is not None:
+        raise ConfigError("image: --image applies to one prompt, not to --prompts-file")
+    if args.max_soft_tokens is not None and not args.image:
+        raise ConfigError("max_soft_tokens: --max-soft-tokens applies to --image only")
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"batch_size: must be a positive integer, got {args.batch_size}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"threads: must be a positive integer, got {args.threads}")
     check_stop_strings(args.stop, "--stop")
     lines = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None  # before any loading
+    if args.image:
+        from .preprocess import read_image
+
+        args.pil_images = [read_image(p) for p in args.image]  # before any loading too
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir, dtype=DTYPES[args.dtype] if args.dtype else None)
@@ -296,10 +323,18 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     from .text import StopStrings
 
     matcher = StopStrings(tokenizer, args.stop or ())  # validates --stop before any compile
-    ids = _encode(tokenizer, model, args.prompt, args)
+    images = None
+    if args.image:
+        from .images import prepare
+        from .preprocess import preprocess
+
+        images = [preprocess(model, args.pil_images, max_soft_tokens=args.max_soft_tokens)]
+    ids = _encode(tokenizer, model, args.prompt, args, images[0] if images else None)
     slots = plan_requests(model, [ids], config, args.seed)[3]  # validate prompt, config and seed before any compile
+    if images:
+        prepare(model, [ids], images)  # the images against their placeholders, before any compile
     threads = _apply_threads(args, model)
-    run, one_time = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps)
+    run, one_time = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
 
     first_block: list[float] = []
 
@@ -310,7 +345,8 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
         sys.stdout.flush()
 
     start = time.perf_counter()
-    out = run([ids], config, seed=args.seed, on_block=on_block, stop=lambda *_: [0] if matcher.stopped else [])
+    out = run([ids], config, seed=args.seed, on_block=on_block, stop=lambda *_: [0] if matcher.stopped else [],
+              **({"images": images} if images else {}))
     elapsed = time.perf_counter() - start
     sys.stdout.write(matcher.finish() + "\n")
     st = out.stats[0]
@@ -452,7 +488,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from . import load, load_tokenizer
     from dgemma_runtime import build_engine
 
-    for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes"):
+    for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes",
+                 "max_image_bytes"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"{name}: must be a positive integer, got {v}")
@@ -460,6 +497,12 @@ def serve_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"max_logprobs: must be an integer in [0, 64], got {args.max_logprobs}")
     if not args.input_timeout > 0:
         raise ConfigError(f"input_timeout: must be a positive number of seconds, got {args.input_timeout}")
+    if args.image_dir is not None and not args.image_dir.is_dir():
+        raise ConfigError(f"image_dir: {args.image_dir} is not a directory")
+    from .preprocess import ImageSources
+
+    sources = ImageSources(directory=args.image_dir, fetch=args.allow_image_urls, max_bytes=args.max_image_bytes,
+                           timeout_s=min(10.0, args.input_timeout / 2))  # inside the request's input timeout
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -476,7 +519,7 @@ def serve_command(args: argparse.Namespace) -> int:
                           max_logprobs=args.max_logprobs)
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics, max_body_bytes=args.max_body_bytes,
-                     input_timeout_s=args.input_timeout)
+                     input_timeout_s=args.input_timeout, image_sources=sources)
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "

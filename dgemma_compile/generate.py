@@ -33,6 +33,8 @@ from .plan import PlanBuffers
 from . import rng
 from .steps import DenoiseState, StepInputs, denoise_step, encode_chunk
 from .stop_check import StopCheck
+from .images import Image, ImagePrompt, prefill_images
+from .images import prepare as prepare_images
 
 
 @dataclass
@@ -192,7 +194,8 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
              config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
              seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
              observer: Observer | None = None, moe_impl: str = "auto",
-             max_seq_len: int = DEFAULT_MAX_SEQ_LEN, fuse_commit: bool = False) -> GenerationOutput:
+             max_seq_len: int = DEFAULT_MAX_SEQ_LEN, fuse_commit: bool = False,
+             images: Sequence[Sequence["Image"] | None] | None = None) -> GenerationOutput:
     """Generate continuations of `prompts` (lists of token ids) by block diffusion, eagerly.
 
     Args:
@@ -214,22 +217,26 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
         fuse_commit: run each commit inside the next block's first denoise step, one forward of 2C tokens (as the
             compiled generator does with `CompileOptions.fuse_commit`); off: a separate encoder pass, the
             reference's order. The two differ only by float reduction order.
+        images: per prompt, its images (`images.Image`, one per run of image placeholders, in order) or None: the
+            prompt's image prefix is encoded first, in forwards of its own (`images.prefill_images`), the rest of the
+            prompt in chunks as any prompt. None: no prompt has images.
     Returns:
         `GenerationOutput` with sequences and per-request statistics.
     Raises:
         ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context);
             `max_seq_len` not a positive integer or smaller than the committed slots a request needs; `fuse_commit`
-            not a bool.
+            not a bool; images that do not fit their prompts (`images.prepare`).
     """
     cfgs, prompts, seeds, needed = plan_requests(model, prompts, config, seed)
     check_slots(needed, max_seq_len, "max_seq_len")
+    items = prepare_images(model, prompts, images)
     if not isinstance(fuse_commit, bool):
         raise ConfigError(f"fuse_commit: must be a bool, got {fuse_commit!r}")
     impl = resolve_moe_impl(moe_impl, dtype=model.dtype, num_experts=model.config.num_experts,
                             top_k=model.config.top_k_experts, compiled=False, quant=model.expert_quant)
     runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl, fuse_commit)
     out = run_block_diffusion(model, runner, prompts, cfgs, on_block=on_block, stop=stop,
-                              timer=SpanTimer(model.device, observer))
+                              timer=SpanTimer(model.device, observer), images=items, moe_impl=impl)
     out.moe_impl, out.fuse_commit = impl, fuse_commit
     return out
 
@@ -237,9 +244,11 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
 def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list[list[int]],
                         cfgs: list[GenerationConfig], *, on_block: BlockCallback | None = None,
                         stop: StopHook | None = None, timer: SpanTimer | None = None,
-                        stop_check: StopCheck | None = None) -> GenerationOutput:
+                        stop_check: StopCheck | None = None, images: "list[ImagePrompt | None] | None" = None,
+                        moe_impl: str | None = None) -> GenerationOutput:
     """The block loop over validated inputs (see `plan`), driving `runner` (eager or compiled steps, built for these
-    requests and seeds): prefill in fixed chunks; per block: start canvases, denoise steps until every row finished
+    requests and seeds): prefill in fixed chunks (a prompt with `images` (`images.prepare`): its image prefix first,
+    `images.prefill_images` into the runner's cache with `moe_impl`, then the rest in chunks); per block: start canvases, denoise steps until every row finished
     (stopped early or ran its step budget), finalise (eos, budget, `on_block`, `stop`), commit the argmax canvas of
     rows still running (`runner.commit`: now, or fused into the next block's first step). The host reads one flag
     per step, when `stop_check` says (default: "sync", every step); everything else stays on the device."""
@@ -251,9 +260,14 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
     sequences, stats = out.sequences, out.stats
     num_blocks = max(math.ceil(c.max_new_tokens / C) for c in cfgs)
     max_steps = max(c.max_denoising_steps for c in cfgs)
-    lengths = torch.tensor([len(p) for p in prompts], device=dev)
+    rest = list(prompts)  # what the chunked prefill encodes: all of a prompt, or what follows its image prefix
+    for r, item in enumerate(images or []):
+        if item is not None:
+            prefill_images(model, runner.cache, r, prompts[r], item, chunk=C, moe_impl=moe_impl)
+            rest[r] = prompts[r][item.prefix:]
+    lengths = torch.tensor([len(p) for p in rest], device=dev)
     input_ids = torch.full((R, int(lengths.max())), cfgs[0].pad_token_id, dtype=torch.long, device=dev)
-    for r, p in enumerate(prompts):
+    for r, p in enumerate(rest):
         input_ids[r, :len(p)] = torch.tensor(p, device=dev)
     prefill(runner, input_ids, lengths)
 
@@ -309,6 +323,8 @@ class StepRunner(Protocol):
 
     block_size: int
     """T: tokens per encoder chunk (prefill chunks, and commits without fusion, are padded to it)."""
+    cache: KVCache
+    """The rows' cache (image prefixes are written into it before the chunked prefill)."""
     commits: int
     """Commits run so far as their own encoder pass, per request."""
     fused_commits: int

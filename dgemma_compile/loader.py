@@ -8,8 +8,10 @@ failure raises one `CheckpointError` naming the file and the tensor, and nothing
 Key mapping (transformers' `DiffusionGemmaForBlockDiffusion` names): the encoder and decoder share every weight, so
 a shared weight may be stored under either `model.decoder.` or `model.encoder.language_model.` (save_pretrained
 keeps the decoder copy); the two `layer_scalar` buffers are kept apart; the routed experts' `weight` is stored as
-`experts.gate_up_proj` / `experts.down_proj`; an untied head is the top-level `lm_head.weight`; the vision tower is
-ignored (text-only).
+`experts.gate_up_proj` / `experts.down_proj`; an untied head is the top-level `lm_head.weight`. A multimodal
+checkpoint (config.json has a `vision_config`) also loads the vision tower (`model.encoder.vision_tower.*` ->
+`vision.tower.*`) and the multimodal embedder (`model.encoder.embed_vision.*` -> `vision.embedder.*`), checked like
+every other tensor; `load(..., vision=False)` skips them (one log line), as text-only checkpoints have none.
 
 Quantized checkpoints (compressed-tensors, `quantization_config` in config.json): read by `quant/checkpoint.py`
 into the torchao tensors `quant.quantize` builds for the scheme they run as (the stored data as they are, never
@@ -29,6 +31,7 @@ from torch import nn
 
 from .config import ConfigError, GenerationConfig, ModelConfig, read_json
 from .model import DiffusionGemma
+from .vision import VisionConfig
 from .quant import checkpoint
 from .quant.quantize import quiet_torchao
 from .quant.schemes import check_scheme
@@ -37,7 +40,8 @@ log = logging.getLogger("dgemma_compile")
 
 DECODER = "model.decoder."
 ENCODER = "model.encoder.language_model."
-IGNORED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+VISION_PREFIXES = {"vision.tower.": "model.encoder.vision_tower.", "vision.embedder.": "model.encoder.embed_vision."}
+IGNORED_PREFIXES = tuple(VISION_PREFIXES.values())  # skipped with `load(..., vision=False)`
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -55,6 +59,9 @@ def hf_names(name: str) -> list[str]:
         return [DECODER + name]
     if name.startswith("lm_head."):
         return [name]
+    for ours, theirs in VISION_PREFIXES.items():
+        if name.startswith(ours):
+            return [theirs + name[len(ours):]]
     m = re.fullmatch(r"(layers\.\d+\.experts\.(?:gate_up|down)_proj)\.weight", name)
     if m:
         name = m.group(1)
@@ -93,20 +100,27 @@ def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def load_configs(path: str | Path) -> tuple[ModelConfig, GenerationConfig]:
     """Read config.json and generation_config.json (reference defaults when the latter is absent)."""
+    cfg, gen, _ = _load_configs(path)
+    return cfg, gen
+
+
+def _load_configs(path: str | Path) -> tuple[ModelConfig, GenerationConfig, VisionConfig | None]:
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
     try:
-        cfg = ModelConfig.from_hf_dict(read_json(directory / "config.json"), source=str(directory / "config.json"))
+        raw = read_json(directory / "config.json")
+        cfg = ModelConfig.from_hf_dict(raw, source=str(directory / "config.json"))
+        vision = VisionConfig.from_hf_dict(raw, source=str(directory / "config.json"))
         gen_path = directory / "generation_config.json"
         gen = GenerationConfig.from_hf_dict(read_json(gen_path), source=str(gen_path)) if gen_path.exists() else GenerationConfig()
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    return cfg, gen
+    return cfg, gen, vision
 
 
 def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-         window_kind: str = "anchored", attention: str = "flex") -> DiffusionGemma:
+         window_kind: str = "anchored", attention: str = "flex", vision: bool | None = None) -> DiffusionGemma:
     """Load a DiffusionGemma checkpoint directory.
 
     Args:
@@ -114,6 +128,10 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
         dtype: parameter dtype; None keeps the checkpoint's (float32 when mixed).
         device: where the weights go.
         window_kind, attention: see `DiffusionGemma` ("anchored"/"symmetric" windows; "flex"/"dense" attention).
+        vision: the vision tower and embedder of a multimodal checkpoint (`model.vision`, `vision.VisionEncoder`):
+            None (default) loads them when the checkpoint can take images (a `vision_config` and an image token id
+            inside the vocabulary; otherwise one log line says why not); True requires them; False leaves them on
+            disk. Without them `model.vision` is None and prompts with images are refused.
     Returns:
         The model in eval mode, with `.generation_config` (a `GenerationConfig`) and `.checkpoint_dir` set; for a
         quantized checkpoint also `.quant_scheme` (the `quant.SCHEMES` name it runs as) and `.quant_report` (a
@@ -131,7 +149,14 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise CheckpointError(f"device: {device!r} is not a torch device ({e})") from None
-    cfg, gen = load_configs(directory)
+    if vision is not None and not isinstance(vision, bool):
+        raise CheckpointError(f"vision: must be None, True or False, got {vision!r}")
+    cfg, gen, vision_cfg = _load_configs(directory)
+    why_not = "config.json has no vision_config" if vision_cfg is None else vision_cfg.unusable(cfg.vocab_size)
+    if vision and why_not:
+        raise CheckpointError(f"{directory / 'config.json'}: vision=True, but the checkpoint cannot take images: "
+                              f"{why_not}")
+    with_vision = vision_cfg is not None and why_not is None and vision is not False
     fmt = _stored_format(directory)
     files = _index(directory)
     headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
@@ -143,7 +168,8 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
     header = {k: headers[f][k] for k, f in files.items()}
 
     with torch.device("meta"):
-        model = DiffusionGemma(cfg, window_kind=window_kind, attention=attention)
+        model = DiffusionGemma(cfg, window_kind=window_kind, attention=attention,
+                               vision=vision_cfg if with_vision else None)
     expected = model.state_dict()
     kinds = checkpoint.quantizable(model) if fmt is not None else {}
     quantized: dict[str, checkpoint.StoredWeight] = {}
@@ -168,7 +194,7 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             raise CheckpointError(f"{files[key]}: tensor {key} has dtype {dt}, expected one of {sorted(FLOAT_DTYPES)}")
         sources[name] = key
     used = set(sources.values()) | {k for s in quantized.values() for k in s.all_keys()}
-    ignored = [k for k in files if k.startswith(IGNORED_PREFIXES)]
+    ignored = [k for k in files if k.startswith(IGNORED_PREFIXES)] if model.vision is None else []
     for key in files:
         tied_head = key == "lm_head.weight" and model.lm_head is None
         if key in used or key in ignored or tied_head or _is_shared_duplicate(key, used):
@@ -177,9 +203,11 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             raise CheckpointError(f"{files[key]}: tensor {key}: the lm_head is stored quantized, but config.json ties "
                                   "it to the embeddings (tie_word_embeddings is true); quantize with lm_head in the "
                                   "recipe's ignore list (dg.quantize makes the tied copies itself)")
-        raise CheckpointError(f"{files[key]}: unexpected tensor {key} (not part of DiffusionGemma's text model)")
+        raise CheckpointError(f"{files[key]}: unexpected tensor {key} (not part of DiffusionGemma's "
+                              f"{'text model' if model.vision is None else 'text model or vision encoder'})")
     if ignored:
-        log.info("ignoring %d vision-tower tensors in %s (text-only model)", len(ignored), directory)
+        log.info("ignoring %d vision-tower tensors in %s (%s)", len(ignored), directory,
+                 "vision=False" if vision is False else why_not or "no vision_config")
 
     ckpt_dtypes = {header[k][0] for k in sources.values() if not k.endswith("layer_scalar")}
     target = dtype or (FLOAT_DTYPES[ckpt_dtypes.pop()] if len(ckpt_dtypes) == 1 else torch.float32)

@@ -15,6 +15,13 @@ Sliding windows of W (`sliding_window`):
 - "symmetric" (the seed article, vLLM's kernels): denoise queries see keys with |q_pos - k_pos| <= W (2W+1
   keys); encoder rows keep the anchored causal window.
 
+Image groups (`groups_BT`, int64 [B, T], optional): the encoder's bidirectional image-group overlay of transformers'
+DiffusionGemma (`use_bidirectional_attention == "vision"`: `get_block_sequence_ids_for_mask` -> `blockwise_overlay`,
+OR'ed onto the causal mask of every layer type, windowed or not). groups[b, i] >= 0 names the contiguous run of image
+soft tokens block token i belongs to, -1 a text token; on encoder rows a real query of group g also sees every real
+block key of group g (later ones included, and beyond the sliding window). Groups are block-local: an image group is
+encoded whole in one forward (`images.py`), so a committed key never shares a query's group. Denoise rows ignore them.
+
 Padded keys (committed slots >= lengths[b], block slots >= n_new[b]) are never visible. Padded queries
 (i >= n_new[b]) see exactly their own block slot, so no row of scores is all masked (no NaN).
 
@@ -43,6 +50,7 @@ def dense_block_mask(
     cache_slots: int,
     sliding_window: int | None = None,
     window_kind: str = "anchored",
+    groups_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The dense boolean mask [B, T, S+T] (True = visible) for the layout above.
 
@@ -53,8 +61,10 @@ def dense_block_mask(
         block_len: T. cache_slots: S.
         sliding_window: W, or None for a full-attention layer.
         window_kind: "anchored" (reference) or "symmetric".
+        groups_BT: int64 [B, T] image group of each block token (-1: text), or None: the image-group overlay
+            (`dense_image_group_mask`) OR'ed in on encoder rows.
     Raises:
-        ValueError: unknown `window_kind` or a non-positive `sliding_window`.
+        ValueError: unknown `window_kind`, a non-positive `sliding_window`, or `groups_BT` not int64 [B, T].
     """
     if window_kind not in WINDOW_KINDS:
         raise ValueError(f"window_kind must be one of {WINDOW_KINDS}, got {window_kind!r}")
@@ -87,9 +97,28 @@ def dense_block_mask(
         else:
             den_window = (q_pos - k_pos).abs() <= W
         visible = visible & torch.where(causal, enc_window, den_window)
+    if groups_BT is not None:
+        _check_groups(groups_BT, lengths_B.shape[0], T)
+        visible = visible | (causal & real_key & dense_image_group_mask(groups_BT, cache_slots=S))
     real_query = i < n
     own_slot = ~in_cache & (j == i)
     return torch.where(real_query, visible, own_slot)
+
+
+def _check_groups(groups_BT: torch.Tensor, B: int, T: int | None) -> None:
+    if (not isinstance(groups_BT, torch.Tensor) or groups_BT.dtype != torch.int64 or groups_BT.dim() != 2
+            or groups_BT.shape[0] != B or (T is not None and groups_BT.shape[1] != T)):
+        got = f"{groups_BT.dtype} {tuple(groups_BT.shape)}" if isinstance(groups_BT, torch.Tensor) else repr(groups_BT)
+        raise ValueError(f"groups_BT must be an int64 tensor [B={B}, T{'' if T is None else '=' + str(T)}], got {got}")
+
+
+def dense_image_group_mask(groups_BT: torch.Tensor, *, cache_slots: int) -> torch.Tensor:
+    """The image-group overlay alone, dense bool [B, T, S+T]: True where query i and block key j belong to the same
+    image group (groups_BT[b, i] == groups_BT[b, j] >= 0); committed keys never (groups are block-local).
+    `image_group_mask_mod` is checked against it; `dense_block_mask(groups_BT=...)` ORs it in on encoder rows."""
+    B, T = groups_BT.shape
+    same = (groups_BT[:, :, None] == groups_BT[:, None, :]) & (groups_BT[:, :, None] >= 0)
+    return torch.cat([torch.zeros(B, T, cache_slots, dtype=torch.bool, device=groups_BT.device), same], dim=-1)
 
 
 # --- FlexAttention ---------------------------------------------------------------------------------------------------
@@ -127,6 +156,32 @@ def _visible(L, n, causal, q_idx, kv_idx, S: int, W: int | None, window_kind: st
     return torch.where(q_idx < n, visible, _and(~in_cache, j == q_idx))
 
 
+def _same_group(groups_BT: torch.Tensor, b, q_idx, kv_idx, S: int):
+    """The image-group overlay at (q_idx, kv_idx) of row b: a block key in the query's image group (index math and
+    reads of the captured `groups_BT` only)."""
+    j = torch.where(kv_idx < S, 0, kv_idx - S)  # a valid index for committed keys too (masked out below)
+    g_q = groups_BT[b, q_idx]
+    return _and(kv_idx >= S, _and(g_q >= 0, g_q == groups_BT[b, j]))
+
+
+def image_group_mask_mod(groups_BT: torch.Tensor, *, cache_slots: int):
+    """The FlexAttention mask_mod of `dense_image_group_mask` (Q_LEN = T, KV_LEN = S + T), capturing `groups_BT`
+    (int64 [B, T]; a graph input when compiled). On its own it is the overlay, not a whole mask: `block_mask_mod`
+    takes `groups_BT` to compose it with causality, windows and padding.
+
+    Raises:
+        ValueError: `groups_BT` not an int64 [B, T] tensor.
+    """
+    _check_groups(groups_BT, groups_BT.shape[0] if isinstance(groups_BT, torch.Tensor) else -1, None)
+    S = cache_slots
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return _same_group(groups_BT, b, q_idx, kv_idx, S)
+
+    mask_mod.__name__ = mask_mod.__qualname__ = f"image_groups_S{S}"
+    return mask_mod
+
+
 def block_mask_mod(
     lengths_B: torch.Tensor,
     n_new_B: torch.Tensor | None,
@@ -135,6 +190,7 @@ def block_mask_mod(
     cache_slots: int,
     sliding_window: int | None = None,
     window_kind: str = "anchored",
+    groups_BT: torch.Tensor | None = None,
 ):
     """A FlexAttention mask_mod for the layout above: `mask_mod(b, h, q_idx, kv_idx)` equals
     `dense_block_mask(lengths_B, n_new_B, causal_B, block_len=T, cache_slots=S, ...)[b, q_idx, kv_idx]`.
@@ -155,12 +211,14 @@ def block_mask_mod(
         causal_B: bool [B], True for encoder rows, False for denoise rows; or one bool for every row.
         cache_slots: S. sliding_window: W, or None for a full-attention layer.
         window_kind: "anchored" (reference) or "symmetric".
+        groups_BT: int64 [B, T] image group per block token (-1: text), or None: the image-group overlay OR'ed in
+            on encoder rows (`dense_block_mask`'s; a captured tensor like the others).
     Returns:
         mask_mod with `__name__` like `block_mask_S64_W16_anchored_causal` (`..._full_...` without a window;
-        `_mixed` when causality is per row).
+        `_mixed` when causality is per row; `_groups` with the image-group overlay).
     Raises:
-        ValueError: unknown `window_kind`, non-positive `sliding_window`, `causal_B` not bool, or per-row tensors
-        that are not 1-D of one length.
+        ValueError: unknown `window_kind`, non-positive `sliding_window`, `causal_B` not bool, per-row tensors
+        that are not 1-D of one length, or `groups_BT` not int64 [B, ...].
     """
     if window_kind not in WINDOW_KINDS:
         raise ValueError(f"window_kind must be one of {WINDOW_KINDS}, got {window_kind!r}")
@@ -173,15 +231,27 @@ def block_mask_mod(
         raise ValueError(f"causal_B must be a bool tensor or a bool, got {type(causal_B).__name__}")
     if any(t.dim() != 1 or t.shape != lengths_B.shape for t in per_row):
         raise ValueError(f"per-row tensors must be 1-D of one length, got {[tuple(t.shape) for t in per_row]}")
+    if groups_BT is not None:
+        _check_groups(groups_BT, lengths_B.shape[0], None)
     S, W = cache_slots, sliding_window
     static_mode = isinstance(causal_B, bool)
 
     def mask_mod(b, h, q_idx, kv_idx):
         n = n_new_B[b] if n_new_B is not None else None
-        return _visible(lengths_B[b], n, causal_B if static_mode else causal_B[b], q_idx, kv_idx, S, W, window_kind)
+        causal = causal_B if static_mode else causal_B[b]
+        visible = _visible(lengths_B[b], n, causal, q_idx, kv_idx, S, W, window_kind)
+        if groups_BT is None or causal is False:  # Python constants: resolved when the factory runs
+            return visible
+        overlay = _same_group(groups_BT, b, q_idx, kv_idx, S)
+        if n is not None:  # real queries and keys only (padded tokens carry -1 by contract; not relied on)
+            overlay = _and(_and(q_idx < n, kv_idx - S < n), overlay)
+        if causal is not True:
+            overlay = _and(causal, overlay)
+        return torch.where(overlay, True, visible)
 
     mode = ("causal" if causal_B else "bidir") if static_mode else "mixed"
-    mask_mod.__name__ = f"block_mask_S{S}_" + ("full" if W is None else f"W{W}_{window_kind}") + f"_{mode}"
+    mask_mod.__name__ = (f"block_mask_S{S}_" + ("full" if W is None else f"W{W}_{window_kind}") + f"_{mode}"
+                         + ("_groups" if groups_BT is not None else ""))
     mask_mod.__qualname__ = mask_mod.__name__
     return mask_mod
 

@@ -30,6 +30,7 @@ from .masks import flex_block_attention
 from .ops import MOE_IMPLS
 from .plan import ForwardPlan
 from .uniform import denoise_block, encode_block
+from .vision import VisionConfig, VisionEncoder
 
 ATTENTION_BACKENDS = ("flex", "dense")
 
@@ -285,10 +286,12 @@ class DiffusionGemma(nn.Module):
     default: one code path for eager, compiled, CPU and GPU) or softmax attention on dense masks ("dense", the test
     reference). `moe_impl` is the default implementation of the routed experts (one of `ops.MOE_IMPLS`; "loop",
     transformers' summation order, by default); the forward calls take a `moe_impl` that overrides it per call.
+    `vision` (a `vision.VisionConfig`, multimodal checkpoints) adds `self.vision`, the vision tower and embedder
+    (`vision.VisionEncoder`; None without): it runs only on prompts with images (`images.py`), never in a step.
     """
 
     def __init__(self, config: ModelConfig, *, window_kind: str = "anchored", attention: str = "flex",
-                 moe_impl: str = "loop"):
+                 moe_impl: str = "loop", vision: "VisionConfig | None" = None):
         super().__init__()
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
@@ -308,6 +311,7 @@ class DiffusionGemma(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
         self.sc_embedding: nn.Linear | None = None  # `quant.quantize`: the embeddings as a [V -> D] projection
+        self.vision: VisionEncoder | None = VisionEncoder(vision, config.hidden_size) if vision is not None else None
         self.init_buffers(self.embed_tokens.weight.device)
 
     def init_buffers(self, device: torch.device | str) -> None:
@@ -318,6 +322,8 @@ class DiffusionGemma(nn.Module):
         for lt in sorted(set(cfg.layer_types)):
             head_dim, _ = cfg.layer_kind(lt)
             self.register_buffer(f"inv_freq_{lt}", rope_inv_freq(cfg.rope[lt], head_dim).to(device), persistent=False)
+        if self.vision is not None:
+            self.vision.init_buffers(device)
 
     # ----- public API -------------------------------------------------------------------------------------------
     @property
@@ -406,7 +412,8 @@ class DiffusionGemma(nn.Module):
     # ----- the forward entry points (unchecked, no host synchronisation: what the steps call) -------------------
     def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,
                      self_conditioning_logits: torch.Tensor | None = None, moe_impl: str | None = None,
-                     self_conditioning_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                     self_conditioning_embeds: torch.Tensor | None = None,
+                     input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of rows in different modes (`plan.py`): encoder rows (prefill chunk or commit) embed their
         ids and commit their real tokens; denoise rows take the self-conditioned embedding of their canvas (the
         signal of `self_conditioning_logits` [B, T, V] where `plan.self_conditioning`, zero elsewhere); idle rows
@@ -415,8 +422,10 @@ class DiffusionGemma(nn.Module):
         embedding (`self_conditioning_embedding`; what the generators carry), in place of `self_conditioning_logits`.
         Either may cover only the first T' < T tokens ([B, T', ...]: a fused mixed plan's denoise rows hold their
         canvas there); the signal is zero after them. The model builds no plan: callers do (`plan.build_plan`,
-        `plan.PlanBuffers`; `uniform.py` for the uniform passes)."""
-        embeds = self._embed(ids_BT)
+        `plan.PlanBuffers`; `uniform.py` for the uniform passes). `input_embeds` [B, T, D] (model dtype): the
+        input embeddings of an encoder plan in place of embedding `ids_BT` (a prompt's image soft tokens scattered
+        into its placeholder positions, `images.embed_with_images`)."""
+        embeds = self._embed(ids_BT) if input_embeds is None else input_embeds
         sc = plan.self_conditioning
         den = plan.denoise_tokens
         if den is False:

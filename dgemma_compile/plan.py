@@ -90,6 +90,9 @@ class ForwardPlan:
     mask_rows: tuple[torch.Tensor, ...] = ()
     """Per-row tensors the masks capture that no other field holds (a mixed plan's encoder rows, bool [B]; a fused
     one's commit + denoise rows too), so that `PlanBuffers` refills them."""
+    groups: torch.Tensor | None = None
+    """int64 [B, T]: the image group of each block token (-1: text) of an encoder plan whose prompt holds images
+    (`masks.py`'s image-group overlay, `images.py`), or None."""
 
 
 QUERY_KINDS = ("encoder", "canvas")
@@ -104,7 +107,8 @@ def query_kind(mode: str | torch.Tensor) -> str:
 
 def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
                self_conditioning: torch.Tensor | None = None, check_values: bool = True,
-               kernel_options: dict | None = None, block_masks: bool = True, canvas: int | None = None) -> ForwardPlan:
+               kernel_options: dict | None = None, block_masks: bool = True, canvas: int | None = None,
+               groups: torch.Tensor | None = None) -> ForwardPlan:
     """The plan of one forward of T block tokens per row over `cache` (its current `lengths`).
 
     Args:
@@ -127,13 +131,17 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
             engine's commit fusion): `COMMIT_DENOISE` rows as in a uniform "commit+denoise" plan (n_new <= C
             committed tokens, the canvas in the second half), DENOISE rows with their canvas in the first half
             (C real tokens, the second half idle), encoder rows over all T.
+        groups: int64 [B, T], the image group of each block token (-1: text) for mode "encoder": the encoder's
+            bidirectional image-group overlay in every layer type's mask (`masks.block_mask_mod`); a group must lie
+            whole in this block (`images.py` encodes each group in one forward). None: none.
     Returns:
         A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
         a uniform plan.
     Raises:
         ValueError: an unknown mode (a mixed plan's mode values only with `check_values`, which reads the device),
-            a missing `n_new`, per-row tensors whose shape is not [B], an odd T for "commit+denoise", or a `canvas`
-            given with a uniform mode or other than T or T / 2.
+            a missing `n_new`, per-row tensors whose shape is not [B], an odd T for "commit+denoise", a `canvas`
+            given with a uniform mode or other than T or T / 2, or `groups` with a mode other than "encoder" or not
+            int64 [B, T].
     """
     B, S, dev = cache.batch_size, cache.max_seq_len, cache.lengths.device
     lengths = cache.lengths
@@ -142,6 +150,12 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
     mask_args = None  # (real, causal) of `block_mask_mod`; None: the commit fusion mask
     fused = False  # a fused mixed plan (`canvas` = T / 2): per-row commit fusion
     mask_rows: tuple[torch.Tensor, ...] = ()
+    if groups is not None and (not isinstance(mode, str) or mode != "encoder" or not isinstance(groups, torch.Tensor)
+                               or groups.dtype != torch.long or groups.shape != (B, T)):
+        got = f"{groups.dtype} {tuple(groups.shape)}" if isinstance(groups, torch.Tensor) else type(groups).__name__
+        raise ValueError(f"groups: only for mode 'encoder', an int64 tensor [B={B}, T={T}]; got {got} with mode "
+                         f"{mode if isinstance(mode, str) else 'mixed'!r}")
+    group_kw = {} if groups is None else {"groups_BT": groups}
     if isinstance(mode, str):
         if canvas is not None:
             raise ValueError(f"canvas: only for a mixed plan (mode a tensor), got {canvas} with mode {mode!r}")
@@ -222,12 +236,12 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
                 mask_mod = commit_denoise_mask_mod(lengths, n_new, canvas=T // 2, cache_slots=S, **window)
                 masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
         elif model.attention == "dense":
-            masks[lt] = dense_block_mask(lengths, *mask_args, block_len=T, cache_slots=S, **window)
+            masks[lt] = dense_block_mask(lengths, *mask_args, block_len=T, cache_slots=S, **window, **group_kw)
             if fused:
                 cd = dense_commit_denoise_mask(lengths, n_B, canvas=C, cache_slots=S, **window)
                 masks[lt] = torch.where(fused_rows[:, None, None], cd, masks[lt])
         elif block_masks:
-            mask_mod = block_mask_mod(lengths, *mask_args, cache_slots=S, **window)
+            mask_mod = block_mask_mod(lengths, *mask_args, cache_slots=S, **window, **group_kw)
             if fused:
                 mask_mod = select_mask_mod(fused_rows, commit_denoise_mask_mod(lengths, n_B, canvas=C, cache_slots=S,
                                                                                **window), mask_mod)
@@ -235,7 +249,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
     return ForwardPlan(mode=mode_B, encoder_tokens=encoder_tokens, denoise_tokens=denoise_tokens, real=real,
                        commit=commit, slots=slots, self_conditioning=self_conditioning, positions=positions, rope=rope,
                        masks=masks, kernel_options=dict((kernel_options or {}).get(query_kind(mode), {})),
-                       mask_rows=mask_rows)
+                       mask_rows=mask_rows, groups=groups)
 
 
 class PlanBuffers:
@@ -339,7 +353,7 @@ def _plan_tensors(plan: ForwardPlan, masks: bool = True) -> list[torch.Tensor]:
                 found.append(t)
 
     for t in (plan.mode, plan.encoder_tokens, plan.denoise_tokens, plan.real, plan.commit, plan.slots,
-              plan.self_conditioning, plan.positions, *plan.mask_rows):
+              plan.self_conditioning, plan.positions, *plan.mask_rows, plan.groups):
         add(t)
     for lt in sorted(plan.rope):
         for t in plan.rope[lt]:

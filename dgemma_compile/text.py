@@ -9,6 +9,9 @@ whichever door it came through:
   `chat_template.jinja` first, else the `chat_template` entry of `tokenizer_config.json`), rendered, tokenized
   without special tokens (as `apply_chat_template` does), with exactly one BOS at position 0: added when the
   template does not render `{{ bos_token }}`, never doubled when it does.
+- images (`ImageSlots`, the `images=` argument of both): each image placeholder token in the text (the chat
+  template renders one per image part) becomes boi + N image tokens + eoi, N the image's soft tokens, as transformers'
+  Gemma4Processor writes them; a raw prompt without placeholders gets one per image at its start.
 - `Detokenizer`: the text of a growing token sequence as deltas that never need retracting.
 - `StopStrings`: stop strings on that text (the text shown never contains one, across blocks too); it decides which
   rows the generator's per-request stop hook ends (`generate(..., stop=...)`).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .config import ConfigError
@@ -78,14 +82,62 @@ def with_one_bos(ids: Sequence[int], bos_token_id: int | None) -> list[int]:
     return [bos_token_id] + ids[start:]
 
 
-def encode_prompt(tokenizer, text: str, *, bos_token_id: int | None) -> list[int]:
+@dataclass(frozen=True)
+class ImageSlots:
+    """The placeholders of a prompt's images: the tokenizer's strings of the image, boi and eoi tokens and each
+    image's soft tokens, in order (`preprocess.num_soft_tokens`). `for_model` reads the strings from the model's
+    vision config through the tokenizer."""
+
+    image_token: str
+    boi_token: str
+    eoi_token: str
+    soft_tokens: tuple[int, ...]
+
+    @classmethod
+    def for_model(cls, tokenizer, model, soft_tokens: Sequence[int]) -> "ImageSlots":
+        """Raises ConfigError when the model has no vision encoder or the tokenizer lacks one of the ids."""
+        vision = getattr(model, "vision", None)
+        if vision is None:
+            raise ConfigError("image: this model has no vision encoder")
+        c = vision.config
+        names = []
+        for name, i in (("image_token_id", c.image_token_id), ("boi_token_id", c.boi_token_id),
+                        ("eoi_token_id", c.eoi_token_id)):
+            tok = tokenizer.convert_ids_to_tokens(i) if i is not None and i < len(tokenizer) else None
+            if tok is None:
+                raise ConfigError(f"{name}: {i} is not a token of the checkpoint's tokenizer")
+            names.append(tok)
+        return cls(*names, soft_tokens=tuple(int(n) for n in soft_tokens))
+
+    def expand(self, text: str, name: str = "prompt", *, prepend: bool = False) -> str:
+        """`text` with each image placeholder replaced by boi + N image tokens + eoi (the processor's
+        `replace_image_token`); `prepend`: a text without placeholders gets one per image at its start first.
+        Raises ConfigError naming `name` when placeholders and images differ in number."""
+        found = text.count(self.image_token)
+        if found == 0 and prepend:
+            text, found = self.image_token * len(self.soft_tokens) + text, len(self.soft_tokens)
+        if found != len(self.soft_tokens):
+            raise ConfigError(f"{name}: {found} image placeholders ({self.image_token}) but {len(self.soft_tokens)} "
+                              f"images")
+        parts = text.split(self.image_token)
+        out = parts[0]
+        for n, part in zip(self.soft_tokens, parts[1:]):
+            out += self.boi_token + self.image_token * n + self.eoi_token + part
+        return out
+
+
+def encode_prompt(tokenizer, text: str, *, bos_token_id: int | None, images: ImageSlots | None = None) -> list[int]:
     """Token ids of raw text: the tokenizer's own encoding (special tokens as its post-processor adds them), with
     exactly one BOS at position 0 when `bos_token_id` is not None (pass the model's `config.bos_token_id`).
+    `images`: the text's image placeholders expanded (`ImageSlots.expand`; without any, one per image is put first).
 
     Raises:
-        ConfigError: `prompt` is empty or holds characters the tokenizer cannot encode.
+        ConfigError: `prompt` is empty or holds characters the tokenizer cannot encode; placeholders and images that
+            differ in number.
     """
     check_encodable(tokenizer, text, "prompt")
+    if images is not None:
+        text = images.expand(text, "prompt", prepend=True)
     return with_one_bos(tokenizer(text)["input_ids"], bos_token_id)
 
 
@@ -116,16 +168,18 @@ def _texts(content: Any) -> list[str]:
 
 
 def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_id: int | None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, images: ImageSlots | None = None) -> list[int]:
     """Token ids of a chat through the checkpoint's own template, with exactly one BOS at position 0 when
     `bos_token_id` is not None. The rendered text is tokenized without special tokens, as `apply_chat_template`
     does, so a template that writes `{{ bos_token }}` gives the only BOS and one that does not gets it prepended.
 
     Every message's text is checked as `encode_prompt` checks a prompt, named by role (`prompt` for the user,
-    `system`, ...).
+    `system`, ...). `images`: the images of the messages' `{"type": "image"}` parts, in order; the placeholders the
+    template renders for them are expanded (`ImageSlots.expand`).
 
     Raises:
-        ConfigError: no template, a template error (e.g. a role it refuses), empty or unencodable text.
+        ConfigError: no template, a template error (e.g. a role it refuses), empty or unencodable text, a template
+            that renders another number of image placeholders than there are images (named `chat template`).
     """
     try:
         import jinja2
@@ -149,6 +203,8 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_i
                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
     except jinja2.TemplateError as e:
         raise ConfigError(f"chat template: {e}") from None
+    if images is not None:
+        rendered = images.expand(rendered, "chat template")
     return with_one_bos(tokenizer(rendered, add_special_tokens=False)["input_ids"], bos_token_id)
 
 
@@ -261,5 +317,5 @@ class StopStrings:
         return delta
 
 
-__all__ = ["Detokenizer", "StopStrings", "check_stop_strings", "chat_template", "check_encodable", "encode_chat", "encode_prompt", "user_messages",
+__all__ = ["Detokenizer", "ImageSlots", "StopStrings", "check_stop_strings", "chat_template", "check_encodable", "encode_chat", "encode_prompt", "user_messages",
            "with_one_bos"]

@@ -61,6 +61,8 @@ from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.bucket import Bucket
 from dgemma_compile.finish import finalize_row
 from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
+from dgemma_compile.images import ImagePrompt, prefill_images
+from dgemma_compile.images import prepare as prepare_images
 from dgemma_compile.model import DiffusionGemma
 from dgemma_compile.phases import Phase, RowMirror, stepping_phases
 from dgemma_compile.text import StopStrings
@@ -120,6 +122,9 @@ class Request:
     logprobs: int | None = None
     """k >= 0: each block event carries the log-probabilities of its tokens and the k most likely alternatives
     (`BlockEvent.logprobs`; k at most the bucket's `max_logprobs`); None: none."""
+    images: ImagePrompt | None = None
+    """The prompt's images (`images.prepare`): its image prefix is encoded into its row at admission
+    (`images.prefill_images`, static KV cache only); None: a text prompt."""
 
 
 @dataclass
@@ -233,19 +238,23 @@ class Engine:
                             compiled=None if bk.unit is None else bool(calls)))
         return out
 
-    def check_request(self, prompt: Sequence[int], config: GenerationConfig, seed: int) -> GenerationConfig:
+    def check_request(self, prompt: Sequence[int], config: GenerationConfig, seed: int,
+                      images: ImagePrompt | None = None) -> GenerationConfig:
         """Validate one request against the model and this engine's bucket; returns the resolved config.
 
         Raises:
             ConfigError: as `generate.plan_requests` (empty prompt, ids outside the vocabulary, prompt +
                 max_new_tokens beyond the model's context, bad seed); committed slots beyond the cache
                 (`max_seq_len`); more denoise steps than the temperature table; a structural field different from the
-                engine's.
+                engine's; image placeholders in a prompt without `images` (as the generators refuse them).
         """
-        return self._check(prompt, config, seed)[0]
+        return self._check(prompt, config, seed, images)[0]
 
-    def _check(self, prompt: Sequence[int], config: GenerationConfig, seed: int) -> tuple[GenerationConfig, int]:
+    def _check(self, prompt: Sequence[int], config: GenerationConfig, seed: int,
+               images: ImagePrompt | None = None) -> tuple[GenerationConfig, int]:
         cfgs, _, _, needed = plan_requests(self.model, [list(prompt)], config, seed)
+        if images is None:
+            prepare_images(self.model, [list(prompt)], None)  # raises for placeholders without their images
         cfg = cfgs[0]
         check_slots(needed, self.max_seq_len, "the server's max_seq_len")
         if self.memory is not None:
@@ -270,7 +279,11 @@ class Engine:
                                or not 0 <= lp <= self.max_logprobs):
             raise ConfigError(f"top_logprobs: must be an integer in [0, {self.max_logprobs}] (the server's "
                               f"--max-logprobs), got {lp!r}")
-        request.config, request.slots = self._check(request.prompt, request.config, request.seed)
+        request.config, request.slots = self._check(request.prompt, request.config, request.seed, request.images)
+        if request.images is not None and self.memory is not None:
+            raise ConfigError("images: a paged KV cache does not take images yet (its prefix cache keys pages by "
+                              "token ids)")
+
         request.prompt = list(request.prompt)
         if self.tokenizer is not None:
             request.matcher = StopStrings(self.tokenizer, request.stops)
@@ -432,8 +445,13 @@ class Engine:
                 if pages is not None:
                     row.prefilled = self.memory.admit(b, pages)
                     self.stats.prefix_hit_tokens += row.prefilled
+                if req.images is not None:  # the image prefix in forwards of its own; the step prefills the rest
+                    self.bucket.cache.reset_row(b)
+                    prefill_images(self.model, self.bucket.cache, b, req.prompt, req.images, chunk=self.C,
+                                   moe_impl=self.bucket.moe_impl)
+                    row.prefilled = req.images.prefix
                 self.bucket.admit(b, req.prompt, req.config, req.seed,
-                                  prefilled=row.prefilled if pages is not None else None)
+                                  prefilled=row.prefilled if pages is not None or req.images is not None else None)
                 self._dirty = True
             except Exception:  # noqa: BLE001 - a request that cannot be admitted ends alone; its row is freed
                 log.exception("request %d: admission failed; ending it alone", req.id)

@@ -6,8 +6,9 @@ neutral value and refused otherwise with a 400 naming the field and the values i
 `tool_choice` "none", `best_of` 1, `echo` false, `store` false, ...) and vLLM's sampling extensions
 (`repetition_penalty` 1, `top_k` -1 or 0, `min_p` 0, `min_tokens` 0). vLLM's `ignore_eos` is implemented (a bool:
 the request runs to `max_tokens`, its eos ids kept as ordinary tokens; `GenerationConfig.ignore_eos`).
-`user` and `metadata` are accepted and ignored. Chat content is a string or text parts; an `image_url` (or any
-other non-text) part is refused, never dropped.
+`user` and `metadata` are accepted and ignored. Chat content is a string or text and `image_url` parts (an
+`image_url` is decoded by the server: `data:` URLs only, on a model with a vision encoder; see `server.py`); any
+other part (audio, file) is refused, never dropped.
 
 Logprobs (what they are, and which tokens they cover: `server.py`): completions `logprobs: k` (an integer >= 0,
 OpenAI's legacy field; at most the server's `--max-logprobs`, checked by the server) -> `CompletionLogprobs`; chat
@@ -28,7 +29,7 @@ every k denoise steps of each block; see `server.py`).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -202,29 +203,52 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(BaseModel):
+    """OpenAI's image content part; `image_url.url` a `data:image/...;base64,` URL (the server decodes it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
-    """A message; `content` a string or text parts (an image, audio or file part is refused: text only)."""
+    """A message; `content` a string or text and image_url parts (an audio or file part is refused)."""
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: str | list[Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]]
     name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, v):
+    def _text_and_images(cls, v):
         if isinstance(v, list):
             for part in v:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind is not None and kind != "text":
+                if kind is not None and kind not in ("text", "image_url"):
                     raise ValueError(f"{json.dumps(kind)[:40]} content parts are not supported by this server "
-                                     "(text only)")
+                                     "(text and image_url only)")
         return v
 
     def template_dict(self) -> dict:
-        """The message as the chat template reads it."""
-        content = self.content if isinstance(self.content, str) else [p.model_dump() for p in self.content]
-        return {"role": self.role, "content": content}
+        """The message as the chat template reads it (an image part as {"type": "image"}, as transformers' chat
+        templates take it)."""
+        if isinstance(self.content, str):
+            return {"role": self.role, "content": self.content}
+        return {"role": self.role, "content": [{"type": "image"} if isinstance(p, ImageUrlPart) else p.model_dump()
+                                                for p in self.content]}
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, url) of each image part, in order."""
+        if isinstance(self.content, str):
+            return []
+        return [(j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImageUrlPart)]
 
 
 class ChatCompletionRequest(_Common):

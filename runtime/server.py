@@ -86,7 +86,8 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from dgemma_compile.config import ConfigError, GenerationConfig
-from dgemma_compile.text import chat_template, encode_chat, encode_prompt
+from dgemma_compile.images import prepare as prepare_images
+from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_prompt
 from . import protocol as P
 from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest
@@ -115,12 +116,18 @@ def _body(path: str) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+MAX_IMAGES = 8
+"""The most image_url parts one chat request may hold."""
+
+
 def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources=None,
                input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
     `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
-    `input_timeout_s`: seconds one request's parsing and tokenization may take (400 past it)."""
+    `image_sources`: where image_url parts may point and the limits (`preprocess.ImageSources`; default `data:` URLs
+    only, 8 MiB each; at most `MAX_IMAGES` per request; a refusal is a 400 naming the part); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
+    take (400 past it)."""
     app = FastAPI(title="dgemma serve")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     created = int(time.time())
@@ -193,12 +200,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         check_model(req.model)
         return req
 
-    async def tokenize(request: Request, fn, *args):
-        """`fn(*args)` (tokenization, template rendering) off the event loop, bounded (in place for a small body:
-        `limits.INLINE_BYTES`); ConfigError -> 400."""
+    async def tokenize(request: Request | None, fn, *args):
+        """`fn(*args)` (tokenization, template rendering, image reading) off the event loop, bounded; in place for a
+        small body (`limits.INLINE_BYTES`) of `request`; None: work the body's size does not bound (images: a short
+        URL can name a large one), always in a worker thread. ConfigError -> 400."""
         try:
             return await offload(fn, *args, timeout=input_timeout_s, what="tokenizing", param="prompt",
-                                 size=request.state.body_bytes)
+                                 size=None if request is None else request.state.body_bytes)
         except ConfigError as e:
             raise _config_error(e) from None
 
@@ -225,16 +233,19 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                                   f"{limit})", param=name)
         return k
 
-    def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None) -> list[EngineRequest]:
-        """Validate every choice, then queue them all (or none: 429)."""
+    def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
+               images=None) -> list[EngineRequest]:
+        """Validate every choice, then queue them all (or none: 429). `images`: the prompt's `images.ImagePrompt`
+        (one prompt), shared by its choices."""
         cfg = config_of(req)
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
-                                 on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs)
+                                 on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
+                                 images=images)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
-                c.config = engine.check_request(c.prompt, c.config, c.seed)
+                c.config = engine.check_request(c.prompt, c.config, c.seed, c.images)
         except ConfigError as e:
             raise _config_error(e) from None
         queued = []
@@ -247,11 +258,11 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         return choices
 
-    async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool):
+    async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool, images=None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
         k = logprobs_of(req, chat)
-        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k)
+        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images)
         index = {id(c): i for i, c in enumerate(choices)}
         lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]
         prompt_tokens = sum(len(p) for p in prompts)
@@ -322,8 +333,31 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     async def chat_completions(request: Request):
         req = await parse(request, P.ChatCompletionRequest)
         messages = [m.template_dict() for m in req.messages]
-        prompt = await tokenize(request, lambda: encode_chat(tokenizer, messages, bos_token_id=bos))
-        return await run(request, [prompt], req, chat=True)
+        parts = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
+        images, slots = await tokenize(None, read_images, parts) if parts else (None, None)
+        prompt = await tokenize(request, lambda: encode_chat(tokenizer, messages, bos_token_id=bos, images=slots))
+        item = (await tokenize(None, lambda: prepare_images(engine.model, [prompt], [images])))[0] if parts else None
+        return await run(request, [prompt], req, chat=True, images=item)
+
+    def read_images(parts: list[tuple[str, str]]) -> tuple[list, ImageSlots]:
+        """The images of a chat's image_url parts (`preprocess.open_image_url` under `image_sources`), preprocessed,
+        and their placeholders; ConfigError naming the part: a model without a vision encoder, a paged KV cache, too
+        many images, a URL not allowed, a bad image."""
+        from dgemma_compile.preprocess import ImageSources, num_soft_tokens, open_image_url, preprocess
+
+        model = engine.model
+        first = parts[0][0]
+        if getattr(model, "vision", None) is None:
+            raise ConfigError(f"{first}: image_url parts need a model with a vision encoder; this one has none")
+        if engine.memory is not None:
+            raise ConfigError(f"{first}: image_url parts need the static KV cache; this server runs a paged one "
+                              f"(--kv-page-size)")
+        if len(parts) > MAX_IMAGES:
+            raise ConfigError(f"{parts[MAX_IMAGES][0]}: more than the {MAX_IMAGES} images a request may hold")
+        sources = image_sources or ImageSources()
+        pil = [open_image_url(url, name, sources) for name, url in parts]
+        images = preprocess(model, pil)
+        return images, ImageSlots.for_model(tokenizer, model, [num_soft_tokens(model, im) for im in images])
 
     def tokenize_request(req: P.TokenizeRequest) -> list[int]:
         if req.messages is not None:

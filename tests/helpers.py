@@ -13,9 +13,11 @@ VOCAB_CHARS = string.ascii_lowercase + string.digits + " .,=+-"
 def hf_model(*, vocab_size=64, hidden_size=32, intermediate_size=48, layer_types=("sliding_attention", "full_attention"),
              num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
              sliding_window=4, num_experts=4, top_k_experts=2, moe_intermediate_size=16, canvas_length=8, seed=0,
-             **extra):
+             image_ids=None, **extra):
     """A float32 `DiffusionGemmaForBlockDiffusion` with random weights, non-trivial norm weights, router scales and
-    layer scalars (the encoder's differ from the decoder's), and a tiny vision tower."""
+    layer scalars (the encoder's differ from the decoder's), and a tiny vision tower. `image_ids` (image, boi, eoi)
+    puts the image token ids inside the vocabulary (transformers' defaults are outside a tiny one: such a checkpoint
+    loads text-only); `use_bidirectional_attention="vision"` (in `extra`) turns on the image-group mask."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, Gemma4VisionConfig
 
     torch.manual_seed(seed)
@@ -27,7 +29,8 @@ def hf_model(*, vocab_size=64, hidden_size=32, intermediate_size=48, layer_types
                 num_global_key_value_heads=num_global_key_value_heads, sliding_window=sliding_window,
                 num_experts=num_experts, top_k_experts=top_k_experts, moe_intermediate_size=moe_intermediate_size,
                 **extra)
-    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length)
+    ids = {} if image_ids is None else dict(zip(("image_token_id", "boi_token_id", "eoi_token_id"), image_ids))
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length, **ids)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -39,9 +42,13 @@ def hf_model(*, vocab_size=64, hidden_size=32, intermediate_size=48, layer_types
     return model
 
 
-def write_tokenizer(directory: Path) -> None:
-    """A character-level tokenizer (pad 0, eos 1, bos 2, unk last) with a chat template, saved as transformers
-    does."""
+IMAGE_TOKENS = ("<|image|>", "<|boi|>", "<|eoi|>")
+
+
+def write_tokenizer(directory: Path, images: bool = False) -> None:
+    """A character-level tokenizer (pad 0, eos 1, bos 2, unk) with a chat template, saved as transformers does;
+    `images`: also the image, boi and eoi tokens (`IMAGE_TOKENS`, ids `image_token_ids()`) and a template that renders
+    each {"type": "image"} part as the image token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -56,10 +63,22 @@ def write_tokenizer(directory: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                    unk_token="<unk>")
     fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if images:
+        fast.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+        fast.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+                              "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|image|>{% else %}"
+                              "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}")
     fast.save_pretrained(str(directory))
 
 
-def write_checkpoint(directory: Path, model=None, *, generation: dict | None = None, tokenizer: bool = False, **kw) -> Path:
+def image_token_ids() -> tuple[int, int, int]:
+    """The (image, boi, eoi) ids of `write_tokenizer(images=True)`: right after its characters and unk."""
+    first = 3 + len(VOCAB_CHARS) + 1
+    return first, first + 1, first + 2
+
+
+def write_checkpoint(directory: Path, model=None, *, generation: dict | None = None, tokenizer: bool = False,
+                     image_tokenizer: bool = False, **kw) -> Path:
     """save_pretrained a tiny model (built with `hf_model(**kw)` unless given) and optionally a generation config
     and a tokenizer. Returns the directory."""
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
@@ -68,8 +87,8 @@ def write_checkpoint(directory: Path, model=None, *, generation: dict | None = N
     if generation is not None:
         model.generation_config = DiffusionGemmaGenerationConfig(**generation)
     model.save_pretrained(str(directory))
-    if tokenizer:
-        write_tokenizer(directory)
+    if tokenizer or image_tokenizer:
+        write_tokenizer(directory, images=image_tokenizer)
     return Path(directory)
 
 

@@ -16,8 +16,9 @@ from dgemma_compile import rng
 COLD = dict(t_min=1e-6, t_max=2e-6, entropy_bound=0.1, confidence_threshold=0.005, stability_threshold=1)
 
 
-def transformers_generate(ref, prompts, seed, C, V, *, max_new_tokens, steps, eos=None):
-    """transformers' generate with each block's start canvas taken from our stream for `seed`."""
+def transformers_generate(ref, prompts, seed, C, V, *, max_new_tokens, steps, eos=None, **inputs):
+    """transformers' generate with each block's start canvas taken from our stream for `seed`; `inputs`: more
+    generate inputs (pixel_values, image_position_ids, mm_token_type_ids)."""
     original = G.DiffusionGemmaGenerationMixin._prepare_denoiser_inputs
     block = [0]
 
@@ -33,7 +34,8 @@ def transformers_generate(ref, prompts, seed, C, V, *, max_new_tokens, steps, eo
         out = ref.generate(torch.tensor(prompts), max_new_tokens=max_new_tokens, max_denoising_steps=steps,
                            t_min=COLD["t_min"], t_max=COLD["t_max"],
                            sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=COLD["entropy_bound"]),
-                           stability_threshold=1, confidence_threshold=COLD["confidence_threshold"], **extra)
+                           stability_threshold=1, confidence_threshold=COLD["confidence_threshold"], **extra,
+                           **inputs)
     finally:
         G.DiffusionGemmaGenerationMixin._prepare_denoiser_inputs = original
     return out

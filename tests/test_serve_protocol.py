@@ -257,6 +257,8 @@ def test_ignore_eos_runs_to_the_token_budget(server, demo):
     ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "add 1+2="},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages[0].content[1]"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": ""}}]}]},
      "messages"),
 ])
 def test_non_neutral_refused(server, body, param):
@@ -266,8 +268,10 @@ def test_non_neutral_refused(server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"]
+    if param == "messages[0].content[1]":  # the demo model takes no images
+        assert "image_url parts need a model with a vision encoder" in err["message"]
     if param == "messages":
-        assert "image_url" in err["message"]
+        assert "text and image_url only" in err["message"]
     if param == "logprobs":
         assert "--max-logprobs is 20" in err["message"]
     if param == "top_logprobs":

@@ -29,6 +29,8 @@ from ..bucket import Bucket
 from ..config import ConfigError, GenerationConfig
 from ..finish import finalize_row
 from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan_requests
+from ..images import ImagePrompt, prefill_images
+from ..images import prepare as prepare_images
 from ..model import DiffusionGemma
 from ..observe import STEP, UNIT, Observer, SpanTimer
 from ..ops.moe import resolve_moe_impl
@@ -134,8 +136,11 @@ class CompiledGenerator:
     def generate(self, prompts: Sequence[Sequence[int]],
                  config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
                  seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
-                 observer: Observer | None = None) -> GenerationOutput:
-        """Same contract as `dgemma_compile.generate(model, ...)`; requests progress independently here, so `on_block`
+                 observer: Observer | None = None, images: Sequence | None = None) -> GenerationOutput:
+        """Same contract as `dgemma_compile.generate(model, ...)` (`images` included: a request's image prefix is
+        encoded by `images.prefill_images` into its row when it is admitted, eagerly and outside the compiled step,
+        which then prefills the rest of the prompt as any prompt's, so the step's graphs are those of text-only
+        requests: no recompile when a request with images follows one without); requests progress independently here, so `on_block`
         and `stop` are called once per block index and iteration for the requests whose block ended in it (the
         others' entries empty; `stop`'s verdict applies to those requests only). `observer` also receives per-unit
         timings.
@@ -149,6 +154,7 @@ class CompiledGenerator:
         self.fingerprint.check(self.model)
         cfgs, prompts, seeds, needed = plan_requests(self.model, prompts, config, seed)
         check_slots(needed, self.options.max_seq_len, "CompileOptions.max_seq_len")
+        items = prepare_images(self.model, prompts, images)
         steps = max(c.max_denoising_steps for c in cfgs)
         if steps > self.options.max_denoising_steps:
             raise ConfigError(f"max_denoising_steps: {steps} is more than this generator's temperature table holds "
@@ -157,7 +163,8 @@ class CompiledGenerator:
         for view in bucket.views():
             if isinstance(view.step, CompiledUnit):
                 view.step.check_owners()
-        return _Driver(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer)).run(on_block, stop)
+        return _Driver(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer),
+                       items).run(on_block, stop)
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> float:
@@ -190,9 +197,11 @@ class _Driver:
     """One `generate` call over a bucket: admit, step, read the finished blocks, finalise (see the module docstring)."""
 
     def __init__(self, gen: CompiledGenerator, bucket: Bucket, prompts: list[list[int]],
-                 cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer):
+                 cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer,
+                 images: "list[ImagePrompt | None] | None" = None):
         self.gen, self.bucket, self.timer = gen, bucket, timer
         self.prompts, self.cfgs, self.seeds = prompts, cfgs, seeds
+        self.images = images or [None] * len(prompts)
         R = len(prompts)
         self.out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
                                     fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl)
@@ -240,8 +249,16 @@ class _Driver:
         for b, row in enumerate(self.rows):
             if row is None and self.queue:
                 r = self.queue.popleft()
-                self.bucket.admit(b, self.prompts[r], self.cfgs[r], self.seeds[r])
-                self.rows[b] = _Row(request=r)
+                item = self.images[r]
+                if item is None:
+                    self.bucket.admit(b, self.prompts[r], self.cfgs[r], self.seeds[r])
+                    self.rows[b] = _Row(request=r)
+                else:  # the image prefix in forwards of its own, then the row prefills the rest
+                    self.bucket.cache.reset_row(b)
+                    prefill_images(self.gen.model, self.bucket.cache, b, self.prompts[r], item,
+                                   chunk=self.gen.model.config.canvas_length, moe_impl=self.gen.moe_impl)
+                    self.bucket.admit(b, self.prompts[r], self.cfgs[r], self.seeds[r], prefilled=item.prefix)
+                    self.rows[b] = _Row(request=r, prefilled=item.prefix)
                 admitted = True
         return admitted
 

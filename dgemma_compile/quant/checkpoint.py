@@ -365,9 +365,11 @@ def build_experts(stored: StoredWeight, tensors: dict[str, torch.Tensor],
 # ----- the loaded model's report ------------------------------------------------------------------------------------
 def quantizable(model: nn.Module) -> dict[str, str]:
     """Parameters a checkpoint may store quantized: each `nn.Linear`'s weight ("linear") and each routed-expert
-    projection's ("experts")."""
+    projection's ("experts"). The vision encoder (`vision.*`) is not: it loads in float (`quantize.VISION_EXCLUDED`)."""
     kinds = {}
     for name, module in model.named_modules():
+        if name.startswith("vision."):
+            continue
         if isinstance(module, nn.Linear):
             kinds[f"{name}.weight"] = "linear"
         elif isinstance(module, ExpertProjection):

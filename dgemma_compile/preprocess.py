@@ -1,0 +1,195 @@
+"""Image files -> `images.Image`, through transformers' own Gemma4 image processor (the PIL one: no torchvision).
+
+`Gemma4ImageProcessorPil` resizes an image, keeping its aspect ratio, to sides that are multiples of
+patch_size x pooling_kernel_size pixels holding at most max_soft_tokens x pooling^2 patches, rescales to [0, 1] (no
+normalisation), and cuts it into patches (`pixel_values` [max_patches, 3 * patch^2], `image_position_ids`
+[max_patches, 2], (-1, -1) for padding; `num_soft_tokens_per_image`: the soft tokens the prompt must hold for it).
+The processor's settings come from the checkpoint's `processor_config.json` (its `image_processor` entry) or
+`preprocessor_config.json` when present, else from the vision config (patch and pooling sizes) and transformers'
+default budget of 280 soft tokens. Needs pillow (`pip install pillow`). `open_image_url` reads an OpenAI
+`image_url` (data:, file: inside an allowed directory, http(s) when allowed, with a size limit and a timeout).
+
+Every failure raises `ConfigError` naming the file or the parameter; nothing is half-read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ConfigError
+from .images import Image
+
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+"""The soft-token budgets the processor takes per image (`max_soft_tokens`)."""
+
+
+def _pil():
+    try:
+        from PIL import Image as PILImage
+        from PIL import UnidentifiedImageError
+    except ImportError:
+        raise ConfigError("image: reading images needs pillow (pip install pillow)") from None
+    return PILImage, UnidentifiedImageError
+
+
+def read_image(path: str | Path, *, max_bytes: int = 32 * 2**20):
+    """The image at `path` as an RGB PIL image, fully decoded. Raises `ConfigError` naming the file: missing, larger
+    than `max_bytes`, not an image, or truncated."""
+    PILImage, Unidentified = _pil()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"image: {p}: file not found")
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise ConfigError(f"image: {p}: {size} bytes, more than the {max_bytes} allowed")
+    try:
+        with PILImage.open(p) as im:
+            im.load()  # decode now: a truncated file fails here, not later
+            return im.convert("RGB")
+    except Unidentified:
+        raise ConfigError(f"image: {p}: not an image pillow can read") from None
+    except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
+        raise ConfigError(f"image: {p}: could not decode ({e})") from None
+
+
+def decode_data_url(url: str, name: str, *, max_bytes: int = 32 * 2**20):
+    """The image of a `data:image/...;base64,...` URL as an RGB PIL image, fully decoded. Raises `ConfigError` naming
+    `name` (e.g. the request part): another scheme, not base64, more than `max_bytes` decoded, not an image, or
+    truncated."""
+    import base64
+    import binascii
+
+    head, sep, data = url.partition(",")
+    if not url.startswith("data:") or not sep or not head.endswith(";base64"):
+        scheme = url.split(":", 1)[0][:16] if ":" in url else url[:16]
+        raise ConfigError(f"{name}: only data:image/...;base64 URLs are accepted, got a {scheme!r} URL")
+    if len(data) > (max_bytes * 4) // 3 + 4:
+        raise ConfigError(f"{name}: the image is more than the {max_bytes} bytes allowed")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{name}: the data URL is not valid base64") from None
+    if len(raw) > max_bytes:
+        raise ConfigError(f"{name}: the image is more than the {max_bytes} bytes allowed")
+    return _decode_bytes(raw, name)
+
+
+@dataclass(frozen=True)
+class ImageSources:
+    """Where an image URL may point, and the limits (the server's `--image-dir`, `--allow-image-urls`,
+    `--max-image-bytes`): `data:` URLs always; `file:` URLs (or absolute paths) only inside `directory`; `http(s)`
+    URLs only with `fetch`, read with a `timeout_s` per request and at most `max_bytes`."""
+
+    directory: Path | None = None
+    fetch: bool = False
+    max_bytes: int = 8 * 2**20
+    timeout_s: float = 10.0
+
+
+def open_image_url(url: str, name: str, sources: ImageSources = ImageSources()):
+    """The image an OpenAI `image_url` names, as an RGB PIL image, under `sources`' rules. Raises `ConfigError`
+    naming `name`: a scheme not allowed, a file outside the allowed directory, a fetch that fails, times out or
+    passes `max_bytes`, and everything `decode_data_url` / `read_image` refuse."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    scheme = urllib.parse.urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
+    if scheme == "data":
+        return decode_data_url(url, name, max_bytes=sources.max_bytes)
+    if scheme == "file" or (scheme == "" and url.startswith("/")):
+        if sources.directory is None:
+            raise ConfigError(f"{name}: local files are not served (the server was started without --image-dir)")
+        path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path) if scheme else url).resolve()
+        root = Path(sources.directory).resolve()
+        if not path.is_relative_to(root):
+            raise ConfigError(f"{name}: {path} is outside the allowed image directory")
+        try:
+            return read_image(path, max_bytes=sources.max_bytes)
+        except ConfigError as e:
+            raise ConfigError(f"{name}: {str(e).removeprefix('image: ')}") from None
+    if scheme in ("http", "https"):
+        if not sources.fetch:
+            raise ConfigError(f"{name}: http(s) image URLs are not fetched (the server was started without "
+                              f"--allow-image-urls)")
+        try:
+            with urllib.request.urlopen(url, timeout=sources.timeout_s) as resp:  # noqa: S310 (http(s) only)
+                raw = resp.read(sources.max_bytes + 1)
+        except TimeoutError:
+            raise ConfigError(f"{name}: fetching the image timed out after {sources.timeout_s} s") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            kind = "timed out" if isinstance(reason, TimeoutError) else f"failed ({reason})"
+            raise ConfigError(f"{name}: fetching the image {kind}") from None
+        if len(raw) > sources.max_bytes:
+            raise ConfigError(f"{name}: the image is more than the {sources.max_bytes} bytes allowed")
+        return _decode_bytes(raw, name)
+    raise ConfigError(f"{name}: unsupported image URL scheme {scheme or url[:16]!r} (data:, file: or http(s))")
+
+
+def _decode_bytes(raw: bytes, name: str):
+    import io
+
+    PILImage, Unidentified = _pil()
+    try:
+        with PILImage.open(io.BytesIO(raw)) as im:
+            im.load()
+            return im.convert("RGB")
+    except Unidentified:
+        raise ConfigError(f"{name}: not an image pillow can read") from None
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ConfigError(f"{name}: could not decode the image ({e})") from None
+
+
+def image_processor(model, directory: str | Path | None = None, *, max_soft_tokens: int | None = None):
+    """transformers' `Gemma4ImageProcessorPil` for `model`'s vision encoder (see the module docstring); `directory`
+    (default `model.checkpoint_dir`) may hold the processor's saved settings; `max_soft_tokens` overrides their
+    budget. Raises `ConfigError`: a model without a vision encoder, a budget not in `SOFT_TOKEN_BUDGETS`, unreadable
+    settings."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    if getattr(model, "vision", None) is None:
+        raise ConfigError("image: this model has no vision encoder (a text-only checkpoint, one whose image token id "
+                          "is outside its vocabulary, or loaded with vision=False)")
+    tower = model.vision.hf_config
+    settings = {"patch_size": tower.patch_size, "pooling_kernel_size": tower.pooling_kernel_size}
+    directory = directory if directory is not None else getattr(model, "checkpoint_dir", None)
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = Path(directory) / name if directory is not None else None
+        if path is not None and path.is_file():
+            try:
+                saved = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{path}: not valid JSON ({e})") from None
+            saved = saved.get("image_processor", saved) if isinstance(saved, dict) else {}
+            settings.update({k: saved[k] for k in ("max_soft_tokens",) if k in saved})
+            break
+    if max_soft_tokens is not None:
+        settings["max_soft_tokens"] = max_soft_tokens
+    budget = settings.get("max_soft_tokens", 280)
+    if budget not in SOFT_TOKEN_BUDGETS:
+        raise ConfigError(f"max_soft_tokens: must be one of {SOFT_TOKEN_BUDGETS}, got {budget!r}")
+    return Gemma4ImageProcessorPil(**settings)
+
+
+def preprocess(model, pil_images: Sequence, *, directory: str | Path | None = None,
+               max_soft_tokens: int | None = None) -> list[Image]:
+    """PIL images -> `images.Image`s for `model` (one processor call per image, so an image's patches never depend
+    on its batch mates); `len(image.pixel_values)` is the processor's max_patches, the soft tokens
+    (`num_soft_tokens(image)`) what its placeholder run must hold. Raises `ConfigError` as `image_processor`."""
+    proc = image_processor(model, directory, max_soft_tokens=max_soft_tokens)
+    out = []
+    for im in pil_images:
+        enc = proc(images=[im], return_tensors="pt")
+        out.append(Image(enc["pixel_values"][0], enc["image_position_ids"][0]))
+    return out
+
+
+def num_soft_tokens(model, image: Image) -> int:
+    """The soft tokens `model.vision` makes of `image`: its real patches / pooling^2 (what the processor's
+    `num_soft_tokens_per_image` says)."""
+    real = int((image.position_ids != -1).any(-1).sum())
+    return real // model.vision.pooling
