@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,7 @@ class GrammarLibrary:
             return c.compile_json_schema(schema, any_whitespace=False)
         except (RuntimeError, ValueError, TypeError) as e:
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
             raise ConstraintError(f"constraint: the grammar library cannot compile this {constraint.kind}: "
                                   f"{reason}") from None
 

@@ -59,7 +59,8 @@ import torch
 
 from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.bucket import Bucket
-from dgemma_compile.finish import finalize_row
+from dgemma_compile.constraint import Constraint, RowGrammar, row_grammars
+from dgemma_compile.finish import finalize_constrained, finalize_row
 from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
 from dgemma_compile.model import DiffusionGemma
 from dgemma_compile.phases import Phase, RowMirror, stepping_phases
@@ -120,6 +121,9 @@ class Request:
     logprobs: int | None = None
     """k >= 0: each block event carries the log-probabilities of its tokens and the k most likely alternatives
     (`BlockEvent.logprobs`; k at most the bucket's `max_logprobs`); None: none."""
+    constraint: Constraint | None = None
+    """The text's grammar (docs/constrained.md): each block keeps and commits the prefix it accepts; None: free."""
+    grammar: RowGrammar | None = None  # its matcher, made at `submit` (needs the engine's tokenizer)
 
 
 @dataclass
@@ -261,7 +265,9 @@ class Engine:
 
     def submit(self, request: Request) -> Request:
         """Queue a request (validated first). Thread-safe. Raises ConfigError (`check_request`;
-        `draft_every` not an int >= 0) or QueueFullError."""
+        `draft_every` not an int >= 0; a constraint without a tokenizer, or beyond the cache: its commits are the kept
+        prefixes, so it needs prompt + max_new_tokens - 1 committed slots), `constraint.ConstraintError` (a
+        constraint the grammar library cannot compile; its message starts "constraint:") or QueueFullError."""
         k = request.draft_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ConfigError(f"draft_every: must be an integer >= 0, got {k!r}")
@@ -272,6 +278,12 @@ class Engine:
                               f"--max-logprobs), got {lp!r}")
         request.config, request.slots = self._check(request.prompt, request.config, request.seed)
         request.prompt = list(request.prompt)
+        if request.constraint is not None:
+            request.grammar = row_grammars(self.model, [request.constraint], [request.config], self.tokenizer)[0]
+            request.slots = max(request.slots, len(request.prompt) + request.config.max_new_tokens - 1)
+            check_slots(request.slots, self.max_seq_len, "the server's max_seq_len")
+            if self.memory is not None:
+                self.memory.check(request.slots)
         if self.tokenizer is not None:
             request.matcher = StopStrings(self.tokenizer, request.stops)
         with self._wake:
@@ -434,6 +446,8 @@ class Engine:
                     self.stats.prefix_hit_tokens += row.prefilled
                 self.bucket.admit(b, req.prompt, req.config, req.seed,
                                   prefilled=row.prefilled if pages is not None else None)
+                if req.grammar is not None:
+                    self.bucket.constrain(b, req.grammar.bitmask())
                 self._dirty = True
             except Exception:  # noqa: BLE001 - a request that cannot be admitted ends alone; its row is freed
                 log.exception("request %d: admission failed; ending it alone", req.id)
@@ -441,8 +455,9 @@ class Engine:
                 free.insert(0, b)
 
     def _committed(self, b: int, row: _Row) -> None:
-        """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`)."""
-        if self.memory is not None:
+        """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`; not
+        for a constrained request, whose commits are its kept prefixes, not whole blocks)."""
+        if self.memory is not None and row.request.grammar is None:
             self.memory.committed(b, row.request.prompt, row.request.sequence[:row.block * self.C])
 
     def _drafts(self, running: list[int]) -> None:
@@ -477,7 +492,13 @@ class Engine:
                    logprobs: list | None = None) -> None:
         req, st = row.request, self.stats
         before = req.stats.num_tokens
-        keep, done = finalize_row(argmax, req.config, req.sequence, req.stats, steps)
+        if req.grammar is None:
+            keep, done = finalize_row(argmax, req.config, req.sequence, req.stats, steps)
+        else:  # the kept prefix is what the row commits; the device never ends a constrained row
+            keep, done = finalize_constrained(argmax, req.config, req.sequence, req.stats, steps, req.grammar)
+            if not done:
+                self.bucket.constrain(self.rows.index(row), req.grammar.bitmask(), commit_len=len(keep))
+                self._dirty = True  # the commit's length is in the plan
         if logprobs is not None:  # the kept tokens' (a prefix of the canvas), alternatives cut to the request's k
             logprobs = [(t, top[:req.logprobs]) for t, top in logprobs[:len(keep)]]
         st.blocks += 1

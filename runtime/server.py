@@ -92,6 +92,7 @@ from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
+from .structured import FIELDS as STRUCTURED_FIELDS, request_constraint
 
 GOLDEN = 0x9E3779B97F4A7C15
 ERRORS = {400: "invalid request: malformed JSON, an unknown or unsupported field, a bad value, a prompt beyond the "
@@ -223,11 +224,14 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         return k
 
     def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None) -> list[EngineRequest]:
-        """Validate every choice, then queue them all (or none: 429)."""
+        """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
+        compile: 400 naming the field it came from)."""
         cfg = config_of(req)
+        constraint, field = request_constraint({name: getattr(req, name) for name in STRUCTURED_FIELDS})
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
-                                 on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs)
+                                 on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
+                                 constraint=constraint)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
@@ -242,6 +246,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             for c in queued:
                 engine.cancel(c)
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except ConfigError as e:  # the constraint's (compiled at submit), before or with the first choice
+            for c in queued:
+                engine.cancel(c)
+            message = str(e)
+            if field is not None and message.split(":", 1)[0] in ("constraint", "ignore_eos", "tokenizer"):
+                raise P.APIError(400, f"{field}: {message.split(':', 1)[1].strip()}", param=field) from None
+            raise _config_error(e) from None
         return choices
 
     async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool):
