@@ -70,6 +70,8 @@ def finalize_constrained(row: list[int], cfg: GenerationConfig, sequence: list[i
     accepted = row[:grammar.accept(row)]
     if not accepted:  # the first position is masked to allowed tokens: an empty prefix is a broken mask
         raise RuntimeError("constrained row: the block's first token is not one the grammar allows (mask not applied)")
+    grammar.bitmask()  # the next block's mask (cached for the driver), timed with the accepts
+    stats.grammar_s = grammar.host_seconds
     room = cfg.max_new_tokens - len(sequence)
     keep = accepted[:room]
     sequence.extend(keep)

@@ -46,6 +46,8 @@ class RequestStats:
     num_tokens: int = 0
     steps_per_block: list[int] = field(default_factory=list)
     finish_reason: str = "length"  # "eos", "length" or "stop" (the stop hook ended the request)
+    grammar_s: float = 0.0
+    """A constrained request's host seconds in its grammar matcher (accepting blocks, next-token bitmasks); 0 else."""
 
     @property
     def blocks(self) -> int:

@@ -233,3 +233,32 @@ def test_compiled_constrained_equals_eager(demo, demo_gen):
     assert [s.finish_reason for s in out.stats] == [s.finish_reason for s in ref.stats]
     assert out.sequences[1] == gen.generate([ids[1]], cfg, seed=1).sequences[0]
     assert max(gen.compiles.values()) == 1
+
+
+# ----- the command line ---------------------------------------------------------------------------------------------
+
+def test_cli_constraint_errors(capsys, tmp_path):
+    from dgemma_compile.cli import main
+
+    assert main(["generate", "sort 1 2=", "--regex", "([0-9]", "--eager"]) == 2
+    assert "dgemma: error: constraint: the grammar library cannot compile this regex" in capsys.readouterr().err
+    assert main(["generate", "sort 1 2=", "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "dgemma: error: --json-schema: cannot read" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{nope")
+    assert main(["generate", "sort 1 2=", "--json-schema", str(tmp_path / "bad.json")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one kind per invocation (argparse's own error, exit 2)
+        main(["generate", "sort 1 2=", "--regex", "[0-9]", "--choice", "1"])
+
+
+@pytest.mark.slow
+def test_cli_regex_and_choice(capsys):
+    from dgemma_compile.cli import main
+
+    assert main(["generate", "sort 3 1 2 9 5=", "--regex", "[0-9]( [0-9])*", "--eager",
+                 "--max-denoising-steps", "8"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "1 2 3 5 9\n" and "finish=eos" in out.err
+    assert main(["generate", "sort 3 1 2 9 5=", "--choice", "9 9", "--choice", "1 2", "--eager",
+                 "--max-denoising-steps", "8"]) == 0
+    assert capsys.readouterr().out.strip() in ("9 9", "1 2")

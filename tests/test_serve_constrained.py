@@ -111,5 +111,9 @@ def test_refusals_name_the_field(demo_server, body, param, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error"
-    r = _post(demo_server, "/v1/completions", {"prompt": "sort 1 2=", "max_tokens": 8, "seed": 0})
-    assert r.status_code == 200  # the server keeps serving
+
+
+def test_serves_after_the_refusals(demo_server):
+    r = _post(demo_server, "/v1/completions", {"prompt": "sort 1 2=", "max_tokens": 8, "seed": 0,
+                                               "guided_regex": "[0-9]( [0-9])*"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "1 2"
