@@ -225,6 +225,16 @@ class RowGrammar:
         self.host_seconds += time.perf_counter() - t0
         return n
 
+    def peek(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` `accept` would accept, leaving the state as it is (accept, then roll back): what of
+        a block in flight is valid so far (the engine's draft events)."""
+        terminated, mask = self.terminated, self._mask
+        n = self.accept(tokens)
+        if n:
+            self.matcher.rollback(n)
+        self.terminated, self._mask = terminated, mask
+        return n
+
 
 def resolve_constraints(constraint: Constraint | Sequence[Constraint | None] | None, n: int) -> list:
     """One `Constraint` or None per request: `constraint` is one for every request, one (or None) per request, or

@@ -21,7 +21,8 @@ with the phase transitions decided on the device. An iteration:
    (COMMIT, then the next block) with no host write;
 4. draft events (opt-in per request, `Request.draft_every` = k): every k-th denoise step of a block still in
    flight, the request gets its current argmax canvas as a `BlockEvent` with `draft=True` (cut at eos and at its
-   token budget, text cut before a stop string; nothing committed). The rows asking for one this iteration are read
+   token budget, text cut before a stop string; a constrained request's cut to the prefix its grammar accepts;
+   nothing committed). The rows asking for one this iteration are read
    together: one more host read of [rows, C] ids, only in iterations where some row asks.
 
 Numerics: the step is per-row deterministic within a bucket (batch-invariant rows, the CPU default), so each
@@ -477,6 +478,8 @@ class Engine:
             row = self.rows[b]
             req = row.request
             cfg = req.config
+            if req.grammar is not None:  # a constrained request's draft: the prefix its grammar accepts so far
+                canvas = canvas[:req.grammar.peek(canvas)]
             eos_at = None if cfg.ignore_eos else next((i for i, t in enumerate(canvas) if t in cfg.eos_token_ids), None)
             tokens = canvas[:eos_at] if eos_at is not None else canvas
             tokens = tokens[:cfg.max_new_tokens - len(req.sequence)]

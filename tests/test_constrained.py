@@ -262,3 +262,59 @@ def test_cli_regex_and_choice(capsys):
     assert main(["generate", "sort 3 1 2 9 5=", "--choice", "9 9", "--choice", "1 2", "--eager",
                  "--max-denoising-steps", "8"]) == 0
     assert capsys.readouterr().out.strip() in ("9 9", "1 2")
+
+
+def test_row_grammar_accept_peek_and_bitmask(demo):
+    model, tok = demo
+    lib = GrammarLibrary.for_model(tok, model, [1])
+    g = lib.matcher(Constraint.regex(r"[0-9]( [0-9])*"))
+    ids = tok("1 2+3", add_special_tokens=False)["input_ids"]
+    digits = set(tok("0123456789", add_special_tokens=False)["input_ids"])
+
+    def allowed():
+        m = g.bitmask()
+        return {v for v in range(model.config.vocab_size) if (int(m[v // 32]) >> (v % 32)) & 1}
+
+    assert allowed() == digits
+    assert g.peek(ids) == 3 and allowed() == digits  # peeking leaves the state where it was
+    assert g.accept(ids) == 3 and not g.terminated  # "1 2" kept, "+" rejected
+    assert allowed() == {tok.convert_tokens_to_ids(" "), 1}  # a space or the eos that completes it
+    assert g.accept([1, 5]) == 1 and g.terminated and not g.dead_end and not bool(g.bitmask().any())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
+def test_engine_constrained_rows_equal_the_oracle(demo, fuse):
+    """The serving engine (eager step, paged KV with the prefix cache, 2 rows for 3 requests): each request's tokens
+    equal its solo `generate` run with the same constraint and commit fusion; drafts of the constrained request are
+    prefixes its grammar accepts."""
+    from dgemma_runtime import build_engine
+    from dgemma_runtime.engine import Request
+
+    model, tok = demo
+    engine = build_engine(model, max_batch=2, max_seq_len=256, eager=True, tokenizer=tok, page_size=16,
+                          fuse_commit=fuse)
+    cfg = model.generation_config.replace(max_new_tokens=40, max_denoising_steps=8).resolved(model.config)
+    pattern = r"[0-9]{12} [a-z]{2,6}=[0-9]{3}"
+    cases = [("add 12 5=", Constraint.regex(pattern)), ("rev 1 2 3 4 5 6 7 8 9 0 1=", None),
+             ("sort 3 1 2=", Constraint.choice(["1 2 3", "no"]))]
+    events: dict[int, list] = {i: [] for i in range(len(cases))}
+    reqs = [engine.submit(Request(prompt=_ids(tok, [p])[0], config=cfg, seed=i, constraint=c,
+                                  draft_every=1 if i == 0 else 0, on_event=events[i].append))
+            for i, (p, c) in enumerate(cases)]
+    while not engine.idle():
+        engine.step()
+    for i, ((p, c), req) in enumerate(zip(cases, reqs)):
+        ref = dg.generate(model, _ids(tok, [p]), cfg, seed=i, constraint=c, tokenizer=tok, moe_impl="dense",
+                          max_seq_len=256, fuse_commit=fuse)
+        assert req.sequence == ref.sequences[0] and req.stats.finish_reason == ref.stats[0].finish_reason
+    assert re.fullmatch(pattern, _text(tok, reqs[0].sequence))
+    committed, drafts = [], 0
+    for e in events[0]:  # in order: each draft extends what the blocks before it kept
+        if e.draft:
+            drafts += 1
+            g = GrammarLibrary.for_model(tok, model, [1]).matcher(cases[0][1])
+            assert g.accept(committed + e.tokens) == len(committed) + len(e.tokens)
+        else:
+            committed += e.tokens
+    assert drafts
