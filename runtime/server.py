@@ -86,6 +86,7 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from dgemma_compile.config import ConfigError, GenerationConfig
+from dgemma_compile.constraint import GrammarLibrary
 from dgemma_compile.text import chat_template, encode_chat, encode_prompt
 from . import protocol as P
 from .engine import BlockEvent, Engine, QueueFullError
@@ -255,10 +256,21 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             raise _config_error(e) from None
         return choices
 
+    def compile_grammar(constraint, field: str) -> None:
+        """Compile the request's grammar (off the event loop; `Engine.submit` then finds it in xgrammar's cache)."""
+        try:
+            GrammarLibrary.for_model(tokenizer, engine.model, engine.config.eos_token_ids).compile(constraint)
+        except ConfigError as e:
+            raise P.APIError(400, f"{field}: {str(e).split(':', 1)[1].strip()}", param=field) from None
+
     async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
         k = logprobs_of(req, chat)
+        constraint, field = request_constraint({name: getattr(req, name) for name in STRUCTURED_FIELDS})
+        if constraint is not None:
+            await offload(compile_grammar, constraint, field, timeout=input_timeout_s, what="compiling the grammar",
+                          param=field)
         choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k)
         index = {id(c): i for i, c in enumerate(choices)}
         lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]
