@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,16 @@ class ConstraintError(ConfigError):
 def bitmask_words(vocab_size: int) -> int:
     """W: int32 words of a next-token bitmask over `vocab_size` ids (bit v % 32 of word v // 32 allows id v)."""
     return math.ceil(vocab_size / 32)
+
+
+def pack_bitmask(allowed_V: torch.Tensor) -> torch.Tensor:
+    """bool [V] -> the int32 [W] bitmask allowing exactly those ids (xgrammar's layout, `bitmask_words`)."""
+    V = allowed_V.shape[0]
+    W = bitmask_words(V)
+    bits = torch.zeros(W * 32, dtype=torch.long)
+    bits[:V] = allowed_V.long()
+    words = (bits.view(W, 32) << torch.arange(32)).sum(-1)  # each word's 32 bits as an unsigned value
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,7 @@ class GrammarLibrary:
         self.tokenizer_size = min(len(tokenizer), vocab_size)
         self.special = frozenset(self.info.special_token_ids) - set(self.eos_token_ids)
         self._json_banned: frozenset | None = None
+        self._unbanned: dict[bool, torch.Tensor] = {}
 
     def json_banned(self) -> frozenset:
         """Ids whose text holds a control character (U+0000-U+001F): strict JSON allows none unescaped inside a
@@ -165,24 +177,28 @@ class GrammarLibrary:
 
     def matcher(self, constraint: Constraint) -> "RowGrammar":
         """A fresh `RowGrammar` (empty prefix) for one request. Raises ConstraintError as `compile`."""
-        banned = self.special | (self.json_banned() if constraint.kind.startswith("json") else frozenset())
+        json_kind = constraint.kind.startswith("json")
+        banned = self.special | (self.json_banned() if json_kind else frozenset())
+        if json_kind not in self._unbanned:  # the bitmask of every id not banned, once per library and kind
+            allowed = torch.ones(self.vocab_size, dtype=torch.bool)
+            allowed[list(banned)] = False
+            self._unbanned[json_kind] = pack_bitmask(allowed)
         return RowGrammar(self._xgr.GrammarMatcher(self.compile(constraint)), self.vocab_size,
-                          self.tokenizer_size, banned)
+                          self.tokenizer_size, banned, self._unbanned[json_kind])
 
 
 class RowGrammar:
     """The host matcher of one constrained request: the grammar's state after the tokens committed so far."""
 
-    def __init__(self, matcher, vocab_size: int, tokenizer_size: int | None = None, banned: frozenset = frozenset()):
+    def __init__(self, matcher, vocab_size: int, tokenizer_size: int | None = None, banned: frozenset = frozenset(),
+                 unbanned: torch.Tensor | None = None):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.tokenizer_size = vocab_size if tokenizer_size is None else tokenizer_size
         self.banned = banned
         """Ids refused whatever the matcher says (special tokens other than eos; for JSON, control characters)."""
-        self._unbanned = torch.full((bitmask_words(vocab_size),), -1, dtype=torch.int32)
-        for i in banned:
-            word = int(self._unbanned[i // 32]) & 0xFFFFFFFF & ~(1 << (i % 32))  # the word's 32 bits, unsigned
-            self._unbanned[i // 32] = word - (1 << 32) if word >= 1 << 31 else word
+        self._unbanned = unbanned if unbanned is not None else pack_bitmask(
+            torch.tensor([i not in banned for i in range(vocab_size)]))
         self.terminated = False
         self._mask: torch.Tensor | None = None
         self.host_seconds = 0.0
@@ -191,8 +207,6 @@ class RowGrammar:
     def bitmask(self) -> torch.Tensor:
         """int32 [W] (CPU): the tokens allowed at the next position (computed once per state). All zeros once the
         grammar terminated, or at a dead end (`dead_end`)."""
-        import time
-
         if self._mask is None:
             t0 = time.perf_counter()
             mask = torch.zeros(1, bitmask_words(self.vocab_size), dtype=torch.int32)
@@ -211,8 +225,6 @@ class RowGrammar:
     def accept(self, tokens: Sequence[int]) -> int:
         """Advance over `tokens` left to right, stopping at the first the grammar rejects or after the stop token that
         completes it (`terminated`); returns how many were accepted (the state then follows exactly those)."""
-        import time
-
         t0 = time.perf_counter()
         n = 0
         self._mask = None

@@ -318,3 +318,19 @@ def test_engine_constrained_rows_equal_the_oracle(demo, fuse):
         else:
             committed += e.tokens
     assert drafts
+
+
+@settings(max_examples=20)
+@given(V=st.integers(1, 200), data=st.data())
+def test_pack_bitmask_is_xgrammars_layout(V, data):
+    from dgemma_compile.constraint import pack_bitmask
+
+    allowed = torch.tensor([data.draw(st.booleans()) for _ in range(V)])
+    words = pack_bitmask(allowed)
+    assert words.dtype == torch.int32 and words.shape == (bitmask_words(V),)
+    unpacked = [(int(words[v // 32]) >> (v % 32)) & 1 == 1 for v in range(V)]
+    assert unpacked == allowed.tolist()
+    # the device half reads it the same way
+    logits = torch.zeros(1, 1, V)
+    out = mask_first(logits, words[None], torch.tensor([True]))
+    assert (out[0, 0] == 0).tolist() == allowed.tolist()
