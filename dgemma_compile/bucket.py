@@ -116,7 +116,7 @@ class Bucket:
         self.max_logprobs = max_logprobs
         self.state = DenoiseState.allocate(model, B, cfg.stability_threshold if cfg.stop_early else 0, max_logprobs)
         self.inputs = StepInputs.allocate(model, B, C, max_denoising_steps)
-        self.row_state = RowState.allocate(B, self.cache.max_seq_len, cfg.eos_token_ids, model.device)
+        self.row_state = RowState.allocate(B, self.cache.max_seq_len, cfg.eos_token_ids, model.device, C)
         self.moe_impl, self.kernel_options, self.unit = moe_impl, kernel_options, unit
         depth = cfg.stability_threshold if cfg.stop_early else 0
         self.tag = tag or f"P{depth}_{'stop' if cfg.stop_early else 'fixed'}" + (
@@ -197,8 +197,17 @@ class Bucket:
         self.inputs.block[row] = 0
         if prefilled is None:
             self.cache.reset_row(row)
-        self.row_state.admit(row, prompt, cfg.max_new_tokens, prefilled=prefilled or 0, ignore_eos=cfg.ignore_eos)
+        self.row_state.admit(row, prompt, cfg.max_new_tokens, prefilled=prefilled or 0, ignore_eos=cfg.ignore_eos,
+                             canvas=self.model.config.canvas_length)
         self.state.has_sc[row] = False
+
+    def constrain(self, row: int, bitmask_W: torch.Tensor, commit_len: int | None = None) -> None:
+        """A constrained row (`constraint.py`), host writes between steps: its next block's first position allows
+        the ids of `bitmask_W` (int32 [W]); `commit_len`: the tokens of its finished block that its commit writes
+        (the kept prefix; None: unchanged). The driver then refreshes the plan (the commit's length is in it)."""
+        self.inputs.constrain(row, bitmask_W)
+        if commit_len is not None:
+            self.row_state.commit_len[row] = commit_len
 
     def retire(self, row: int) -> None:
         """Free row `row` (FREE, frozen) where the host, not the device, ended its request."""

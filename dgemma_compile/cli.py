@@ -73,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op CPU threads (default: OMP_NUM_THREADS if set, else dgemma_compile.threads."
                         "recommended_threads: 1 for small models, else the CPUs free now)")
+    c = g.add_mutually_exclusive_group()  # constrained output (docs/constrained.md); one kind per invocation
+    c.add_argument("--regex", default=None, metavar="R", help="the text must fully match the regex R")
+    c.add_argument("--choice", action="append", default=None, metavar="S",
+                   help="the text must equal one of the strings given (repeat --choice for each)")
+    c.add_argument("--json-schema", default=None, metavar="FILE", help="the text must be JSON valid under the schema "
+                                                                        "in FILE")
+    c.add_argument("--json-object", action="store_true", help="the text must be a JSON object")
     g.add_argument("--prompts-file", default=None, metavar="FILE",
                    help="one prompt per line, or JSON objects (prompt, seed, max_new_tokens, entropy_bound, temperature, "
                         "stop); '-' reads "
@@ -296,11 +303,16 @@ def generate_command(args: argparse.Namespace) -> int:
         from .preprocess import read_image
 
         args.pil_images = [read_image(p) for p in args.image]  # before any loading too
+    args.constraint = _constraint(args)
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = load(model_dir, dtype=DTYPES[args.dtype] if args.dtype else None)
     args.quant = _quantize(model, args.quant)
     tokenizer = load_tokenizer(model_dir)
+    if args.constraint is not None:  # compiled against this tokenizer now: a bad one fails before any model work
+        from .constraint import row_grammars
+
+        row_grammars(model, [args.constraint], [model.generation_config.resolved(model.config)], tokenizer)
     changes = {}
     if args.max_new_tokens is not None:
         changes["max_new_tokens"] = args.max_new_tokens
@@ -318,6 +330,30 @@ def generate_command(args: argparse.Namespace) -> int:
     return _generate_one(args, model, tokenizer, config)
 
 
+def _constraint(args: argparse.Namespace):
+    """The `Constraint` of --regex / --choice / --json-schema FILE / --json-object, or None. Raises ConfigError
+    (naming the flag) for an unreadable schema file or a malformed constraint."""
+    from .config import ConfigError
+    from .constraint import Constraint
+
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.choice is not None:
+        return Constraint.choice(args.choice)
+    if args.json_object:
+        return Constraint.json_object()
+    if args.json_schema is None:
+        return None
+    try:
+        text = Path(args.json_schema).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--json-schema: cannot read {args.json_schema} ({e})") from None
+    try:
+        return Constraint.json_schema(text)
+    except ConfigError as e:
+        raise ConfigError(f"--json-schema: {args.json_schema}: {e}") from None
+
+
 def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     from .generate import plan_requests
     from .text import StopStrings
@@ -333,6 +369,8 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     slots = plan_requests(model, [ids], config, args.seed)[3]  # validate prompt, config and seed before any compile
     if images:
         prepare(model, [ids], images)  # the images against their placeholders, before any compile
+    if args.constraint is not None:  # its commits are the kept prefixes, not whole canvases
+        slots = max(slots, len(ids) + config.max_new_tokens - 1)
     threads = _apply_threads(args, model)
     run, one_time = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
 
@@ -346,7 +384,7 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
 
     start = time.perf_counter()
     out = run([ids], config, seed=args.seed, on_block=on_block, stop=lambda *_: [0] if matcher.stopped else [],
-              **({"images": images} if images else {}))
+              constraint=args.constraint, tokenizer=tokenizer, **({"images": images} if images else {}))
     elapsed = time.perf_counter() - start
     sys.stdout.write(matcher.finish() + "\n")
     st = out.stats[0]
@@ -383,6 +421,8 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
             ln.stops = check_stop_strings(args.stop if ln.stop is None else ln.stop)
             ln.seed = args.seed if ln.seed is None else ln.seed
             slots = max(slots, plan_requests(model, [ln.ids], ln.config, ln.seed)[3])  # validates; slots needed
+            if args.constraint is not None:
+                slots = max(slots, len(ln.ids) + ln.config.max_new_tokens - 1)
         except ConfigError as e:
             ln.error = str(e)
     good = [ln for ln in lines if ln.error is None]
@@ -432,7 +472,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
             for chunk in chunks:
                 matchers[:] = [StopStrings(tokenizer, ln.stops) for ln in chunk]
                 out = run([ln.ids for ln in chunk], [ln.config for ln in chunk], seed=[ln.seed for ln in chunk],
-                          on_block=on_block, stop=stop)
+                          on_block=on_block, stop=stop, constraint=args.constraint, tokenizer=tokenizer)
                 for ln, m, st in zip(chunk, matchers, out.stats):
                     m.finish()
                     results[ln.line] = {"line": ln.line, "text": m.text,

@@ -53,3 +53,33 @@ def request_done(argmax_BC: torch.Tensor, emitted_B: torch.Tensor, max_new_B: to
     is_eos = (argmax_BC[..., None] == eos_E).any(-1) & ~ignore_eos_B[:, None]
     eos_at = torch.where(is_eos, i_C, C).amin(dim=-1)  # C: no eos
     return ((eos_at < C) & (eos_at < room)) | (room <= C)
+
+
+def finalize_constrained(row: list[int], cfg: GenerationConfig, sequence: list[int], stats, steps: int, grammar
+                         ) -> tuple[list[int], bool]:
+    """`finalize_row` for a constrained request (`grammar`: its `constraint.RowGrammar`): append the longest prefix of
+    `row` the grammar accepts (up to and including the eos that completes it), cut at the token budget; done with
+    "eos" when the grammar completed inside the budget, "length" at the budget or at a dead end of the grammar (no id
+    of the vocabulary continues it); the text is then a valid prefix. Returns (the tokens appended, done): the
+    appended tokens are also what gets committed (at least one, by the first-position mask `sampler.mask_first`); the
+    rest of the canvas is denoised again as the next block. The device never ends a constrained row
+    (`steps.mixed_step`): the host decides here and retires it.
+
+    Raises: RuntimeError when the grammar rejects the block's first token (the device mask was not applied)."""
+    stats.steps_per_block.append(steps)
+    accepted = row[:grammar.accept(row)]
+    if not accepted:  # the first position is masked to allowed tokens: an empty prefix is a broken mask
+        raise RuntimeError("constrained row: the block's first token is not one the grammar allows (mask not applied)")
+    grammar.bitmask()  # the next block's mask (cached for the driver), timed with the accepts
+    stats.grammar_s = grammar.host_seconds
+    room = cfg.max_new_tokens - len(sequence)
+    keep = accepted[:room]
+    sequence.extend(keep)
+    stats.num_tokens += sum(t != cfg.pad_token_id for t in keep)
+    if grammar.terminated and len(accepted) <= room:
+        stats.finish_reason = "eos"
+        return keep, True
+    if len(sequence) >= cfg.max_new_tokens or grammar.dead_end:
+        stats.finish_reason = "length"
+        return keep, True
+    return keep, False

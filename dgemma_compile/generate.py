@@ -11,6 +11,8 @@ encoder pass, eos -> pad. Deliberate differences, each tested:
   are frozen instead of denoised further.
 - a constant temperature (t_min == t_max) is allowed, and temperatures below float32's smallest normal are greedy.
 - a per-request stop hook can end requests after any block (finish_reason "stop").
+- a request may carry a `constraint.Constraint` (regex, choice, JSON schema, JSON object): its text is then always
+  valid (docs/constrained.md): each block keeps and commits only the prefix its grammar accepts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from .model import DiffusionGemma
 from .observe import STEP, Observer, SpanTimer
 from .ops.moe import resolve_moe_impl
 from .sampler import SCHEME
-from .finish import finalize_row
+from .constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
+from .finish import finalize_constrained, finalize_row
 from .kv_cache import KVCache
 from .plan import PlanBuffers
 from . import rng
@@ -45,6 +48,8 @@ class RequestStats:
     num_tokens: int = 0
     steps_per_block: list[int] = field(default_factory=list)
     finish_reason: str = "length"  # "eos", "length" or "stop" (the stop hook ended the request)
+    grammar_s: float = 0.0
+    """A constrained request's host seconds in its grammar matcher (accepting blocks, next-token bitmasks); 0 else."""
 
     @property
     def blocks(self) -> int:
@@ -180,6 +185,13 @@ def plan_requests(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
     return cfgs, prompts, seeds, max_seq_len
 
 
+def constrained_slots(prompts: Sequence[Sequence[int]], cfgs: Sequence[GenerationConfig], grammars: Sequence) -> int:
+    """Committed slots a row needs at most for the constrained requests among these (0 if none): the prompt and every
+    token but the last, since a constrained block commits only its kept prefix (any length up to C)."""
+    return max([len(p) + c.max_new_tokens - 1 for p, c, g in zip(prompts, cfgs, grammars) if g is not None],
+               default=0)
+
+
 def check_slots(needed: int, max_seq_len: int, name: str) -> None:
     """Raise `ConfigError` (naming `name`) unless `max_seq_len` is a positive integer >= `needed` committed slots."""
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
@@ -195,7 +207,8 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
              seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
              observer: Observer | None = None, moe_impl: str = "auto",
              max_seq_len: int = DEFAULT_MAX_SEQ_LEN, fuse_commit: bool = False,
-             images: Sequence[Sequence["Image"] | None] | None = None) -> GenerationOutput:
+             images: Sequence[Sequence["Image"] | None] | None = None,
+             constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None) -> GenerationOutput:
     """Generate continuations of `prompts` (lists of token ids) by block diffusion, eagerly.
 
     Args:
@@ -220,15 +233,23 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
         images: per prompt, its images (`images.Image`, one per run of image placeholders, in order) or None: the
             prompt's image prefix is encoded first, in forwards of its own (`images.prefill_images`), the rest of the
             prompt in chunks as any prompt. None: no prompt has images.
+        constraint: a `constraint.Constraint` for every request, or one (or None: unconstrained) per request; a
+            constrained request's text is a full match of its regex / one of its choices / JSON valid under its
+            schema when it ends with "eos", and a valid prefix of one when it ends with "length" (the budget ran out
+            first). Unconstrained requests get exactly the tokens they get without (docs/constrained.md).
+        tokenizer: the checkpoint's tokenizer (`dg.load_tokenizer`); required with a constraint.
     Returns:
         `GenerationOutput` with sequences and per-request statistics.
     Raises:
         ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context);
             `max_seq_len` not a positive integer or smaller than the committed slots a request needs; `fuse_commit`
-            not a bool; images that do not fit their prompts (`images.prepare`).
+            not a bool; images that do not fit their prompts (`images.prepare`); a constraint without a tokenizer,
+            with `ignore_eos`, or malformed (`constraint.Constraint`).
+        constraint.ConstraintError: a constraint the grammar library cannot compile.
     """
     cfgs, prompts, seeds, needed = plan_requests(model, prompts, config, seed)
-    check_slots(needed, max_seq_len, "max_seq_len")
+    grammars = row_grammars(model, resolve_constraints(constraint, len(prompts)), cfgs, tokenizer)
+    check_slots(max(needed, constrained_slots(prompts, cfgs, grammars)), max_seq_len, "max_seq_len")
     items = prepare_images(model, prompts, images)
     if not isinstance(fuse_commit, bool):
         raise ConfigError(f"fuse_commit: must be a bool, got {fuse_commit!r}")
@@ -236,7 +257,8 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
                             top_k=model.config.top_k_experts, compiled=False, quant=model.expert_quant)
     runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl, fuse_commit)
     out = run_block_diffusion(model, runner, prompts, cfgs, on_block=on_block, stop=stop,
-                              timer=SpanTimer(model.device, observer), images=items, moe_impl=impl)
+                              timer=SpanTimer(model.device, observer), images=items, moe_impl=impl,
+                              grammars=grammars)
     out.moe_impl, out.fuse_commit = impl, fuse_commit
     return out
 
@@ -245,20 +267,26 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
                         cfgs: list[GenerationConfig], *, on_block: BlockCallback | None = None,
                         stop: StopHook | None = None, timer: SpanTimer | None = None,
                         stop_check: StopCheck | None = None, images: "list[ImagePrompt | None] | None" = None,
-                        moe_impl: str | None = None) -> GenerationOutput:
+                        moe_impl: str | None = None, grammars: Sequence[RowGrammar | None] | None = None
+                        ) -> GenerationOutput:
     """The block loop over validated inputs (see `plan`), driving `runner` (eager or compiled steps, built for these
     requests and seeds): prefill in fixed chunks (a prompt with `images` (`images.prepare`): its image prefix first,
     `images.prefill_images` into the runner's cache with `moe_impl`, then the rest in chunks); per block: start canvases, denoise steps until every row finished
     (stopped early or ran its step budget), finalise (eos, budget, `on_block`, `stop`), commit the argmax canvas of
     rows still running (`runner.commit`: now, or fused into the next block's first step). The host reads one flag
-    per step, when `stop_check` says (default: "sync", every step); everything else stays on the device."""
+    per step, when `stop_check` says (default: "sync", every step); everything else stays on the device.
+    `grammars`: per request its `constraint.RowGrammar` (fresh) or None: a constrained request's blocks keep and
+    commit the prefix its grammar accepts (`finish.finalize_constrained`), its next block's first position masked
+    with the grammar's next-token bitmask; it may take up to max_new_tokens blocks."""
     dev, C = model.device, model.config.canvas_length
     R = len(prompts)
     timer = timer or SpanTimer(dev, None)
     stop_check = stop_check or StopCheck("sync")
     out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)])
     sequences, stats = out.sequences, out.stats
-    num_blocks = max(math.ceil(c.max_new_tokens / C) for c in cfgs)
+    grammars = list(grammars) if grammars is not None else [None] * R
+    num_blocks = max(c.max_new_tokens if g is not None else math.ceil(c.max_new_tokens / C)
+                     for c, g in zip(cfgs, grammars))
     max_steps = max(c.max_denoising_steps for c in cfgs)
     rest = list(prompts)  # what the chunked prefill encodes: all of a prompt, or what follows its image prefix
     for r, item in enumerate(images or []):
@@ -270,6 +298,9 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
     for r, p in enumerate(rest):
         input_ids[r, :len(p)] = torch.tensor(p, device=dev)
     prefill(runner, input_ids, lengths)
+    for r, g in enumerate(grammars):
+        if g is not None:
+            runner.inputs.constrain(r, g.bitmask().to(dev))
 
     done = torch.zeros(R, dtype=torch.bool, device=dev)
     for block in range(num_blocks):
@@ -284,7 +315,7 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
         live = (~done).tolist()
         out.forwards_per_block.append(stop_check.steps)
         out.wasted_forwards.append(stop_check.steps - int(block_steps.max()))
-        new_tokens = _finalize_block(argmax, done, cfgs, sequences, stats, block_steps)
+        new_tokens = _finalize_block(argmax, done, cfgs, sequences, stats, block_steps, grammars)
         timer.flush(block)
         if on_block is not None:
             on_block(block, new_tokens)
@@ -296,20 +327,31 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
                     stats[r].finish_reason, done[r] = "stop", True
         if bool(done.all()) or block == num_blocks - 1:
             break
-        runner.commit(argmax, torch.where(done, 0, C))
+        # a constrained row commits its kept prefix, its next block's first position masked by the grammar
+        commit_len = [C if g is None else len(t) for g, t in zip(grammars, new_tokens)]
+        for r, g in enumerate(grammars):
+            if g is not None and not bool(done[r]):
+                runner.inputs.constrain(r, g.bitmask().to(dev))
+        runner.commit(argmax, torch.where(done, 0, torch.tensor(commit_len, device=dev)))
     out.commits, out.fused_commits = runner.commits, runner.fused_commits
     return out
 
 
 def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, cfgs: list[GenerationConfig],
-                    sequences: list[list[int]], stats: list[RequestStats], steps_B: torch.Tensor) -> list[list[int]]:
-    """Append each live row's block up to its first eos and its token budget; mark rows done (in place)."""
+                    sequences: list[list[int]], stats: list[RequestStats], steps_B: torch.Tensor,
+                    grammars: list[RowGrammar | None]) -> list[list[int]]:
+    """Append each live row's block up to its first eos and its token budget (a constrained row: the prefix its
+    grammar accepts); mark rows done (in place)."""
     new_tokens: list[list[int]] = []
     for b in range(argmax_BC.shape[0]):
         if bool(done_B[b]):
             new_tokens.append([])
             continue
-        keep, done = finalize_row(argmax_BC[b].tolist(), cfgs[b], sequences[b], stats[b], int(steps_B[b]))
+        if grammars[b] is not None:
+            keep, done = finalize_constrained(argmax_BC[b].tolist(), cfgs[b], sequences[b], stats[b],
+                                              int(steps_B[b]), grammars[b])
+        else:
+            keep, done = finalize_row(argmax_BC[b].tolist(), cfgs[b], sequences[b], stats[b], int(steps_B[b]))
         if done:
             done_B[b] = True
         new_tokens.append(keep)

@@ -22,7 +22,9 @@ class RowState:
     finished blocks (C per block; the exact count is the host's); max_new: int64 [B], the request's token budget;
     event: bool [B], the row's block finished in the latest step; done: bool [B], the request ended on the device with
     that block (`finish.request_done`); ignore_eos: bool [B], the request runs to its budget
-    (`GenerationConfig.ignore_eos`); eos: int64 [E], the eos ids (shared by all rows).
+    (`GenerationConfig.ignore_eos`); commit_len: int64 [B], tokens its commit writes (C; for a constrained row the
+    host writes the kept prefix of the block before the commit runs, `constraint.py`); eos: int64 [E], the eos ids
+    (shared by all rows).
     """
 
     phase: torch.Tensor
@@ -34,11 +36,12 @@ class RowState:
     event: torch.Tensor
     done: torch.Tensor
     ignore_eos: torch.Tensor
+    commit_len: torch.Tensor
     eos: torch.Tensor
 
     @classmethod
-    def allocate(cls, rows: int, max_seq_len: int, eos_ids, device) -> "RowState":
-        """Every row FREE. `eos_ids`: the structural eos ids (non-empty)."""
+    def allocate(cls, rows: int, max_seq_len: int, eos_ids, device, canvas: int) -> "RowState":
+        """Every row FREE. `eos_ids`: the structural eos ids (non-empty); `canvas`: C."""
         long = dict(dtype=torch.long, device=device)
         return cls(phase=torch.full((rows,), FREE, **long), prompt=torch.zeros(rows, max_seq_len, **long),
                    prompt_len=torch.zeros(rows, **long), prefilled=torch.zeros(rows, **long),
@@ -46,7 +49,7 @@ class RowState:
                    event=torch.zeros(rows, dtype=torch.bool, device=device),
                    done=torch.zeros(rows, dtype=torch.bool, device=device),
                    ignore_eos=torch.zeros(rows, dtype=torch.bool, device=device),
-                   eos=torch.tensor(sorted(eos_ids), **long))
+                   commit_len=torch.full((rows,), canvas, **long), eos=torch.tensor(sorted(eos_ids), **long))
 
     def view(self, rows: int) -> "RowState":
         """The first `rows` rows (views of these buffers; the eos ids shared)."""
@@ -54,10 +57,11 @@ class RowState:
                                             if f.name != "eos"})
 
     def admit(self, row: int, prompt: list[int], max_new_tokens: int, prefilled: int = 0,
-              ignore_eos: bool = False) -> None:
+              ignore_eos: bool = False, *, canvas: int) -> None:
         """Put a request into `row` in phase PREFILL (host writes; refresh the plan before the next step).
         `prefilled`: prompt tokens already in the row's cache (a prefix-cache hit; the cache row's length must equal
-        it), < len(prompt). Raises ValueError for a prompt longer than the buffer (S)."""
+        it), < len(prompt); `canvas`: C, what each commit writes until the host says otherwise. Raises ValueError
+        for a prompt longer than the buffer (S)."""
         if len(prompt) > self.prompt.shape[1]:
             raise ValueError(f"prompt: {len(prompt)} tokens, more than the {self.prompt.shape[1]} slots")
         self.prompt[row].zero_()
@@ -69,4 +73,5 @@ class RowState:
         self.event[row] = False
         self.done[row] = False
         self.ignore_eos[row] = ignore_eos
+        self.commit_len[row] = canvas
         self.phase[row] = PREFILL

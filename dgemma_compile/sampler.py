@@ -200,6 +200,26 @@ def sample_step(logits_BCV: torch.Tensor, temperature_B: torch.Tensor, greedy_B:
     return SampleStep(argmax=argmax, sampled=sampled, entropy=ent, sc_probs=sc_probs)
 
 
+MASKED_LOGIT = -1e30
+"""What a constrained row's disallowed ids get at the first canvas position (`mask_first`): finite, so every carried
+tensor and logprob stays finite, and far below any softcapped logit (|logit| <= 30), so their probability is 0."""
+
+
+def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B: torch.Tensor) -> torch.Tensor:
+    """Constrained decoding's device half (docs/constrained.md): the logits with, for rows where `constrained_B`
+    (bool [B]), every id the grammar's next-token bitmask `allowed_BW` (int32 [B, W], W = ceil(V / 32), bit v % 32 of
+    word v // 32 allows id v: xgrammar's layout) does not allow set to `MASKED_LOGIT` at canvas position 0 (the next
+    token after the committed ones), in place (no [B, C, V] copy; pass fresh logits); returns them. Other rows and
+    positions keep their values bit for bit (`torch.where` picks the input). Tensor ops only: a grammar is data,
+    never a recompile."""
+    V = logits_BCV.shape[-1]
+    v_V = torch.arange(V, device=logits_BCV.device)
+    bits_BV = (allowed_BW[:, v_V // 32] >> (v_V % 32).to(allowed_BW.dtype)) & 1
+    keep_BV = (bits_BV != 0) | ~constrained_B[:, None]
+    logits_BCV[:, 0] = torch.where(keep_BV, logits_BCV[:, 0], MASKED_LOGIT)
+    return logits_BCV
+
+
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
                    finished_B: torch.Tensor, logits_BCV: torch.Tensor, temperature_B: torch.Tensor,
                    greedy_B: torch.Tensor, noise: StepNoise, *, entropy_bound_B: torch.Tensor,

@@ -30,13 +30,14 @@ import torch
 
 from . import rng
 from .config import GenerationConfig
+from .constraint import bitmask_words
 from .finish import request_done
 from .kv_cache import KVCache
 from .model import DiffusionGemma
 from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
 from .plan import PlanBuffers
 from .rows import RowState
-from .sampler import StepNoise, denoise_update, temperature_table
+from .sampler import StepNoise, denoise_update, mask_first, temperature_table
 from .uniform import commit_denoise_block, denoise_block, encode_block
 
 
@@ -116,7 +117,10 @@ class StepInputs:
     int64 [B], the block in flight; temperature: float32 [B, W] and greedy: bool [B, W], each row's temperature
     table indexed by its step counter (`sampler.temperature_table`); budget: int64 [B], denoise steps per block at
     most (max_denoising_steps); entropy_bound, confidence: float32 [B]; ids: int64 [B, T] and n_new: int64 [B],
-    the encoder chunk and its real tokens per row.
+    the encoder chunk and its real tokens per row; constrained: bool [B], the row's request has a grammar, and
+    allowed: int32 [B, W] (W = ceil(V / 32)), its next-token bitmask for the canvas's first position
+    (`sampler.mask_first`, written by the host after each block: `constrain`; all ones and unconstrained by
+    `set_requests` / `set_row`).
     """
 
     seeds: torch.Tensor
@@ -128,6 +132,8 @@ class StepInputs:
     confidence: torch.Tensor
     ids: torch.Tensor
     n_new: torch.Tensor
+    constrained: torch.Tensor
+    allowed: torch.Tensor
 
     @classmethod
     def allocate(cls, model: DiffusionGemma, rows: int, block_size: int, width: int) -> "StepInputs":
@@ -137,7 +143,10 @@ class StepInputs:
                    temperature=torch.ones(rows, width, **f32),
                    greedy=torch.zeros(rows, width, dtype=torch.bool, device=dev), budget=torch.ones(rows, **long),
                    entropy_bound=torch.ones(rows, **f32), confidence=torch.zeros(rows, **f32),
-                   ids=torch.zeros(rows, block_size, **long), n_new=torch.zeros(rows, **long))
+                   ids=torch.zeros(rows, block_size, **long), n_new=torch.zeros(rows, **long),
+                   constrained=torch.zeros(rows, dtype=torch.bool, device=dev),
+                   allowed=torch.full((rows, bitmask_words(model.config.vocab_size)), -1, dtype=torch.int32,
+                                      device=dev))
 
     def view(self, rows: int) -> "StepInputs":
         """The first `rows` rows (views of these buffers)."""
@@ -161,6 +170,8 @@ class StepInputs:
         self.entropy_bound[:R] = torch.tensor([c.entropy_bound for c in cfgs], dtype=torch.float32, device=dev)
         self.confidence.zero_()
         self.confidence[:R] = torch.tensor([c.confidence_threshold for c in cfgs], dtype=torch.float32, device=dev)
+        self.constrained.fill_(False)
+        self.allowed.fill_(-1)
 
     def set_row(self, row: int, cfg: GenerationConfig, seed: int) -> None:
         """Fill one row from a resolved config and seed, leaving the other rows as they are (a serving engine admits
@@ -173,6 +184,14 @@ class StepInputs:
         self.budget[row] = cfg.max_denoising_steps
         self.entropy_bound[row] = cfg.entropy_bound
         self.confidence[row] = cfg.confidence_threshold
+        self.constrained[row] = False
+        self.allowed[row] = -1
+
+    def constrain(self, row: int, bitmask_W: torch.Tensor) -> None:
+        """Make `row` constrained with next-token bitmask `bitmask_W` (int32 [W], `constraint.RowGrammar.bitmask`)
+        for its next block's first position (a host write between steps; nothing recompiles)."""
+        self.constrained[row] = True
+        self.allowed[row].copy_(bitmask_W)
 
 
 def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs,
@@ -208,6 +227,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
         logits = denoise_block(model, state.canvas, cache, None, state.has_sc, moe_impl=moe_impl,
                                      plan=plan.plan if plan is not None else None,
                                      self_conditioning_embeds=state.sc_embeds, kernel_options=kernel_options)
+    logits = mask_first(logits, inputs.allowed, inputs.constrained)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
@@ -249,13 +269,14 @@ def logprobs(logits_BCV: torch.Tensor, tokens_BC: torch.Tensor, k: int
 
 def refresh_plan(rows: RowState, state: DenoiseState, plan: PlanBuffers) -> None:
     """Fill the mixed plan from the rows' phases and the cache's lengths (`phases.forward_mode`): PREFILL rows encode
-    their next chunk (min(C, prompt tokens left) real), COMMIT rows encode C tokens (with commit fusion: the commit
-    and its next block's first denoise step), DENOISE rows denoise (self-conditioned where `state.has_sc`), FREE
+    their next chunk (min(C, prompt tokens left) real), COMMIT rows encode `rows.commit_len` tokens (C, or a
+    constrained row's kept prefix; with commit fusion: the commit and its next block's first denoise step), DENOISE rows denoise (self-conditioned where `state.has_sc`), FREE
     rows are idle. Tensor ops only: run inside the compiled step for the next iteration, and eagerly by a driver
     after it changed a row (admission, retirement) or the bucket size."""
     C, ph = state.canvas.shape[1], rows.phase
     mode = forward_mode(ph, fused=plan.T != C)
-    n_new = torch.where(ph == PREFILL, (rows.prompt_len - rows.prefilled).clamp(0, C), torch.where(ph == COMMIT, C, 0))
+    n_new = torch.where(ph == PREFILL, (rows.prompt_len - rows.prefilled).clamp(0, C),
+                        torch.where(ph == COMMIT, rows.commit_len, 0))
     plan.fill(mode=mode, n_new=n_new, self_conditioning=state.has_sc & (ph == DENOISE))
 
 
@@ -302,13 +323,15 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     hidden = model.forward_plan(ids, cache, plan.plan, moe_impl=moe_impl, self_conditioning_embeds=state.sc_embeds)
     if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
         hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
-    logits = model.logits(hidden)
+    logits = mask_first(model.logits(hidden), inputs.allowed, inputs.constrained)
     new = denoise_update(canvas, argmax, history, ~stepping, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
                          confidence_B=inputs.confidence, stop_early=stop_early)
     ended = stepping & (new.finished | (steps >= inputs.budget))
-    done = ended & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos, rows.ignore_eos)
+    # a constrained row's end is the host's (its grammar decides what of the block is kept: `finish.py`)
+    done = ended & ~inputs.constrained & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos,
+                                                      rows.ignore_eos)
     # transitions: a row whose prompt is encoded (and, unfused, a commit row) begins its next block
     prefilled = rows.prefilled + torch.where(prefill, plan.n_new, 0)
     begin = (prefill & (prefilled >= rows.prompt_len)) | (commit & (not fused))

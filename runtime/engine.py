@@ -21,7 +21,8 @@ with the phase transitions decided on the device. An iteration:
    (COMMIT, then the next block) with no host write;
 4. draft events (opt-in per request, `Request.draft_every` = k): every k-th denoise step of a block still in
    flight, the request gets its current argmax canvas as a `BlockEvent` with `draft=True` (cut at eos and at its
-   token budget, text cut before a stop string; nothing committed). The rows asking for one this iteration are read
+   token budget, text cut before a stop string; a constrained request's cut to the prefix its grammar accepts;
+   nothing committed). The rows asking for one this iteration are read
    together: one more host read of [rows, C] ids, only in iterations where some row asks.
 
 Numerics: the step is per-row deterministic within a bucket (batch-invariant rows, the CPU default), so each
@@ -59,7 +60,8 @@ import torch
 
 from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.bucket import Bucket
-from dgemma_compile.finish import finalize_row
+from dgemma_compile.constraint import Constraint, RowGrammar, row_grammars
+from dgemma_compile.finish import finalize_constrained, finalize_row
 from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
 from dgemma_compile.images import ImagePrompt, prefill_images
 from dgemma_compile.images import prepare as prepare_images
@@ -125,6 +127,9 @@ class Request:
     images: ImagePrompt | None = None
     """The prompt's images (`images.prepare`): its image prefix is encoded into its row at admission
     (`images.prefill_images`, static KV cache only); None: a text prompt."""
+    constraint: Constraint | None = None
+    """The text's grammar (docs/constrained.md): each block keeps and commits the prefix it accepts; None: free."""
+    grammar: RowGrammar | None = None  # its matcher, made at `submit` (needs the engine's tokenizer)
 
 
 @dataclass
@@ -270,7 +275,9 @@ class Engine:
 
     def submit(self, request: Request) -> Request:
         """Queue a request (validated first). Thread-safe. Raises ConfigError (`check_request`;
-        `draft_every` not an int >= 0) or QueueFullError."""
+        `draft_every` not an int >= 0; a constraint without a tokenizer, or beyond the cache: its commits are the kept
+        prefixes, so it needs prompt + max_new_tokens - 1 committed slots), `constraint.ConstraintError` (a
+        constraint the grammar library cannot compile; its message starts "constraint:") or QueueFullError."""
         k = request.draft_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ConfigError(f"draft_every: must be an integer >= 0, got {k!r}")
@@ -285,6 +292,12 @@ class Engine:
                               "token ids)")
 
         request.prompt = list(request.prompt)
+        if request.constraint is not None:
+            request.grammar = row_grammars(self.model, [request.constraint], [request.config], self.tokenizer)[0]
+            request.slots = max(request.slots, len(request.prompt) + request.config.max_new_tokens - 1)
+            check_slots(request.slots, self.max_seq_len, "the server's max_seq_len")
+            if self.memory is not None:
+                self.memory.check(request.slots)
         if self.tokenizer is not None:
             request.matcher = StopStrings(self.tokenizer, request.stops)
         with self._wake:
@@ -452,6 +465,8 @@ class Engine:
                     row.prefilled = req.images.prefix
                 self.bucket.admit(b, req.prompt, req.config, req.seed,
                                   prefilled=row.prefilled if pages is not None or req.images is not None else None)
+                if req.grammar is not None:
+                    self.bucket.constrain(b, req.grammar.bitmask())
                 self._dirty = True
             except Exception:  # noqa: BLE001 - a request that cannot be admitted ends alone; its row is freed
                 log.exception("request %d: admission failed; ending it alone", req.id)
@@ -459,8 +474,9 @@ class Engine:
                 free.insert(0, b)
 
     def _committed(self, b: int, row: _Row) -> None:
-        """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`)."""
-        if self.memory is not None:
+        """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`; not
+        for a constrained request, whose commits are its kept prefixes, not whole blocks)."""
+        if self.memory is not None and row.request.grammar is None:
             self.memory.committed(b, row.request.prompt, row.request.sequence[:row.block * self.C])
 
     def _drafts(self, running: list[int]) -> None:
@@ -480,6 +496,8 @@ class Engine:
             row = self.rows[b]
             req = row.request
             cfg = req.config
+            if req.grammar is not None:  # a constrained request's draft: the prefix its grammar accepts so far
+                canvas = canvas[:req.grammar.peek(canvas)]
             eos_at = None if cfg.ignore_eos else next((i for i, t in enumerate(canvas) if t in cfg.eos_token_ids), None)
             tokens = canvas[:eos_at] if eos_at is not None else canvas
             tokens = tokens[:cfg.max_new_tokens - len(req.sequence)]
@@ -495,7 +513,13 @@ class Engine:
                    logprobs: list | None = None) -> None:
         req, st = row.request, self.stats
         before = req.stats.num_tokens
-        keep, done = finalize_row(argmax, req.config, req.sequence, req.stats, steps)
+        if req.grammar is None:
+            keep, done = finalize_row(argmax, req.config, req.sequence, req.stats, steps)
+        else:  # the kept prefix is what the row commits; the device never ends a constrained row
+            keep, done = finalize_constrained(argmax, req.config, req.sequence, req.stats, steps, req.grammar)
+            if not done:
+                self.bucket.constrain(self.rows.index(row), req.grammar.bitmask(), commit_len=len(keep))
+                self._dirty = True  # the commit's length is in the plan
         if logprobs is not None:  # the kept tokens' (a prefix of the canvas), alternatives cut to the request's k
             logprobs = [(t, top[:req.logprobs]) for t, top in logprobs[:len(keep)]]
         st.blocks += 1

@@ -2,13 +2,15 @@
 
 Requests forbid unknown fields (400, naming the field). Fields this server does not implement are accepted at a
 neutral value and refused otherwise with a 400 naming the field and the values it accepts (`NEUTRAL_COMPLETION`,
-`NEUTRAL_CHAT`): OpenAI's (`top_p` 1, penalties 0, `logit_bias` {}, `response_format` {"type": "text"}, `tools` [],
+`NEUTRAL_CHAT`): OpenAI's (`top_p` 1, penalties 0, `logit_bias` {}, `tools` [],
 `tool_choice` "none", `best_of` 1, `echo` false, `store` false, ...) and vLLM's sampling extensions
 (`repetition_penalty` 1, `top_k` -1 or 0, `min_p` 0, `min_tokens` 0). vLLM's `ignore_eos` is implemented (a bool:
 the request runs to `max_tokens`, its eos ids kept as ordinary tokens; `GenerationConfig.ignore_eos`).
-`user` and `metadata` are accepted and ignored. Chat content is a string or text and `image_url` parts (an
-`image_url` is decoded by the server: `data:` URLs only, on a model with a vision encoder; see `server.py`); any
-other part (audio, file) is refused, never dropped.
+Structured outputs (`response_format` json_schema / json_object, vLLM's `guided_regex` / `guided_choice` /
+`guided_json` and `structured_outputs`) on both routes: `structured.py`. `user` and `metadata` are accepted and
+ignored. Chat content is a string or text and `image_url` parts (an `image_url` is decoded by the server: `data:`
+URLs, and local files or http(s) URLs where the server allows them, on a model with a vision encoder; see
+`server.py`); any other part (audio, file) is refused, never dropped.
 
 Logprobs (what they are, and which tokens they cover: `server.py`): completions `logprobs: k` (an integer >= 0,
 OpenAI's legacy field; at most the server's `--max-logprobs`, checked by the server) -> `CompletionLogprobs`; chat
@@ -64,8 +66,7 @@ NEUTRAL_COMMON: dict[str, tuple[tuple, str]] = {
 }
 NEUTRAL_COMPLETION = {**NEUTRAL_COMMON, "echo": ((False,), "no echo of the prompt"),
                       "suffix": (("",), "no suffix"), "best_of": ((1,), "no server-side best-of")}
-NEUTRAL_CHAT = {**NEUTRAL_COMMON, "response_format": (({"type": "text"},), "text only, no structured output"),
-                "tools": (([],), "no tool calls"), "tool_choice": (("none", "auto"), "no tool calls"),
+NEUTRAL_CHAT = {**NEUTRAL_COMMON, "tools": (([],), "no tool calls"), "tool_choice": (("none", "auto"), "no tool calls"),
                 "functions": (([],), "no tool calls"), "function_call": (("none", "auto"), "no tool calls"),
                 "parallel_tool_calls": ((False, True), "no tool calls"), "audio": ((), "text only"),
                 "modalities": ((["text"],), "text only"), "prediction": ((), "no predicted outputs")}
@@ -135,6 +136,12 @@ class _Common(BaseModel):
                                                               "(vLLM's extension)")
     skip_special_tokens: Any = None
     include_stop_str_in_output: Any = None
+    # structured outputs (`structured.request_constraint`): OpenAI's, then vLLM's
+    response_format: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_json: Any = None
+    structured_outputs: Any = None
 
     @model_validator(mode="after")
     def _stream_only(self):
@@ -260,7 +267,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20,
                                            description="with logprobs: the k most likely alternatives of each token "
                                                        "(at most the server's --max-logprobs)")
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

@@ -86,6 +86,7 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from dgemma_compile.config import ConfigError, GenerationConfig
+from dgemma_compile.constraint import GrammarLibrary
 from dgemma_compile.images import prepare as prepare_images
 from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_prompt
 from . import protocol as P
@@ -93,6 +94,7 @@ from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
+from .structured import FIELDS as STRUCTURED_FIELDS, request_constraint
 
 GOLDEN = 0x9E3779B97F4A7C15
 ERRORS = {400: "invalid request: malformed JSON, an unknown or unsupported field, a bad value, a prompt beyond the "
@@ -235,13 +237,15 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
                images=None) -> list[EngineRequest]:
-        """Validate every choice, then queue them all (or none: 429). `images`: the prompt's `images.ImagePrompt`
-        (one prompt), shared by its choices."""
+        """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
+        compile: 400 naming the field it came from). `images`: the prompt's `images.ImagePrompt` (one prompt),
+        shared by its choices."""
         cfg = config_of(req)
+        constraint, field = request_constraint({name: getattr(req, name) for name in STRUCTURED_FIELDS})
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
                                  on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
-                                 images=images)
+                                 images=images, constraint=constraint)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
@@ -256,12 +260,30 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             for c in queued:
                 engine.cancel(c)
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+        except ConfigError as e:  # the constraint's (compiled at submit), before or with the first choice
+            for c in queued:
+                engine.cancel(c)
+            message = str(e)
+            if field is not None and message.split(":", 1)[0] in ("constraint", "ignore_eos", "tokenizer"):
+                raise P.APIError(400, f"{field}: {message.split(':', 1)[1].strip()}", param=field) from None
+            raise _config_error(e) from None
         return choices
+
+    def compile_grammar(constraint, field: str) -> None:
+        """Compile the request's grammar (off the event loop; `Engine.submit` then finds it in xgrammar's cache)."""
+        try:
+            GrammarLibrary.for_model(tokenizer, engine.model, engine.config.eos_token_ids).compile(constraint)
+        except ConfigError as e:
+            raise P.APIError(400, f"{field}: {str(e).split(':', 1)[1].strip()}", param=field) from None
 
     async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool, images=None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
         k = logprobs_of(req, chat)
+        constraint, field = request_constraint({name: getattr(req, name) for name in STRUCTURED_FIELDS})
+        if constraint is not None:
+            await offload(compile_grammar, constraint, field, timeout=input_timeout_s, what="compiling the grammar",
+                          param=field)
         choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images)
         index = {id(c): i for i, c in enumerate(choices)}
         lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]

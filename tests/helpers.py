@@ -71,6 +71,35 @@ def write_tokenizer(directory: Path, images: bool = False) -> None:
     fast.save_pretrained(str(directory))
 
 
+def _byte_chars() -> dict[int, str]:
+    """The byte -> printable character table of byte-level BPE vocabularies (GPT-2's convention): printable
+    Latin-1 bytes stand for themselves, the others are shifted past 255 in order."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    out, shift = {}, 0
+    for b in range(256):
+        out[b] = chr(b) if b in keep else chr(256 + shift)
+        shift += b not in keep
+    return out
+
+
+def write_byte_tokenizer(directory: Path) -> None:
+    """A byte-level tokenizer (pad 0, eos 1, bos 2, then the 256 bytes, no merges: every text encodes, byte by
+    byte), saved as transformers does; 259 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for b, ch in _byte_chars().items():
+        vocab[ch] = 3 + b
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    fast.save_pretrained(str(directory))
+
+
 def image_token_ids() -> tuple[int, int, int]:
     """The (image, boi, eoi) ids of `write_tokenizer(images=True)`: right after its characters and unk."""
     first = 3 + len(VOCAB_CHARS) + 1

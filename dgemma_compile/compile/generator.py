@@ -27,8 +27,10 @@ import torch
 
 from ..bucket import Bucket
 from ..config import ConfigError, GenerationConfig
-from ..finish import finalize_row
-from ..generate import BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, plan_requests
+from ..constraint import Constraint, resolve_constraints, row_grammars
+from ..finish import finalize_constrained, finalize_row
+from ..generate import (BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, constrained_slots,
+                        plan_requests)
 from ..images import ImagePrompt, prefill_images
 from ..images import prepare as prepare_images
 from ..model import DiffusionGemma
@@ -136,11 +138,14 @@ class CompiledGenerator:
     def generate(self, prompts: Sequence[Sequence[int]],
                  config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
                  seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
-                 observer: Observer | None = None, images: Sequence | None = None) -> GenerationOutput:
+                 observer: Observer | None = None, images: Sequence | None = None,
+                 constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None
+                 ) -> GenerationOutput:
         """Same contract as `dgemma_compile.generate(model, ...)` (`images` included: a request's image prefix is
         encoded by `images.prefill_images` into its row when it is admitted, eagerly and outside the compiled step,
         which then prefills the rest of the prompt as any prompt's, so the step's graphs are those of text-only
-        requests: no recompile when a request with images follows one without); requests progress independently here, so `on_block`
+        requests: no recompile when a request with images follows one without; `constraint` and `tokenizer` too: a
+        grammar is data in the bucket's buffers, never a recompile); requests progress independently here, so `on_block`
         and `stop` are called once per block index and iteration for the requests whose block ended in it (the
         others' entries empty; `stop`'s verdict applies to those requests only). `observer` also receives per-unit
         timings.
@@ -153,7 +158,9 @@ class CompiledGenerator:
         """
         self.fingerprint.check(self.model)
         cfgs, prompts, seeds, needed = plan_requests(self.model, prompts, config, seed)
-        check_slots(needed, self.options.max_seq_len, "CompileOptions.max_seq_len")
+        grammars = row_grammars(self.model, resolve_constraints(constraint, len(prompts)), cfgs, tokenizer)
+        check_slots(max(needed, constrained_slots(prompts, cfgs, grammars)), self.options.max_seq_len,
+                    "CompileOptions.max_seq_len")
         items = prepare_images(self.model, prompts, images)
         steps = max(c.max_denoising_steps for c in cfgs)
         if steps > self.options.max_denoising_steps:
@@ -164,7 +171,7 @@ class CompiledGenerator:
             if isinstance(view.step, CompiledUnit):
                 view.step.check_owners()
         return _Driver(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer),
-                       items).run(on_block, stop)
+                       grammars, items).run(on_block, stop)
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> float:
@@ -197,9 +204,10 @@ class _Driver:
     """One `generate` call over a bucket: admit, step, read the finished blocks, finalise (see the module docstring)."""
 
     def __init__(self, gen: CompiledGenerator, bucket: Bucket, prompts: list[list[int]],
-                 cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer,
+                 cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer, grammars: list,
                  images: "list[ImagePrompt | None] | None" = None):
         self.gen, self.bucket, self.timer = gen, bucket, timer
+        self.grammars = grammars
         self.prompts, self.cfgs, self.seeds = prompts, cfgs, seeds
         self.images = images or [None] * len(prompts)
         R = len(prompts)
@@ -259,21 +267,31 @@ class _Driver:
                                    chunk=self.gen.model.config.canvas_length, moe_impl=self.gen.moe_impl)
                     self.bucket.admit(b, self.prompts[r], self.cfgs[r], self.seeds[r], prefilled=item.prefix)
                     self.rows[b] = _Row(request=r, prefilled=item.prefix)
+                if self.grammars[r] is not None:
+                    self.bucket.constrain(b, self.grammars[r].bitmask())
                 admitted = True
         return admitted
 
     def _finalize(self, ended: list[int], blocks: list[tuple[bool, int, list[int]]], on_block: BlockCallback | None,
                   stop: StopHook | None) -> bool:
         """Finalise the blocks that ended in this iteration, by block index (`on_block`, then `stop`); retire the
-        rows whose request ended. Returns whether the host freed a row the device had not."""
+        rows whose request ended. Returns whether the host changed a row (freed one the device had not, or wrote a
+        constrained row's commit length): the plan then refreshes."""
         out, R = self.out, len(self.prompts)
+        freed = False
         by_block: dict[int, list[tuple[int, bool, bool, list[int]]]] = {}
         for b, (device_done, steps, argmax) in zip(ended, blocks):
             row = self.rows[b]
             r = row.request
-            keep, done = finalize_row(argmax, self.cfgs[r], out.sequences[r], out.stats[r], steps)
+            g = self.grammars[r]
+            if g is None:
+                keep, done = finalize_row(argmax, self.cfgs[r], out.sequences[r], out.stats[r], steps)
+            else:  # the kept prefix is what the row commits; the device never ends a constrained row
+                keep, done = finalize_constrained(argmax, self.cfgs[r], out.sequences[r], out.stats[r], steps, g)
+                if not done:
+                    self.bucket.constrain(b, g.bitmask(), commit_len=len(keep))
+                freed = True  # the plan holds the commit's length: refresh it
             by_block.setdefault(row.block, []).append((b, done, device_done, keep))
-        freed = False
         for blk in sorted(by_block):
             self.timer.flush(blk)  # the spans so far, then on_block_end(blk) (the host already waited for the step)
             toks: list[list[int]] = [[] for _ in range(R)]
