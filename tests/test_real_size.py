@@ -228,7 +228,7 @@ def denoise_hidden(model: dg.DiffusionGemma, cache, canvas: torch.Tensor) -> tor
 
 @pytest.fixture(scope="module")
 def model32(reference):
-    return dg.load(reference.directory, dtype=torch.float32)
+    return dg.load(reference.directory, dtype=torch.float32, vision=False)  # text-only parity
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +282,7 @@ def test_bfloat16_logits_within_epsilon_bound(reference):
     logits of scale S, they amount to a few 2^-8 x S more. Measured: 3.5 x 2^-8 x S at seed 0 (S = 20.3), 2.9-3.5
     over seeds 0-2, so the factor 16 leaves 4.5x. A wrong mask, window, RoPE or head layout moves logits by a sizeable
     share of S (the symmetric window alone: see the symmetric test), far above S / 16."""
-    model = dg.load(reference.directory, dtype=torch.bfloat16)
+    model = dg.load(reference.directory, dtype=torch.bfloat16, vision=False)
     cache = model.new_cache(1, SLOTS)
     model.encode(reference.prompt, cache)
     logits = model.logits(denoise_hidden(model, cache, reference.canvas)[POS][None])[0]
