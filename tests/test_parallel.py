@@ -1,0 +1,179 @@
+"""Tensor parallel (dgemma_compile/parallel/, docs/parallel.md): the head plan and the split checks (fast), and on 2
+gloo ranks of the demo model (slow): prefill, denoise (with and without self-conditioning) and commit logits of the
+sharded model against the single-process model, and a dead or stalled rank making its peer fail within the group's
+timeout instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dgemma_compile import parallel
+from dgemma_compile.parallel import RankFailed, RendezvousError, attention_heads, split
+from dgemma_compile.parallel.group import env_rank
+
+# Logits of the sharded model vs the single process, max abs over every real position (float32, |logits| <= 30 by
+# the softcap). Each row-parallel projection sums its K products in world_size partial sums instead of one: a
+# different rounding order, a few float32 ulps per output (eps = 1.2e-7 relative; the spike measured 1.7e-6 abs on a
+# K = 256 product of unit-scale values). Four layers carry that to the logits scaled by their magnitude (<= 30):
+# measured 5.7e-6 .. 2.1e-5 over the forwards below (2026-12-01); 1e-4 leaves a 5x margin and is the bound of the
+# transformers parity tests. A wrong shard moves logits by O(1) (o_proj reading another rank's heads: 20..25).
+LOGITS_ATOL = 1e-4
+GROUP_TIMEOUT_S = 10.0
+
+
+# ----- fast: the plan --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("H,Hkv,N", [(H, Hkv, N) for H in (1, 2, 4, 8, 16) for Hkv in (1, 2, 4, 8) if H % Hkv == 0
+                                     for N in (1, 2, 4, 8)])
+def test_attention_heads_cover_every_query_head_once_with_the_kv_heads_it_reads(H, Hkv, N):
+    ok = H % N == 0 and (Hkv % N == 0 if Hkv >= N else N % Hkv == 0)
+    if not ok:
+        with pytest.raises(ValueError, match=r"layers\.3\.self_attn\.(q|k)_proj\.weight"):
+            attention_heads(H, Hkv, 0, N, layer=3)
+        return
+    seen_q, seen_kv = [], set()
+    for r in range(N):
+        q, kv = attention_heads(H, Hkv, r, N, layer=3)
+        assert len(q) == H // N and len(kv) == max(Hkv // N, 1)
+        assert {h // (H // Hkv) for h in q} <= set(kv)  # GQA: query head h reads KV head h // group
+        # local GQA inside the rank: local query head j reads local KV head j // (len(q) / len(kv))
+        assert [kv[j // (len(q) // len(kv))] for j in range(len(q))] == [h // (H // Hkv) for h in q]
+        seen_q += q
+        seen_kv |= set(kv)
+    assert sorted(seen_q) == list(range(H)) and seen_kv == set(range(Hkv))
+
+
+def test_released_shapes_split_over_2_4_8_ranks_and_refuse_3():
+    for N in (2, 4, 8):  # 16 query heads; sliding layers 8 KV heads, full layers 2 (replicated from N = 4)
+        for r in range(N):
+            assert len(attention_heads(16, 8, r, N, 0)[1]) == 8 // N
+            assert len(attention_heads(16, 2, r, N, 5)[1]) == max(2 // N, 1)
+    with pytest.raises(ValueError, match=r"layers\.5\.self_attn\.q_proj\.weight has 16 query heads"):
+        attention_heads(16, 2, 0, 3, 5)
+
+
+def test_split_names_the_tensor_it_cannot_split():
+    w = torch.arange(12.0).reshape(6, 2)
+    assert torch.equal(split(w, 0, 1, 3, "w"), w[2:4])
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.gate_proj\.weight \[6, 2\] cannot be split over 4"):
+        split(w, 0, 0, 4, "layers.0.mlp.gate_proj.weight")
+
+
+def test_env_rank_names_missing_variables(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RendezvousError, match=r"\['WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\]"):
+        env_rank()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(RendezvousError, match=r"RANK=2 is outside \[0, WORLD_SIZE=2\)"):
+        env_rank()
+
+
+def test_shard_without_a_process_group_raises(demo):
+    model, _ = demo
+    with pytest.raises(RuntimeError, match="no process group"):
+        parallel.shard(model)
+    assert getattr(model, "tensor_parallel", None) is None
+
+
+# ----- slow: 2 gloo ranks of the demo model ------------------------------------------------------------------------
+def _forwards(model) -> dict[str, torch.Tensor]:
+    """Prefill (two chunks, rows of different lengths, past the sliding window), denoise without and with
+    self-conditioning, commit, denoise after the commit: float32 logits of each, real positions only."""
+    g = torch.Generator().manual_seed(0)
+    V, C = model.config.vocab_size, model.config.canvas_length
+    cache = model.new_cache(batch_size=2, max_seq_len=64)
+    prompt = torch.randint(3, V, (2, 20), generator=g)
+    lengths = torch.tensor([20, 13])
+    out = {}
+    with torch.no_grad():
+        pre = model.logits(model.encode(prompt, cache, lengths))
+        out["prefill_row0"], out["prefill_row1"] = pre[0], pre[1, :13]
+        canvas = torch.randint(0, V, (2, C), generator=g)
+        out["denoise"] = model.denoise(canvas, cache)
+        sc = torch.randn(2, C, V, generator=g) * 3
+        out["denoise_self_conditioned"] = model.denoise(canvas, cache, sc)
+        out["commit"] = model.logits(model.encode(torch.randint(3, V, (2, C), generator=g), cache))
+        out["denoise_after_commit"] = model.denoise(canvas, cache, sc)
+    return out
+
+
+def _load_demo():
+    import dgemma_compile as dg
+    from dgemma_compile.demo import DEMO_MODEL
+
+    return dg.load(DEMO_MODEL)
+
+
+def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
+    parallel.init("cpu", timeout_s=60)
+    model = parallel.shard(_load_demo())
+    torch.save({"out": _forwards(model), "kv_heads": model.config.num_kv_heads,
+                "cache_heads": [k.shape[1] for k in model.new_cache(1, 8).keys]}, Path(out_dir, f"rank{rank}.pt"))
+    parallel.destroy()
+
+
+@pytest.mark.slow
+def test_two_ranks_match_the_single_process_model(tmp_path):
+    t0 = time.monotonic()
+    parallel.spawn(_rank_forwards, 2, (str(tmp_path),), timeout_s=120)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ref_model = _load_demo()
+    ref = _forwards(ref_model)
+    # demo: sliding layers 2 KV heads (split, 1 a rank), full layers 1 (replicated); the cache holds the local ones
+    assert ranks[0]["kv_heads"] == (1, 1, 1, 1) and ranks[0]["cache_heads"] == [1, 1, 1, 1]
+    for name, want in ref.items():
+        got0, got1 = ranks[0]["out"][name], ranks[1]["out"][name]
+        assert torch.equal(got0, got1), f"{name}: ranks disagree"  # the sampler needs the same bits everywhere
+        assert want.abs().max() > 1000 * LOGITS_ATOL  # real logits, not a degenerate output
+        diff = float((got0 - want).abs().max())
+        assert diff <= LOGITS_ATOL, f"{name}: max abs diff {diff:.3g} > {LOGITS_ATOL}"
+        assert torch.equal(got0.argmax(-1), want.argmax(-1)), name
+    print(f"2 ranks: {time.monotonic() - t0:.1f} s")
+
+
+def _rank_dies(rank: int, world: int, out_dir: str, how: str) -> None:
+    parallel.init("cpu", timeout_s=GROUP_TIMEOUT_S)
+    model = parallel.shard(_load_demo())
+    if rank == 1:
+        if how == "exit":
+            os._exit(3)  # a crash: the socket closes
+        time.sleep(10 * GROUP_TIMEOUT_S)  # a stall: alive, never joining the collective
+        return
+    t0 = time.monotonic()
+    try:
+        _forwards(model)
+    except Exception as e:
+        Path(out_dir, "rank0.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}",
+                                                            "elapsed_s": time.monotonic() - t0}))
+        raise
+    Path(out_dir, "rank0.json").write_text(json.dumps({"error": None}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["exit", "stall"])
+def test_a_dead_rank_makes_its_peer_fail_within_the_timeout(tmp_path, how):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        parallel.spawn(_rank_dies, 2, (str(tmp_path), how), timeout_s=90)
+    wall = time.monotonic() - t0
+    rep = json.loads((tmp_path / "rank0.json").read_text())
+    assert rep["error"] is not None, "rank 0 finished its forwards without its peer"
+    assert rep["elapsed_s"] <= GROUP_TIMEOUT_S + 5, rep
+    # gloo's own words: a crash closes the peer's socket at once; a stall runs into the group's timeout
+    want = "Connection closed by peer" if how == "exit" else f"Timed out waiting {int(GROUP_TIMEOUT_S * 1000)}ms"
+    assert want in rep["error"], rep
+    # rank 0 raised (exit code 1), it was not left running; rank 1 crashed (3) or was still stalled (None)
+    assert info.value.exit_codes == [1, 3 if how == "exit" else None], (info.value.exit_codes, str(info.value))
+    assert "rank 0: exit code 1" in str(info.value)
+    assert wall < 60, wall
+    print(how, rep)
