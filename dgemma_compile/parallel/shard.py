@@ -6,7 +6,10 @@ What each rank keeps (Megatron's split, transformers' `base_model_tp_plan`: q/k/
   released full layers have 2 KV heads); o_proj is row parallel over the same heads (`RowParallelLinear`, one
   all-reduce per layer). q_norm / k_norm / v_norm act per head and stay whole.
 - dense MLP: gate_proj / up_proj output rows I/N (column parallel), down_proj row parallel (one all-reduce).
-- replicated, unchanged: embeddings / lm_head, norms, router, routed experts, self-conditioning MLP, vision tower.
+- routed experts: every expert's intermediate slice I/N (`experts.py`, one all-reduce per layer).
+- vocabulary: table rows Vp/N of the padded vocabulary for the lookup, the logits (an all-gather: every rank gets
+  the full [.., V] logits) and the self-conditioning product (`vocab.py`).
+- replicated, unchanged: norms, router, self-conditioning MLP, vision tower.
 So every rank's residual stream is the full [B, T, D] and bitwise the same on every rank.
 
 `model.config` becomes the rank's local attention shape (num_attention_heads = H/N, num_kv_heads per layer the
@@ -25,7 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ModelConfig
+from .experts import TensorParallelExperts, check_experts
 from .linear import RowParallelLinear, column_parallel, split
+from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProduct, local_rows, vocab_range
 
 if TYPE_CHECKING:
     from ..model import DiffusionGemma
@@ -80,6 +85,9 @@ def _head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
 
 
 def _check_plain(model: nn.Module) -> None:
+    if getattr(model, "sc_embedding", None) is not None:
+        raise ValueError("tensor parallel: sc_embedding is set (a quantized model); shard the model before quantizing "
+                         "it")
     for name, p in model.named_parameters():
         if type(p.data) is not torch.Tensor:
             raise ValueError(f"tensor parallel: {name} is a {type(p.data).__name__}, not a plain tensor; shard the "
@@ -99,8 +107,8 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None) -> "D
         vocabulary), within float32 reduction-order error, bitwise identical on every rank.
     Raises:
         ValueError: the model is already sharded or quantized, or a tensor cannot be split (the message names it:
-            query heads, KV heads or an MLP's intermediate size not divisible by the rank count). Nothing is changed
-            when it raises.
+            query heads, KV heads, or the dense MLP's or the experts' intermediate size not divisible by the rank
+            count; the vocabulary is padded, never refused). Nothing is changed when it raises.
         RuntimeError: no process group is initialised.
     """
     if getattr(model, "tensor_parallel", None) is not None:
@@ -116,6 +124,7 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None) -> "D
              for i in range(cfg.num_layers)]
     for i, layer in enumerate(model.layers):
         split(layer.mlp.gate_proj.weight, 0, rank, world, f"layers.{i}.mlp.gate_proj.weight")
+        check_experts(layer.experts, world, f"layers.{i}.experts")
     for i, (layer, (q, kv)) in enumerate(zip(model.layers, heads)):
         attn, dh = layer.self_attn, layer.self_attn.head_dim
         pre = f"layers.{i}.self_attn"
@@ -131,8 +140,25 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None) -> "D
         mlp.gate_proj = column_parallel(mlp.gate_proj, inter, f"{pre}.gate_proj")
         mlp.up_proj = column_parallel(mlp.up_proj, inter, f"{pre}.up_proj")
         mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world, group, f"{pre}.down_proj")
+        layer.experts = TensorParallelExperts(layer.experts, rank, world, group, f"layers.{i}.experts")
+    _shard_vocabulary(model, rank, world, group)
     model.tensor_parallel = TensorParallel(group=group, rank=rank, world_size=world, config=cfg,
                                            heads=tuple((tuple(q), tuple(kv)) for q, kv in heads))
     model.config = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
                                        num_kv_heads=tuple(len(kv) for _, kv in heads))
     return model
+
+
+def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dist.ProcessGroup) -> None:
+    """The lookup, the logits and the self-conditioning product over the rank's rows of the padded vocabulary
+    (`vocab.py`): `embed_tokens` becomes a `VocabParallelEmbedding` (its `weight` the local rows), `lm_head` a
+    `VocabParallelHead` (over the same rows when tied, over the untied head's rows otherwise) and `sc_embedding` a
+    `VocabParallelProduct` (always the input embeddings, as transformers' self-conditioning)."""
+    V = model.config.vocab_size
+    start, _ = vocab_range(V, rank, world)
+    table = model.embed_tokens.weight.detach()
+    model.embed_tokens = VocabParallelEmbedding(local_rows(table, rank, world), start, group)
+    weight = model.embed_tokens.weight
+    head = weight if model.lm_head is None else local_rows(model.lm_head.weight.detach(), rank, world)
+    model.lm_head = VocabParallelHead(head, V, group)
+    model.sc_embedding = VocabParallelProduct(weight, start, V, group)
