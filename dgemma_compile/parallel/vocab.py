@@ -4,8 +4,9 @@ The vocabulary V is padded to Vp, the next multiple of the rank count N (the dem
 released 262144 divides), and rank r holds table rows [r*Vp/N, (r+1)*Vp/N), the padding rows zero. Then:
 - lookup (`VocabParallelEmbedding`): each rank embeds the ids inside its range, zeros elsewhere, and an all-reduce
   sums: exactly one rank contributes a row, so the result is bitwise the single-process lookup;
-- logits (`VocabParallelHead`): each rank computes its [.., Vp/N] slice, an all-gather concatenates, the padding
-  columns are cut: [.., V], each logit the same dot product as in one process;
+- logits (`VocabParallelHead`): each rank computes its [.., Vp/N] slice, places it in zeros [.., Vp] and an
+  all-reduce sums (a gather; see `VocabParallelHead.forward` for why not an all-gather), the padding columns are cut:
+  [.., V] on every rank, each logit the same dot product as in one process;
 - self-conditioning product (`VocabParallelProduct`): probs [.., V] (zero-padded to Vp) times the rank's rows, summed
   over ranks by an all-reduce: a sum over V in N partial sums (float32 reduction order).
 """
@@ -53,7 +54,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelHead(nn.Module):
     """forward(hidden [..., D]) -> logits [..., V] in the weight's dtype (the model casts and soft-caps them): this
-    rank's [..., V/N] slice `hidden @ weight.T`, all-gathered over the ranks, the padding columns cut. `weight`
+    rank's [..., V/N] slice `hidden @ weight.T`, gathered over the ranks (an all-reduce of the placed slices), the
+    padding columns cut. `weight`
     [ceil(V/N), D]: this rank's rows of the tied table (shared with the embedding) or of the untied lm_head."""
 
     def __init__(self, weight: nn.Parameter | torch.Tensor, vocab_size: int, group: dist.ProcessGroup):
@@ -61,11 +63,17 @@ class VocabParallelHead(nn.Module):
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.vocab_size = vocab_size
         self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.weight)  # [..., V/N]
-        gathered = funcol.all_gather_single(local.movedim(-1, 0).contiguous(), 0, self.group)  # [Vp, ...]
-        return gathered.movedim(0, -1)[..., :self.vocab_size]
+        per = local.shape[-1]
+        # The gather as an all-reduce of the slice placed in zeros (exact: one nonzero term per logit). An all-gather
+        # would move half the bytes, but Inductor's C++ wrapper (CompileOptions.cpp_wrapper, on for CPU) cannot call
+        # all_gather_into_tensor in torch 2.13 ("arg type Any is not yet supported by custom_op_wrapper"); the
+        # vocabulary-parallel sampler is to remove this gather altogether (docs/parallel.md).
+        placed = F.pad(local, (self.rank * per, (self.world_size - 1 - self.rank) * per))
+        return funcol.all_reduce(placed, "sum", self.group)[..., :self.vocab_size]
 
 
 class VocabParallelProduct(nn.Module):
