@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import dgemma_compile as dg
 from dgemma_compile import parallel
+from dgemma_compile.config import ConfigError
 from dgemma_compile.parallel import RankFailed, RendezvousError, attention_heads, split, vocab_range
 from dgemma_compile.parallel.vocab import local_rows
 from dgemma_compile.parallel.group import env_rank
@@ -130,7 +132,6 @@ def _forwards(model) -> dict[str, torch.Tensor]:
 
 
 def _load_demo():
-    import dgemma_compile as dg
     from dgemma_compile.demo import DEMO_MODEL
 
     return dg.load(DEMO_MODEL)
@@ -149,6 +150,11 @@ def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
     assert getattr(bad, "tensor_parallel", None) is None and bad.layers[0].self_attn.q_proj.weight is q_before
     assert type(bad.embed_tokens) is torch.nn.Embedding and bad.config.num_kv_heads == (2, 1, 2, 1)
     model = parallel.shard(_load_demo())
+    try:  # the other order is refused too: quantizing a sharded model
+        dg.quantize(model, "fp8-weight-only")
+        raise AssertionError("quantize accepted a sharded model")
+    except ConfigError as e:
+        assert "sharded for tensor parallel" in str(e), e
     torch.save({"out": _forwards(model), "kv_heads": model.config.num_kv_heads,
                 "cache_heads": [k.shape[1] for k in model.new_cache(1, 8).keys]}, Path(out_dir, f"rank{rank}.pt"))
     parallel.destroy()
