@@ -1,6 +1,7 @@
 """Tensor parallel (dgemma_compile/parallel/, docs/parallel.md): the head plan, the vocabulary's padded split and the
-split checks (fast), and on 2 and 4 gloo ranks of the demo model (slow): prefill, denoise (with and without
-self-conditioning) and commit logits of the sharded model against the single-process model, a shape that cannot be
+split checks (fast), and on 2 and 4 gloo ranks of the demo model and on 2 ranks of a released-width slice (slow):
+prefill, denoise (with and without self-conditioning) and commit logits of the sharded model against the
+single-process model, a shape that cannot be
 split refused with nothing changed, and a dead or stalled rank making its peer fail within the group's timeout
 instead of hanging."""
 
@@ -25,10 +26,18 @@ from dgemma_compile.parallel.group import env_rank
 # Logits of the sharded model vs the single process, max abs over every real position (float32, |logits| <= 30 by
 # the softcap). Each row-parallel projection sums its K products in world_size partial sums instead of one: a
 # different rounding order, a few float32 ulps per output (eps = 1.2e-7 relative; the spike measured 1.7e-6 abs on a
-# K = 256 product of unit-scale values). Four layers carry that to the logits scaled by their magnitude (<= 30):
-# measured 5.7e-6 .. 2.1e-5 over the forwards below (2026-12-01); 1e-4 leaves a 5x margin and is the bound of the
-# transformers parity tests. A wrong shard moves logits by O(1) (o_proj reading another rank's heads: 20..25).
+# K = 256 product of unit-scale values). The layers carry that to the logits scaled by their magnitude (<= 30):
+# at the demo's shapes (longest sum K = 256) measured 5.4e-6 .. 2.1e-5 over the forwards below (2026-12-01), bound
+# 1e-4 (a 5x margin; the bound of the transformers parity tests). Rounding errors of a K-term sum grow like sqrt(K),
+# so the bound scales by sqrt(K / 256): the released-width slice (K up to 8192, o_proj of the full layers) gets
+# 5.7e-4; measured 7e-6 .. 4.7e-5 there. A wrong shard moves logits by O(1) (o_proj reading another rank's heads:
+# 20..25).
 LOGITS_ATOL = 1e-4
+
+
+def logits_bound(longest_sum: int) -> float:
+    """The max abs logits difference allowed when the longest row-parallel sum has `longest_sum` terms (above)."""
+    return LOGITS_ATOL * max(1.0, (longest_sum / 256) ** 0.5)
 GROUP_TIMEOUT_S = 10.0
 
 
@@ -182,6 +191,62 @@ def test_ranks_match_the_single_process_model(tmp_path, world):
         assert diff <= LOGITS_ATOL, f"{name}: max abs diff {diff:.3g} > {LOGITS_ATOL}"
         assert torch.equal(got.argmax(-1), want.argmax(-1)), name
     print(f"{world} ranks: {time.monotonic() - t0:.1f} s")
+
+
+def _released_slice():
+    """2 layers (sliding, full) at the released widths: hidden 2816, 16 query heads, sliding 8 KV heads of 256, full
+    2 KV heads of 512 (split 1 a rank at 2 ranks, not replicated), dense MLP 2112, experts of 704 (4 of them, top 2,
+    instead of 128 top 8), vocabulary 61 (padded to 62); random float32 weights from one seeded generator (every
+    process builds the same model), fan-in scaled, norm weights and router scales around 1."""
+    from dgemma_compile.config import FULL, SLIDING, ModelConfig, RopeConfig
+    from dgemma_compile.model import DiffusionGemma
+
+    cfg = ModelConfig(vocab_size=61, hidden_size=2816, intermediate_size=2112, num_layers=2, num_attention_heads=16,
+                      layer_types=(SLIDING, FULL), head_dims=(256, 512), num_kv_heads=(8, 2), sliding_window=16,
+                      rope={SLIDING: RopeConfig(rope_type="default", theta=1e4),
+                            FULL: RopeConfig(rope_type="proportional", theta=1e6, partial_rotary_factor=0.25)},
+                      num_experts=4, top_k_experts=2, moe_intermediate_size=704, canvas_length=16)
+    with torch.device("meta"):
+        model = DiffusionGemma(cfg)
+    model = model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(1.0)
+    return model.eval()
+
+
+def _rank_released(rank: int, world: int, out_dir: str) -> None:
+    parallel.init("cpu", timeout_s=120)
+    model = parallel.shard(_released_slice())
+    torch.save({"out": _forwards(model), "kv_heads": model.config.num_kv_heads}, Path(out_dir, f"rank{rank}.pt"))
+    parallel.destroy()
+
+
+@pytest.mark.slow
+def test_released_width_slice_on_two_ranks_matches_the_single_process_model(tmp_path):
+    """The reduction lengths of the release (o_proj sums 4096 and 8192 products, down_proj 2112, experts 704, the
+    hidden 2816) under the same bound."""
+    parallel.spawn(_rank_released, 2, (str(tmp_path),), timeout_s=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ref = _forwards(_released_slice())
+    assert ranks[0]["kv_heads"] == (4, 1)
+    assert torch.equal(ranks[0]["out"].pop("embed"), ref.pop("embed"))
+    bound = logits_bound(16 * 512)  # the full layers' o_proj
+    for name, want in ref.items():
+        got = ranks[0]["out"][name]
+        assert torch.equal(ranks[1]["out"][name], got), f"{name}: ranks disagree"
+        assert want.abs().max() > 1000 * LOGITS_ATOL
+        diff = float((got - want).abs().max())
+        assert diff <= bound, f"{name}: max abs diff {diff:.3g} > {bound:.3g}"
+        print(name, f"{diff:.3g}", f"max|logit| {float(want.abs().max()):.3g}")
 
 
 def _rank_dies(rank: int, world: int, out_dir: str, how: str) -> None:
