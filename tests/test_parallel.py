@@ -278,7 +278,8 @@ def test_a_dead_rank_makes_its_peer_fail_within_the_timeout(tmp_path, how):
     assert rep["error"] is not None, "rank 0 finished its forwards without its peer"
     assert rep["elapsed_s"] <= GROUP_TIMEOUT_S + 5, rep
     # gloo's own words: a crash closes (or resets) the peer's socket at once; a stall runs into the group's timeout
-    want = r"Connection (closed|reset) by peer" if how == "exit" else f"Timed out waiting {int(GROUP_TIMEOUT_S * 1000)}ms"
+    timed_out = f"Timed out waiting {int(GROUP_TIMEOUT_S * 1000)}ms"
+    want = r"Connection (closed|reset) by peer" if how == "exit" else timed_out
     assert re.search(want, rep["error"]), rep
     # rank 0 raised (exit code 1), it was not left running; rank 1 crashed (3) or was still stalled (None)
     assert info.value.exit_codes == [1, 3 if how == "exit" else None], (info.value.exit_codes, str(info.value))

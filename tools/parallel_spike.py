@@ -82,7 +82,8 @@ def _explain(fn, *args):
         e = torch._dynamo.explain(fn)(*args)
         return {"graph_count": e.graph_count, "graph_break_count": e.graph_break_count,
                 "break_reasons": [str(r.reason) for r in e.break_reasons],
-                "ops": [str(op) for ops in e.ops_per_graph for op in ops if "c10d" in str(op) or "all_reduce" in str(op)]}
+                "ops": [str(op) for ops in e.ops_per_graph for op in ops
+                        if "c10d" in str(op) or "all_reduce" in str(op)]}
     except Exception as ex:  # the report says what failed
         return {"error": f"{type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}"}
 
@@ -136,11 +137,13 @@ def _rank(rank: int, world: int, out_dir: str) -> None:
         want = partial.clone()
         want[:, : N_OUT // 2] = ref_y_raw[:, : N_OUT // 2]
         try:
-            got = torch.compile(lambda a, b: _inplace_on_view(a, b, group), fullgraph=True, backend="inductor")(x_l, w_l)
+            fn = torch.compile(lambda a, b: _inplace_on_view(a, b, group), fullgraph=True, backend="inductor")
+            got = fn(x_l, w_l)
             report["inplace_on_view_compiled"] = {"ok": True, "max_abs_diff_vs_eager_semantics":
                                                   float((got - want).abs().max())}
         except Exception as ex:
-            report["inplace_on_view_compiled"] = {"ok": False, "error": f"{type(ex).__name__}: {str(ex).splitlines()[0]}"}
+            report["inplace_on_view_compiled"] = {"ok": False,
+                                                  "error": f"{type(ex).__name__}: {str(ex).splitlines()[0]}"}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     pgroup.destroy()
 
