@@ -107,14 +107,17 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
 
     Raises:
         ConfigError: an unknown scheme, `nvfp4` (W4A4) on a device without sm100 tensor cores, an NVFP4 scheme on a
-            float16 model, a model already quantized, or torchao missing (the `[quant]` extra). Raised before any
-            weight changes.
+            float16 model, a model already quantized or sharded for tensor parallel (`parallel.shard`), or torchao
+            missing (the `[quant]` extra). Raised before any weight changes.
     """
     device = next(model.parameters()).device
     check_scheme(scheme, device, next(model.parameters()).dtype)
     if getattr(model, "quant_scheme", None) is not None:
         raise ConfigError(f"quant scheme: the model is already quantized ({model.quant_scheme}); quantize a model "
                           "loaded from a float checkpoint")
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise ConfigError("quant scheme: the model is sharded for tensor parallel (parallel.shard); quantizing a "
+                          "sharded model is not supported yet")
     try:
         with quiet_torchao():
             import torchao  # noqa: F401

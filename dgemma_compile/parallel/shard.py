@@ -1,0 +1,164 @@
+"""Tensor-parallel sharding of a loaded `DiffusionGemma`, applied from outside the model: `shard(model, group)`.
+
+What each rank keeps (Megatron's split, transformers' `base_model_tp_plan`: q/k/v colwise, o rowwise):
+- attention: its H/N query heads (q_proj output rows), the KV heads those query heads read (k_proj / v_proj output
+  rows): Hkv/N of them when Hkv >= N, else the one KV head its query heads share, replicated on N/Hkv ranks (the
+  released full layers have 2 KV heads); o_proj is row parallel over the same heads (`RowParallelLinear`, one
+  all-reduce per layer). q_norm / k_norm / v_norm act per head and stay whole.
+- dense MLP: gate_proj / up_proj output rows I/N (column parallel), down_proj row parallel (one all-reduce).
+- routed experts: every expert's intermediate slice I/N (`experts.py`, one all-reduce per layer).
+- vocabulary: table rows Vp/N of the padded vocabulary for the lookup, the logits (an all-gather: every rank gets
+  the full [.., V] logits) and the self-conditioning product (`vocab.py`).
+- replicated, unchanged: norms, router, self-conditioning MLP, vision tower.
+So every rank's residual stream is the full [B, T, D] and bitwise the same on every rank.
+
+`model.config` becomes the rank's local attention shape (num_attention_heads = H/N, num_kv_heads per layer the
+local count), so every cache the model makes (`new_cache`, paged caches) holds only this rank's KV heads; the
+checkpoint's config is `model.tensor_parallel.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ModelConfig
+from .experts import TensorParallelExperts, check_experts
+from .linear import RowParallelLinear, column_parallel, split
+from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProduct, local_rows, vocab_range
+
+if TYPE_CHECKING:
+    from ..model import DiffusionGemma
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a model was sharded: `group` (the process group), this process's `rank` of `world_size`, the checkpoint's
+    `config` (before sharding) and per layer the (query heads, KV heads) this rank holds (global head ids)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    config: ModelConfig
+    heads: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+def attention_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int,
+                    layer: int) -> tuple[list[int], list[int]]:
+    """(query heads, KV heads) rank `rank` of `world_size` holds in an attention layer, as global head ids.
+
+    Query heads are split evenly and contiguously. KV heads: split the same way when num_kv_heads >= world_size;
+    otherwise each rank keeps the one KV head its query heads read (GQA: query head h reads KV head
+    h // (num_heads / num_kv_heads)), replicated on world_size / num_kv_heads ranks.
+    Raises:
+        ValueError: num_heads is not a multiple of world_size, or num_kv_heads neither a multiple nor a divisor of
+            it (the message names the layer's q_proj / k_proj weight).
+    """
+    if num_heads % world_size:
+        raise ValueError(f"tensor parallel: layers.{layer}.self_attn.q_proj.weight has {num_heads} query heads, "
+                         f"which cannot be split over {world_size} ranks")
+    per = num_heads // world_size
+    q = list(range(rank * per, (rank + 1) * per))
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"tensor parallel: layers.{layer}.self_attn.k_proj.weight has {num_kv_heads} KV heads, "
+                             f"which cannot be split over {world_size} ranks")
+        kv_per = num_kv_heads // world_size
+        return q, list(range(rank * kv_per, (rank + 1) * kv_per))
+    if world_size % num_kv_heads:
+        raise ValueError(f"tensor parallel: layers.{layer}.self_attn.k_proj.weight has {num_kv_heads} KV heads, "
+                         f"which can be neither split nor replicated over {world_size} ranks (the rank count must "
+                         f"be a multiple of it)")
+    group = num_heads // num_kv_heads
+    return q, [q[0] // group]
+
+
+def _head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
+    """Output-row indices [len(heads) * head_dim] of the given heads in a [heads * head_dim, D] projection."""
+    h = torch.tensor(heads, dtype=torch.long)
+    return (h[:, None] * head_dim + torch.arange(head_dim)[None, :]).flatten()
+
+
+def _check_plain(model: nn.Module) -> None:
+    if getattr(model, "sc_embedding", None) is not None:
+        raise ValueError("tensor parallel: sc_embedding is set (a quantized model); shard the model before quantizing "
+                         "it")
+    for name, p in model.named_parameters():
+        if type(p.data) is not torch.Tensor:
+            raise ValueError(f"tensor parallel: {name} is a {type(p.data).__name__}, not a plain tensor; shard the "
+                             f"model before quantizing it")
+
+
+def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None) -> "DiffusionGemma":
+    """Shard `model` in place over `group` (default: the default group) for this process's rank, and return it.
+
+    Args:
+        model: a loaded, unquantized `DiffusionGemma` holding the full checkpoint (every rank loads the same one).
+        group: an initialised process group (`parallel.init`); every rank of it must call `shard` and then run the
+            same forwards (each row-parallel projection is one all-reduce).
+    Returns:
+        `model`, with `model.tensor_parallel` (a `TensorParallel`) set and `model.config` the local attention shape
+        (module docstring). Its forwards return what the unsharded model's do (float32 logits [B, T, V], the full
+        vocabulary), within float32 reduction-order error, bitwise identical on every rank.
+    Raises:
+        ValueError: the model is already sharded or quantized, or a tensor cannot be split (the message names it:
+            query heads, KV heads, or the dense MLP's or the experts' intermediate size not divisible by the rank
+            count; the vocabulary is padded, never refused). Nothing is changed when it raises.
+        RuntimeError: no process group is initialised.
+    """
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise ValueError("tensor parallel: the model is already sharded")
+    if not dist.is_initialized():
+        raise RuntimeError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
+    group = dist.group.WORLD if group is None else group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cfg = model.config
+    _check_plain(model)
+    # Plan everything first, so that a shape that cannot be split changes nothing.
+    heads = [attention_heads(cfg.num_attention_heads, cfg.num_kv_heads[i], rank, world, i)
+             for i in range(cfg.num_layers)]
+    for i, layer in enumerate(model.layers):
+        split(layer.mlp.gate_proj.weight, 0, rank, world, f"layers.{i}.mlp.gate_proj.weight")
+        check_experts(layer.experts, world, f"layers.{i}.experts")
+    for i, (layer, (q, kv)) in enumerate(zip(model.layers, heads)):
+        attn, dh = layer.self_attn, layer.self_attn.head_dim
+        pre = f"layers.{i}.self_attn"
+        q_rows, kv_rows = _head_rows(q, dh), _head_rows(kv, dh)
+        attn.q_proj = column_parallel(attn.q_proj, q_rows, f"{pre}.q_proj")
+        attn.k_proj = column_parallel(attn.k_proj, kv_rows, f"{pre}.k_proj")
+        if attn.v_proj is not None:
+            attn.v_proj = column_parallel(attn.v_proj, kv_rows, f"{pre}.v_proj")
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, rank, world, group, f"{pre}.o_proj", index=q_rows)
+        attn.num_heads, attn.num_kv_heads = len(q), len(kv)
+        mlp, pre = layer.mlp, f"layers.{i}.mlp"
+        inter = torch.arange(mlp.gate_proj.weight.shape[0]).chunk(world)[rank]
+        mlp.gate_proj = column_parallel(mlp.gate_proj, inter, f"{pre}.gate_proj")
+        mlp.up_proj = column_parallel(mlp.up_proj, inter, f"{pre}.up_proj")
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world, group, f"{pre}.down_proj")
+        layer.experts = TensorParallelExperts(layer.experts, rank, world, group, f"layers.{i}.experts")
+    _shard_vocabulary(model, rank, world, group)
+    model.tensor_parallel = TensorParallel(group=group, rank=rank, world_size=world, config=cfg,
+                                           heads=tuple((tuple(q), tuple(kv)) for q, kv in heads))
+    model.config = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
+                                       num_kv_heads=tuple(len(kv) for _, kv in heads))
+    return model
+
+
+def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dist.ProcessGroup) -> None:
+    """The lookup, the logits and the self-conditioning product over the rank's rows of the padded vocabulary
+    (`vocab.py`): `embed_tokens` becomes a `VocabParallelEmbedding` (its `weight` the local rows), `lm_head` a
+    `VocabParallelHead` (over the same rows when tied, over the untied head's rows otherwise) and `sc_embedding` a
+    `VocabParallelProduct` (always the input embeddings, as transformers' self-conditioning)."""
+    V = model.config.vocab_size
+    start, _ = vocab_range(V, rank, world)
+    table = model.embed_tokens.weight.detach()
+    model.embed_tokens = VocabParallelEmbedding(local_rows(table, rank, world), start, group)
+    weight = model.embed_tokens.weight
+    head = weight if model.lm_head is None else local_rows(model.lm_head.weight.detach(), rank, world)
+    model.lm_head = VocabParallelHead(head, V, group)
+    model.sc_embedding = VocabParallelProduct(weight, start, V, group)

@@ -1,0 +1,95 @@
+"""The vocabulary split over the ranks: the embedding lookup, the logits and the self-conditioning product.
+
+The vocabulary V is padded to Vp, the next multiple of the rank count N (the demo's 27 -> 28 on 2 ranks; the
+released 262144 divides), and rank r holds table rows [r*Vp/N, (r+1)*Vp/N), the padding rows zero. Then:
+- lookup (`VocabParallelEmbedding`): each rank embeds the ids inside its range, zeros elsewhere, and an all-reduce
+  sums: exactly one rank contributes a row, so the result is bitwise the single-process lookup;
+- logits (`VocabParallelHead`): each rank computes its [.., Vp/N] slice, places it in zeros [.., Vp] and an
+  all-reduce sums (a gather; see `VocabParallelHead.forward` for why not an all-gather), the padding columns are cut:
+  [.., V] on every rank, each logit the same dot product as in one process;
+- self-conditioning product (`VocabParallelProduct`): probs [.., V] (zero-padded to Vp) times the rank's rows, summed
+  over ranks by an all-reduce: a sum over V in N partial sums (float32 reduction order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+
+def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(first id, rows per rank) of rank `rank`: rows per rank = ceil(vocab_size / world_size)."""
+    per = -(-vocab_size // world_size)
+    return rank * per, per
+
+
+def local_rows(table: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s rows of a [V, D] table, zero-padded to ceil(V / world_size) rows, a fresh tensor."""
+    start, per = vocab_range(table.shape[0], rank, world_size)
+    out = table.new_zeros(per, table.shape[1])
+    rows = table[start:start + per]
+    out[:rows.shape[0]] = rows
+    return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """forward(ids [...] int64 in [0, V)) -> [..., D] in the weight's dtype: the full table's rows, bitwise.
+    `weight` [ceil(V/N), D] holds this rank's rows (the model's `dtype` / `device` read it)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group: dist.ProcessGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("start", torch.tensor(start, dtype=torch.long, device=weight.device), persistent=False)
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return funcol.all_reduce(torch.where(inside[..., None], rows, torch.zeros_like(rows)), "sum", self.group)
+
+
+class VocabParallelHead(nn.Module):
+    """forward(hidden [..., D]) -> logits [..., V] in the weight's dtype (the model casts and soft-caps them): this
+    rank's [..., V/N] slice `hidden @ weight.T`, gathered over the ranks (an all-reduce of the placed slices), the
+    padding columns cut. `weight`
+    [ceil(V/N), D]: this rank's rows of the tied table (shared with the embedding) or of the untied lm_head."""
+
+    def __init__(self, weight: nn.Parameter | torch.Tensor, vocab_size: int, group: dist.ProcessGroup):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.vocab_size = vocab_size
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)  # [..., V/N]
+        per = local.shape[-1]
+        # The gather as an all-reduce of the slice placed in zeros (exact: one nonzero term per logit). An all-gather
+        # would move half the bytes, but Inductor's C++ wrapper (CompileOptions.cpp_wrapper, on for CPU) cannot call
+        # all_gather_into_tensor in torch 2.13 ("arg type Any is not yet supported by custom_op_wrapper"); the
+        # vocabulary-parallel sampler is to remove this gather altogether (docs/parallel.md).
+        placed = F.pad(local, (self.rank * per, (self.world_size - 1 - self.rank) * per))
+        return funcol.all_reduce(placed, "sum", self.group)[..., :self.vocab_size]
+
+
+class VocabParallelProduct(nn.Module):
+    """The self-conditioning product as a [V -> D] projection (the model's `sc_embedding` hook):
+    forward(probs [..., V]) -> [..., D] = probs @ table, in probs' dtype, from this rank's rows `weight`
+    [ceil(V/N), D] (shared with the embedding) and one all-reduce."""
+
+    def __init__(self, weight: nn.Parameter, start: int, vocab_size: int, group: dist.ProcessGroup):
+        super().__init__()
+        self.weight = weight
+        self.start = start
+        self.vocab_size = vocab_size
+        self.group = group
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        per = self.weight.shape[0]
+        padded = F.pad(probs, (0, self.start + per - min(self.vocab_size, self.start + per)))
+        local = padded[..., self.start:self.start + per]
+        return funcol.all_reduce(local @ self.weight, "sum", self.group)
