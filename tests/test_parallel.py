@@ -38,7 +38,7 @@ LOGITS_ATOL = 1e-4
 def logits_bound(longest_sum: int) -> float:
     """The max abs logits difference allowed when the longest row-parallel sum has `longest_sum` terms (above)."""
     return LOGITS_ATOL * max(1.0, (longest_sum / 256) ** 0.5)
-GROUP_TIMEOUT_S = 10.0
+GROUP_TIMEOUT_S = 5.0
 
 
 # ----- fast: the plan --------------------------------------------------------------------------------------------
