@@ -108,6 +108,7 @@ def test_demo_value_spanning_two_canvases(demo, seed):
     assert len(text) > C and stats.blocks >= 2
 
 
+@pytest.mark.slow
 def test_budget_too_small_returns_length_with_a_valid_prefix(demo):
     model, tok = demo
     choice = "9 9 9 9 9 9 9 9 9 9 9 9 9 9 9 9 9 9 9 9"
@@ -121,6 +122,7 @@ def test_budget_too_small_returns_length_with_a_valid_prefix(demo):
     assert re.fullmatch(r"[0-9]{4}", _text(tok, out.sequences[1]))
 
 
+@pytest.mark.slow
 def test_fast_mixed_pair_unconstrained_row_keeps_its_solo_tokens(demo):
     model, tok = demo
     ids = _ids(tok, ["add 12 5=", "sort 3 1 2 9 5="])

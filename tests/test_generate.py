@@ -43,6 +43,7 @@ def transformers_generate(ref, prompts, seed, C, V, *, max_new_tokens, steps, eo
 
 @pytest.mark.parametrize("seed,layers", [(0, ("sliding_attention", "full_attention")),
                                          (5, ("sliding_attention", "sliding_attention", "full_attention"))])
+@pytest.mark.slow
 def test_generation_matches_transformers_over_several_blocks(tmp_path, seed, layers):
     ref = hf_model(layer_types=layers, seed=seed, sliding_window=5)
     model = dg.load(write_checkpoint(tmp_path, ref))
@@ -58,6 +59,7 @@ def test_generation_matches_transformers_over_several_blocks(tmp_path, seed, lay
     assert sum(s.blocks for s in ours.stats) >= 5, "several blocks per row"
 
 
+@pytest.mark.slow
 def test_eos_in_the_middle_of_a_block_matches_transformers(tmp_path):
     ref = hf_model(seed=3)
     model = dg.load(write_checkpoint(tmp_path, ref))
@@ -78,6 +80,7 @@ def test_eos_in_the_middle_of_a_block_matches_transformers(tmp_path):
     assert ours.stats[0].tokens_per_forward == pytest.approx(float(theirs.tokens_per_forward[0]))
 
 
+@pytest.mark.slow
 def test_batch_rows_equal_solo_runs(tiny_dir):
     """Three prompts of different lengths: every row gets exactly the tokens it gets alone (sampling on)."""
     model = dg.load(tiny_dir)

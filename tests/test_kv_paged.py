@@ -106,6 +106,7 @@ def test_page_pool_lru():
         pool.retain(d)
 
 
+@pytest.mark.slow
 def test_paged_cache_equals_static_cache(demo):
     """Prefill in chunks and a denoise pass over a paged cache whose pages are scattered through the pool (handed
     out backwards) and whose unmapped pages hold NaN give bitwise the static cache's logits, lengths and keys."""

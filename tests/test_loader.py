@@ -48,6 +48,7 @@ def test_sharded_checkpoint_equals_single_file(tmp_path, ckpt):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_shared_weights_stored_under_encoder_names(tmp_path, ckpt):
     """A checkpoint that keeps the encoder copy of the shared weights instead of the decoder copy loads the same."""
     d = copy(ckpt, tmp_path / "enc")

@@ -45,6 +45,7 @@ def _run(model, tok, specs, rows: int):
     return reqs, events
 
 
+@pytest.mark.slow
 def test_engine_logprobs_are_each_requests_own(demo):
     """Four requests (two with logprobs: top 5 and top 2, one without, one at temperature 0) staggered into 3 rows:
     each event's logprobs align with its tokens, the committed token is the step's most likely one (argmax of the

@@ -87,6 +87,7 @@ def test_logits_match_transformers(tmp_path_factory, cfg, prompt_lens, blocks, a
             torch.testing.assert_close(s[b], rs[0], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_long_prompt_is_chunked_like_one_pass(tiny_dir):
     """A prompt longer than the cache block is encoded in chunks; outputs match a single big-block pass."""
     model = dg.load(tiny_dir)

@@ -104,6 +104,7 @@ def runs_op(fn, *args, op: str = "dgemma::moe_experts") -> tuple[torch.Tensor, b
 @pytest.mark.parametrize("impl,dtype", [("dense", torch.float32), ("gathered", torch.float32),
                                         ("gathered", torch.bfloat16), ("grouped", torch.bfloat16),
                                         ("loop", torch.float32)])
+@pytest.mark.slow
 def test_compiled_matches_loop_and_decomposes(impl, dtype):
     """Through the units' backend: "dense", "gathered" and "grouped" are traced into the graph (the op no longer runs), "loop"
     stays an opaque call; all match the eager loop on every routing (same shapes: one compile)."""
@@ -233,6 +234,7 @@ def test_model_moe_impl(tiny_dir):
     assert int(cache.lengths[0]) == 5 and all(torch.equal(a, b) for a, b in zip(keys, cache.keys))
 
 
+@pytest.mark.slow
 def test_units_backend_compiles_through_inductors_fx_graph_cache():
     """The backend's decomposition table pickles to a stable key, so Inductor's FX graph cache serves a unit compiled
     before (in this process or an earlier one) instead of bypassing the cache ("Cannot produce stable cache key":

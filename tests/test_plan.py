@@ -78,6 +78,7 @@ def _check(model, mixed_hidden, mixed_cache, expected):
                                        msg=f"row {r} layer {layer} values")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["flex", "dense"])
 def test_mixed_rows_equal_separate_calls_eagerly(tiny_dir, attention):
     model = dg.load(tiny_dir, attention=attention)
@@ -192,6 +193,7 @@ def _check_fused(logits, cache, expected_logits, expected_cache):
 @pytest.mark.parametrize("attention,window_kind", [  # one case in the fast tier
     ("flex", "anchored"), pytest.param("flex", "symmetric", marks=pytest.mark.slow),
     pytest.param("dense", "anchored", marks=pytest.mark.slow), pytest.param("dense", "symmetric", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_commit_fusion_equals_commit_then_denoise_eagerly(tiny_dir, attention, window_kind):
     """Logits of the fused forward within 1e-5 (float32) of the unfused commit + denoise step; the same committed
     keys/values and lengths."""
@@ -353,6 +355,7 @@ FUSED_ROWS = [(ENCODER, 0, 5, False),          # a prefill chunk in the first ha
               (IDLE, 5, 0, False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["flex", "dense"])
 def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
     """Each row of a fused mixed plan (`build_plan(..., canvas=C)`, T = 2C, moe "dense": row-invariant) gives

@@ -93,6 +93,7 @@ BODIES = ["separate", pytest.param("fused", marks=pytest.mark.slow)]
 """Commits separate (the CPU default) and fused (rows of 2C tokens), the latter in the slow tier."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body", BODIES)
 def test_engine_staggered_admission_equals_generate(demo, body):
     """Requests admitted at different iterations into 3 rows (7 requests: rows are reused, and the step runs at
@@ -346,6 +347,7 @@ def test_nonstreaming_disconnect_frees_row(slow_server):
     assert engine.stats.requests == {"cancelled": 1} and engine.stats.iterations < 30
 
 
+@pytest.mark.slow
 def test_queue_full_429_and_disconnect_frees_row(slow_server):
     """A full queue answers 429 (and disturbs no one); a client that disconnects mid-stream has its request cancelled
     and its row freed at the next iteration."""

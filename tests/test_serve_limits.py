@@ -150,6 +150,7 @@ def test_fuzzed_requests_never_hurt_good_ones(server):
     assert server.engine.stats.requests["error"] == 0
 
 
+@pytest.mark.slow
 def test_admission_failure_ends_one_request(demo):
     """A request whose row admission raises (here: a patched `set_row` failing for seed 99) ends alone with
     finish reason "error", its row freed; its batch mates give exactly `dg.generate`'s tokens."""

@@ -45,6 +45,7 @@ def test_periodic_eval_scores_validation_prompts_and_keeps_the_best(train, tmp_p
     assert best["eval"]["overall"] == 0.5 and best["step"] == 1
 
 
+@pytest.mark.slow
 def test_resumed_training_equals_uninterrupted_and_exports_a_loadable_checkpoint(train, tmp_path):
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.cache_utils import DynamicCache
