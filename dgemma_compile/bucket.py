@@ -159,7 +159,7 @@ class Bucket:
             rows = self.row_state if full else self.row_state.view(size)
             T = self.tokens_per_row
             plan = PlanBuffers(self.model, cache, T, mixed=True, kernel_options=self.kernel_options,
-                               span_sparsity=True, canvas=self.model.config.canvas_length)
+                               sparsity_in_place=True, canvas=self.model.config.canvas_length)
             model, cfg, moe = self.model, self.config, self.moe_impl
 
             def step() -> None:

@@ -342,38 +342,42 @@ def make_block_mask(mask_mod, B: int, T: int, cache_slots: int, device,
     return create_block_mask(mask_mod, B, None, T, cache_slots + T, device=device, BLOCK_SIZE=block_size)
 
 
-def span_kv_blocks(lengths_B: torch.Tensor, *, block_len: int, cache_slots: int, block_size: tuple[int, int],
-                   sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key blocks that cover every key a row of this layout can see, from its committed length alone: the
-    committed slots [max(0, lengths - W), min(S, lengths + T)) (W only for a sliding layer; lengths + T: a commit +
-    denoise row's canvas also sees the tokens that forward commits) and the block slots [S, S + T).
+def block_sparsity(mask_mod, B: int, q_len: int, kv_len: int, block_size: tuple[int, int], device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block sparsity `create_block_mask(mask_mod, B, None, q_len, kv_len, BLOCK_SIZE=block_size)` computes,
+    from tensor ops only: `mask_mod` is evaluated once over broadcast index tensors (b [B, 1, 1], q [1, Q, 1],
+    kv [1, 1, K]) instead of through vmap, so a compiled step can refill a mask's sparsity in place (Inductor fuses
+    the evaluation and the per-block reductions into one loop nest) and the eager path pays a few dozen small ops
+    instead of create_block_mask's vmap (~20 ms a fill at the demo's B=8).
 
-    A superset of the visible blocks of every mask here (`block_mask_mod` in either mode and window kind,
-    `commit_denoise_mask_mod`, their `select_mask_mod`), so a `BlockMask` with these blocks as partial ones (the
-    mask_mod runs on each) gives the same attention as `create_block_mask`'s, at a few tensor ops instead of
-    evaluating the mask_mod over B x T x (S + T) (tests/test_masks.py checks the cover). Same for every query block
-    of a row.
+    Same rules as create_block_mask: the mask is padded with False to whole blocks (a block that crosses q_len or
+    kv_len is never full), a block with every element visible is full (its mask_mod is skipped by the kernel), one
+    with some visible is partial, and each row lists its blocks in ascending order first, then the others.
+    `mask_mod` must be broadcastable: index math and reads of captured tensors by `b` / `q_idx` / `kv_idx` (every
+    mask_mod of this module is); `h` is passed as 0 (these masks are the same for every head).
 
-    Args:
-        lengths_B: int64 [B]. block_len: T (Q_LEN; KV_LEN = S + T). cache_slots: S. block_size: (query, key)
-            block sizes of the BlockMask. sliding_window: W, or None for a full-attention layer.
     Returns:
-        (kv_num_blocks int32 [B, 1, Qb], kv_indices int32 [B, 1, Qb, Kb]): the blocks in ascending order first, the
-        rest of each row the unvisited blocks (ignored). Qb = ceil(T / block_size[0]), Kb = ceil((S + T) / block_size[1]).
+        (kv_num_blocks int32 [B, 1, Qb], kv_indices int32 [B, 1, Qb, Kb], full_kv_num_blocks int32 [B, 1, Qb],
+        full_kv_indices int32 [B, 1, Qb, Kb]) with Qb = ceil(q_len / block_size[0]), Kb = ceil(kv_len /
+        block_size[1]); tests/test_masks.py checks them equal to create_block_mask's.
     """
-    S, T = cache_slots, block_len
     bq, bk = block_size
-    Qb, Kb = -(-T // bq), -(-(S + T) // bk)
-    start_K = torch.arange(Kb, device=lengths_B.device) * bk
-    end_K = start_K + bk
-    hi_B1 = (lengths_B + T).clamp(max=S)[:, None]
-    lo_B1 = (lengths_B - sliding_window).clamp(min=0)[:, None] if sliding_window is not None else 0
-    visited_BK = ((start_K < hi_B1) & (end_K > lo_B1)) | ((end_K > S) & (start_K < S + T))
-    num_B = visited_BK.sum(-1, dtype=torch.int32)
-    order_BK = torch.sort((~visited_BK).to(torch.int32), dim=-1, stable=True).indices.to(torch.int32)
-    B = lengths_B.shape[0]
-    return (num_B[:, None, None].expand(B, 1, Qb).contiguous(),
-            order_BK[:, None, None, :].expand(B, 1, Qb, Kb).contiguous())
+    Qb, Kb = -(-q_len // bq), -(-kv_len // bk)
+    b = torch.arange(B, device=device)[:, None, None]
+    q = torch.arange(q_len, device=device)[None, :, None]
+    kv = torch.arange(kv_len, device=device)[None, None, :]
+    h = torch.zeros((), dtype=torch.long, device=device)
+    visible = torch.broadcast_to(mask_mod(b, h, q, kv), (B, q_len, kv_len))
+    padded = torch.nn.functional.pad(visible, (0, Kb * bk - kv_len, 0, Qb * bq - q_len))
+    count = padded.view(B, Qb, bq, Kb, bk).sum((2, 4), dtype=torch.int32)  # visible elements per block
+    full, partial = count == bq * bk, (count > 0) & (count < bq * bk)
+
+    def ordered(blocks_BQK):  # (number, indices) as create_block_mask's: its blocks ascending, then the others
+        num = blocks_BQK.sum(-1, dtype=torch.int32)
+        idx = torch.sort((~blocks_BQK).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return num[:, None], idx[:, None]
+
+    return (*ordered(partial), *ordered(full))
 
 
 def flex_block_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, block_mask: BlockMask,

@@ -42,7 +42,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from .config import SLIDING
 from .kv_cache import KVCache, commit_slots
 from .masks import (block_mask_mod, commit_denoise_mask_mod, dense_block_mask, dense_commit_denoise_mask,
-                    make_block_mask, select_mask_mod, span_kv_blocks)
+                    make_block_mask, select_mask_mod, block_sparsity)
+from .ops.moe import materialize_many
 from .phases import COMMIT_DENOISE, ENCODER, IDLE  # the forward modes (`phases.Mode`)
 from .phases import DENOISE_MODE as DENOISE
 
@@ -126,7 +127,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         kernel_options: {query kind: {layer type: FlexAttention kernel options}} (`QUERY_KINDS`); the plan keeps
             the entry of its own query kind (`query_kind(mode)`). None: none.
         block_masks: False leaves out the FlexAttention block masks (`masks` is then empty for a flex model; what
-            `PlanBuffers(span_sparsity=True)` rebuilds: everything but its masks, whose sparsity it sets itself).
+            `PlanBuffers(sparsity_in_place=True)` rebuilds: everything but its masks, whose sparsity it refills).
         canvas: C, a mixed plan's canvas length (default T). T = 2C makes it a fused mixed plan (the serving
             engine's commit fusion): `COMMIT_DENOISE` rows as in a uniform "commit+denoise" plan (n_new <= C
             committed tokens, the canvas in the second half), DENOISE rows with their canvas in the first half
@@ -262,11 +263,13 @@ class PlanBuffers:
       `n_new` and `self_conditioning` ([B]; all rows IDLE until filled): `fill(mode=..., n_new=...,
       self_conditioning=...)` copies the given rows' inputs in, then rebuilds. Its masks read per-row tensors of
       the buffers, which is what Inductor's CPU flex template needs (captured tensors must be graph inputs).
-      With `span_sparsity` (flex models), its masks' key blocks are `masks.span_kv_blocks` of the cache's lengths
-      (every visited block partial), which `fill` rewrites in place beside the other tensors: no
-      `create_block_mask` per fill (its vmap over B x T x (S + T) took ~20 ms a fill eagerly at the demo's B=8),
-      and a row skips the key blocks it cannot see (all-partial masks cost the demo's B=8 mixed step ~1.5 ms).
-      The masks' `q_num_blocks` / `q_indices` (read by the backward only) stay every block partial.
+      With `sparsity_in_place` (flex models), its masks' block sparsity is refilled in place by `fill` beside the
+      other tensors (`masks.block_sparsity` of each mask's own mask_mod: create_block_mask's partial and full
+      blocks, from a few fused tensor ops): no `create_block_mask` per fill (its vmap over B x T x (S + T) took
+      ~20 ms a fill eagerly at the demo's B=8), a row visits only the key blocks it sees, and whole visible blocks
+      skip the mask_mod (the scaled model's b1 denoise step: every block partial made flex ~1.5x slower than
+      the uniform unit's create_block_mask masks). The masks' `q_num_blocks` / `q_indices` (read by the backward
+      only) are left as built.
 
     `plan` is a `ForwardPlan` over the buffers: each block mask's sparsity tensors are static (its mask_mod reads
     `cache.lengths` and the plan's own per-row tensors, as `build_plan`'s). `tensors` lists every buffer once, for the
@@ -274,7 +277,7 @@ class PlanBuffers:
     """
 
     def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None,
-                 span_sparsity: bool = False, canvas: int | None = None):
+                 sparsity_in_place: bool = False, canvas: int | None = None):
         self.model, self.cache, self.T, self.canvas = model, cache, T, canvas
         self.kernel_options = kernel_options
         B, dev = cache.batch_size, cache.lengths.device
@@ -284,12 +287,12 @@ class PlanBuffers:
             self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
             self.self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
         self.plan = self._build()  # fresh tensors: these become the buffers
-        self.span_sparsity = span_sparsity and mixed and model.attention != "dense"
-        if self.span_sparsity:
-            self.plan.masks = {lt: all_blocks_partial(m) for lt, m in self.plan.masks.items()}
+        self.sparsity_in_place = sparsity_in_place and mixed and model.attention != "dense"
+        if self.sparsity_in_place:
+            self.plan.masks = {lt: _with_full_blocks(m) for lt, m in self.plan.masks.items()}
             self._fill_sparsity()
         self.tensors: list[torch.Tensor] = _plan_tensors(self.plan)
-        self._refilled = _plan_tensors(self.plan, masks=not self.span_sparsity)  # what `fill` rewrites
+        self._refilled = _plan_tensors(self.plan, masks=not self.sparsity_in_place)  # what `fill` rewrites
 
     def _build(self, block_masks: bool = True) -> ForwardPlan:
         if self.mixed:
@@ -313,31 +316,41 @@ class PlanBuffers:
                            (getattr(self, "self_conditioning", None), self_conditioning)):
             if value is not None:
                 buf.copy_(value)
-        new = self._build(block_masks=not self.span_sparsity)
-        for buf, t in zip(self._refilled, _plan_tensors(new, masks=not self.span_sparsity), strict=True):
+        new = self._build(block_masks=not self.sparsity_in_place)
+        for buf, t in zip(self._refilled, _plan_tensors(new, masks=not self.sparsity_in_place), strict=True):
             buf.copy_(t)
-        if self.span_sparsity:
+        if self.sparsity_in_place:
             self._fill_sparsity()
 
     def _fill_sparsity(self) -> None:
-        """The masks' key blocks from the cache's lengths (`masks.span_kv_blocks`), into their buffers."""
-        cfg, S = self.model.config, self.cache.max_seq_len
-        for lt, mask in self.plan.masks.items():
-            num, idx = span_kv_blocks(self.cache.lengths, block_len=self.T, cache_slots=S, block_size=mask.BLOCK_SIZE,
-                                      sliding_window=cfg.sliding_window if lt == SLIDING else None)
-            mask.kv_num_blocks.copy_(num)
-            mask.kv_indices.copy_(idx)
+        """Each mask's block sparsity from its mask_mod over the current buffers (`masks.block_sparsity`), into
+        the mask's own tensors.
+
+        The per-row tensors the mask_mods read are first rewritten from one opaque copy of themselves
+        (`ops.moe.materialize_many`): compiled, `fill` has just computed them from the rows' phases, and Inductor
+        would otherwise inline that whole computation into the B x T x (S + T) mask evaluation, once per element
+        (measured on the demo's B=8 step: 4.1 ms for that loop nest, a step's worth of work)."""
+        rows = {id(t): t for t in (self.cache.lengths, self.plan.real, *self.plan.mask_rows,
+                                   getattr(self, "n_new", None), self.plan.groups) if isinstance(t, torch.Tensor)}
+        for t, fresh in zip(rows.values(), materialize_many(list(rows.values())), strict=True):
+            t.copy_(fresh)
+        for mask in self.plan.masks.values():
+            B, _, Q, K = mask.kv_indices.shape
+            q_len, kv_len = mask.seq_lengths
+            for buf, t in zip((mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices),
+                              block_sparsity(mask.mask_mod, B, q_len, kv_len, mask.BLOCK_SIZE, mask.kv_indices.device),
+                              strict=True):
+                buf.copy_(t)
 
 
-def all_blocks_partial(mask: BlockMask) -> BlockMask:
-    """`mask` with every block partial: the mask_mod runs on every (query block, key block) and nothing is skipped.
-    The same visible set; a sparsity that never changes, so a plan whose mask_mods read per-row tensors needs no
-    `create_block_mask` when they change (worth it when rows have few key blocks: S + T of a few hundred)."""
+def _with_full_blocks(mask: BlockMask) -> BlockMask:
+    """`mask` with tensors of its own for partial and full blocks (create_block_mask leaves `full_kv_*` None when
+    no block is full, and may return views): the buffers `PlanBuffers._fill_sparsity` refills."""
     B, H, Qb, Kb = mask.kv_indices.shape
     dev = mask.kv_indices.device
-    kv_num = torch.full((B, H, Qb), Kb, dtype=torch.int32, device=dev)
-    kv_idx = torch.arange(Kb, dtype=torch.int32, device=dev).repeat(B, H, Qb, 1)  # a tensor of its own, never a view
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod,
+    num = lambda: torch.zeros((B, H, Qb), dtype=torch.int32, device=dev)  # noqa: E731
+    idx = lambda: torch.arange(Kb, dtype=torch.int32, device=dev).repeat(B, H, Qb, 1)  # noqa: E731
+    return BlockMask.from_kv_blocks(num(), idx(), num(), idx(), BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod,
                                     seq_lengths=mask.seq_lengths)
 
 

@@ -125,3 +125,21 @@ def softcap(ref, logits):
     """transformers' final soft-capping (as in DiffusionGemmaForBlockDiffusion.forward), read from its config."""
     cap = ref.config.text_config.final_logit_softcapping
     return torch.tanh(logits.float() / cap) * cap
+
+
+def assert_sparsity_of_create_block_mask(mask_mod, B, q_len, kv_len, block_size):
+    """`block_sparsity` gives create_block_mask's partial and full blocks, tensor for tensor (counts and order)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dgemma_compile.masks import block_sparsity
+
+    ref = create_block_mask(mask_mod, B, None, q_len, kv_len, device="cpu", BLOCK_SIZE=block_size)
+    got = block_sparsity(mask_mod, B, q_len, kv_len, block_size, "cpu")
+    zero = torch.zeros_like(ref.kv_num_blocks)
+    want = (ref.kv_num_blocks, ref.kv_indices,
+            zero if ref.full_kv_num_blocks is None else ref.full_kv_num_blocks,
+            ref.kv_indices if ref.full_kv_indices is None else ref.full_kv_indices)
+    for name, g, w in zip(("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"), got, want):
+        if name == "full_kv_indices" and ref.full_kv_indices is None:
+            continue  # no full block anywhere: only the (zero) counts are compared
+        assert g.dtype == torch.int32 and torch.equal(g, w.to(torch.int32)), name

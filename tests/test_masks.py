@@ -17,14 +17,16 @@ from torch.nn.attention.flex_attention import create_mask
 from dgemma_compile.masks import (
     WINDOW_KINDS,
     block_mask_mod,
+    block_sparsity,
     commit_denoise_mask_mod,
     dense_block_mask,
     dense_commit_denoise_mask,
     flex_block_attention,
     make_block_mask,
-    span_kv_blocks,
+    select_mask_mod,
 )
 from dgemma_compile.model import dense_attention
+from helpers import assert_sparsity_of_create_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 
@@ -125,45 +127,46 @@ def test_commit_denoise_mask_mod_matches_dense(c):
     assert torch.equal(got[:, 0], dense_commit_denoise_mask(c["lengths_B"], c["n_new_B"], **kw))
 
 
-# --- span_kv_blocks covers every visible key ---------------------------------------------------------------------
+# --- block_sparsity == create_block_mask's sparsity --------------------------------------------------------------
 
-def _assert_span_covers(visible_BQK, lengths_B, T, S, W, block_size):
-    num, idx = span_kv_blocks(lengths_B, block_len=T, cache_slots=S, block_size=block_size, sliding_window=W)
-    bq, bk = block_size
-    B = len(lengths_B)
-    assert num.shape == (B, 1, -(-T // bq)) and idx.shape == (B, 1, -(-T // bq), -(-(S + T) // bk))
-    for b in range(B):
-        visited = set(idx[b, 0, 0, :num[b, 0, 0]].tolist())
-        assert sorted(visited) == idx[b, 0, 0, :num[b, 0, 0]].tolist(), "ascending, no repeats"
-        assert set(idx[b, 0, 0].tolist()) == set(range(idx.shape[-1])), "every block once"
-        needed = set((visible_BQK[b].any(0).nonzero().flatten() // bk).tolist())
-        assert needed <= visited, (b, needed - visited)
-        assert (num[b] == num[b, 0, 0]).all() and (idx[b] == idx[b, 0, 0]).all(), "same for every query block"
+BLOCK_SIZES = st.sampled_from([(4, 4), (8, 16), (16, 8), (128, 128)])
 
 
 @SETTINGS
-@given(layouts(max_T=20, max_S=60), st.sampled_from([(4, 4), (8, 16), (128, 128)]))
-def test_span_kv_blocks_cover_every_visible_key(c, block_size):
-    """Every key the dense mask shows a row lies in one of the row's `span_kv_blocks` (either mode, both window
-    kinds), so a BlockMask over them attends to what create_block_mask's does."""
-    _assert_span_covers(_dense(c), c["lengths_B"], c["T"], c["S"], c["W"], block_size)
+@given(layouts(max_T=20, max_S=60), BLOCK_SIZES)
+def test_block_sparsity_equals_create_block_mask(c, block_size):
+    """Per-row mixed masks (both modes, both window kinds, padded rows), at block sizes that divide T and S + T and
+    ones that do not (edge blocks are never full)."""
+    assert_sparsity_of_create_block_mask(_mask_mod(c), len(c["lengths_B"]), c["T"], c["S"] + c["T"], block_size)
 
 
 @SETTINGS
-@given(commit_layouts(max_S=60), st.sampled_from([(4, 4), (8, 16)]))
-def test_span_kv_blocks_cover_commit_denoise_rows(c, block_size):
-    """The same for commit + denoise rows, whose canvas half also sees the tokens that forward commits."""
-    C, S = c["C"], c["S"]
-    dense = dense_commit_denoise_mask(c["lengths_B"], c["n_new_B"], canvas=C, cache_slots=S, sliding_window=c["W"],
-                                      window_kind=c["kind"])
-    _assert_span_covers(dense, c["lengths_B"], 2 * C, S, c["W"], block_size)
+@given(commit_layouts(max_S=60), BLOCK_SIZES, st.data())
+def test_block_sparsity_of_commit_denoise_and_selected_rows(c, block_size, data):
+    """The fused layout: commit + denoise rows, and a fused plan's per-row choice between those and mixed rows."""
+    B, C, S = len(c["lengths_B"]), c["C"], c["S"]
+    window = dict(sliding_window=c["W"], window_kind=c["kind"])
+    fused = commit_denoise_mask_mod(c["lengths_B"], c["n_new_B"], canvas=C, cache_slots=S, **window)
+    assert_sparsity_of_create_block_mask(fused, B, 2 * C, S + 2 * C, block_size)
+    causal = torch.tensor(data.draw(st.lists(st.booleans(), min_size=B, max_size=B)))
+    rows = torch.tensor(data.draw(st.lists(st.booleans(), min_size=B, max_size=B)))
+    n_all = torch.full((B,), 2 * C)
+    other = block_mask_mod(c["lengths_B"], torch.minimum(n_all, c["n_new_B"] * 2), causal, cache_slots=S, **window)
+    assert_sparsity_of_create_block_mask(select_mask_mod(rows, fused, other), B, 2 * C, S + 2 * C, block_size)
 
 
-def test_span_kv_blocks_skip_what_no_row_sees():
-    """A short row visits its first committed block and the block slots' only; a long sliding row not the start."""
-    num, idx = span_kv_blocks(torch.tensor([3, 40]), block_len=4, cache_slots=48, block_size=(4, 8), sliding_window=5)
-    assert num[:, 0, 0].tolist() == [2, 3]
-    assert idx[0, 0, 0, :2].tolist() == [0, 6] and idx[1, 0, 0, :3].tolist() == [4, 5, 6]
+def test_block_sparsity_marks_whole_visible_blocks_full():
+    """A denoise row with 8 committed tokens and a canvas of 8, blocks of 4: the committed blocks and the canvas
+    blocks are full, the empty committed slots visited by no query (and the edge of a padded row is partial)."""
+    lengths, n_new, causal = torch.tensor([8, 8]), torch.tensor([8, 6]), torch.tensor([False, True])
+    mm = block_mask_mod(lengths, n_new, causal, cache_slots=16)
+    partial, p_idx, full, f_idx = block_sparsity(mm, 2, 8, 24, (4, 4), "cpu")
+    assert full[0, 0].tolist() == [4, 4] and f_idx[0, 0, 0, :4].tolist() == [0, 1, 4, 5]
+    assert partial[0, 0].tolist() == [0, 0]
+    # the causal row with 6 real tokens: query block 0 (all real) sees both committed blocks whole and its
+    # block keys causally (partial); query block 1 holds the padded queries 6, 7, which see only their own slot,
+    # so no block of it is full (both committed ones and both block-key ones partial)
+    assert full[1, 0].tolist() == [2, 0] and partial[1, 0].tolist() == [1, 4]
 
 
 # --- properties of the dense reference ---------------------------------------------------------------------------

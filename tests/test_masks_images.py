@@ -23,6 +23,7 @@ from dgemma_compile.masks import (
     make_block_mask,
 )
 from dgemma_compile.model import dense_attention
+from helpers import assert_sparsity_of_create_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 
@@ -88,6 +89,15 @@ def test_mask_mod_with_groups_matches_dense(c):
     assert torch.equal(_flex(c, mm), _dense(c))
     overlay = image_group_mask_mod(c["groups_BT"], cache_slots=c["S"])
     assert torch.equal(_flex(c, overlay), dense_image_group_mask(c["groups_BT"], cache_slots=c["S"]))
+
+
+@settings(SETTINGS, max_examples=25)
+@given(c=layouts(), block_size=st.sampled_from([(4, 4), (8, 4)]))
+def test_block_sparsity_with_groups_equals_create_block_mask(c, block_size):
+    """`masks.block_sparsity` (the compiled step's in-place sparsity) on masks with image groups."""
+    mm = block_mask_mod(c["lengths_B"], c["n_new_B"], c["causal_B"], cache_slots=c["S"], sliding_window=c["W"],
+                        window_kind=c["kind"], groups_BT=c["groups_BT"])
+    assert_sparsity_of_create_block_mask(mm, c["groups_BT"].shape[0], c["T"], c["S"] + c["T"], block_size)
 
 
 @SETTINGS

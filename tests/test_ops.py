@@ -123,6 +123,14 @@ def test_materialize_is_a_contiguous_copy():
     assert torch.equal(y, x) and y.is_contiguous() and y.data_ptr() != x.data_ptr()
 
 
+def test_materialize_many_copies_each_tensor():
+    xs = [torch.randn(6, 4).T, torch.tensor([True, False]), torch.arange(3)]
+    ys = ops.moe.materialize_many(xs)
+    assert len(ys) == 3
+    for x, y in zip(xs, ys):
+        assert y.dtype == x.dtype and torch.equal(y, x) and y.is_contiguous() and y.data_ptr() != x.data_ptr()
+
+
 def test_decompositions_per_graph():
     def graph(*impls):
         def f(x, w, idx, gate_up, down):

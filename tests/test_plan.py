@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import dgemma_compile as dg
-from dgemma_compile.config import SLIDING
-from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask, span_kv_blocks
+from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask
 from dgemma_compile.plan import COMMIT_DENOISE, DENOISE, ENCODER, IDLE, PlanBuffers, build_plan
 from dgemma_compile.uniform import commit_denoise_block, denoise_block, encode_block
 
@@ -252,22 +251,24 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
         plan.fill(mode=torch.zeros(3, dtype=torch.long))
 
 
-@pytest.mark.parametrize("span_sparsity", [False, True])
-def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir, span_sparsity):
+@pytest.mark.parametrize("sparsity_in_place", [False, True])
+def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir, sparsity_in_place):
     """A mixed `PlanBuffers` filled with the ROWS mix gives the forward of `build_plan`'s plan, bitwise, and keeps
-    its tensors; refilled with every row idle, then with the mix again, still the same. With `span_sparsity`
-    (key blocks from `masks.span_kv_blocks`, no create_block_mask) too."""
+    its tensors; refilled with every row idle, then with the mix again, still the same. With `sparsity_in_place`
+    (the masks' blocks from `masks.block_sparsity`, no create_block_mask) too, its masks' partial and full blocks
+    equal the fresh plan's create_block_mask ones after every fill."""
     model = dg.load(tiny_dir)
     cache, ids, sc_logits, mode, n_new, sc = _setup(model, seed=6)
-    buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True, span_sparsity=span_sparsity)
-    if span_sparsity:
-        assert bool(cache.lengths.gt(0).any()), "rows with context: the sparsity depends on the lengths"
+    buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True, sparsity_in_place=sparsity_in_place)
+
+    def assert_same_sparsity(fresh):
+        if not sparsity_in_place:
+            return
         for lt, mask in buffers.plan.masks.items():
-            num, idx = span_kv_blocks(cache.lengths, block_len=ids.shape[1], cache_slots=cache.max_seq_len,
-                                      block_size=mask.BLOCK_SIZE,
-                                      sliding_window=model.config.sliding_window if lt == SLIDING else None)
-            assert torch.equal(mask.kv_num_blocks, num) and torch.equal(mask.kv_indices, idx)
-            assert mask.full_kv_num_blocks is None
+            ref = fresh.masks[lt]
+            assert torch.equal(mask.kv_num_blocks, ref.kv_num_blocks) and torch.equal(mask.kv_indices, ref.kv_indices)
+            full = torch.zeros_like(ref.kv_num_blocks) if ref.full_kv_num_blocks is None else ref.full_kv_num_blocks
+            assert torch.equal(mask.full_kv_num_blocks, full), lt
     ptrs = [t.data_ptr() for t in buffers.tensors]
     snapshot = lambda c: ([k.clone() for k in c.keys], [v.clone() for v in c.values], c.lengths.clone())  # noqa: E731
 
@@ -280,12 +281,16 @@ def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir, span_sparsity):
         cache.lengths.copy_(lengths)
         return out
 
-    expected = forward(build_plan(model, cache, ids.shape[1], mode=mode, n_new=n_new, self_conditioning=sc))
+    fresh = build_plan(model, cache, ids.shape[1], mode=mode, n_new=n_new, self_conditioning=sc)
+    expected = forward(fresh)
     buffers.fill(mode, n_new, sc)
+    assert_same_sparsity(fresh)
     assert torch.equal(forward(buffers.plan), expected)
     buffers.fill(torch.full_like(mode, IDLE))
     assert buffers.plan.commit.eq(0).all() and not buffers.plan.self_conditioning.any()
+    assert_same_sparsity(build_plan(model, cache, ids.shape[1], mode=torch.full_like(mode, IDLE), n_new=n_new))
     buffers.fill(mode)
+    assert_same_sparsity(fresh)
     assert torch.equal(forward(buffers.plan), expected)
     assert [t.data_ptr() for t in buffers.tensors] == ptrs
 

@@ -1,5 +1,7 @@
-"""Custom ops (`torch.ops.dgemma.*`): each a `torch.library.custom_op` with a schema, a fake (meta) implementation
-and a CPU implementation in plain torch (the oracle), so every compiled graph still compiles without a GPU.
+"""Custom ops (`torch.ops.dgemma.*`): each with a schema, a fake (meta) implementation and a CPU implementation in
+plain torch (the oracle), so every compiled graph still compiles without a GPU. Each is a `torch.library.custom_op`,
+except `dgemma::materialize` and `dgemma::materialize_many` (`moe.py`: plain `torch.library.Library` kernels, cheaper
+to call, reason there).
 
 - `moe.py`: `dgemma::moe_experts`, the routed experts of one MoE layer, with a selectable implementation
   (`MOE_IMPLS`, the rule `resolve_moe_impl`) and the Inductor decompositions of its sync-free ones
