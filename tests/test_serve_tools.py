@@ -234,6 +234,14 @@ def test_none_and_auto_follow_vllm(tool_server, tool_checkpoint):
     assert auto["finish_reason"] == none["choices"][0]["finish_reason"]
 
 
+@pytest.fixture(scope="module")
+def demo_server(demo):
+    """The demo model's server (cheap to start, for the refusals: each is decided before the engine runs)."""
+    model, tok = demo
+    with ServerThread(build_engine(model, max_batch=2, max_seq_len=256, eager=True, tokenizer=tok), tok) as srv:
+        yield srv
+
+
 @pytest.mark.parametrize("body,param,words", [
     ({"tools": [{"type": "function"}]}, "tools[0]", "each tool must be"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among"),
@@ -247,8 +255,9 @@ def test_none_and_auto_follow_vllm(tool_server, tool_checkpoint):
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
      "messages[1].tool_calls[0].function.arguments", "JSON object"),
 ])
-def test_http_refusals_name_the_field(tool_server, body, param, words):
-    r = _post(tool_server, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, **body})
+def test_http_refusals_name_the_field(demo_server, body, param, words):
+    r = _post(demo_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "add 1+2="}],
+                                                    "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"] and err["type"] == "invalid_request_error"
