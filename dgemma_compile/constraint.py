@@ -28,7 +28,7 @@ import torch
 
 from .config import ConfigError
 
-KINDS = ("regex", "choice", "json_schema", "json_object")
+KINDS = ("regex", "choice", "json_schema", "json_object", "structural_tag")
 
 
 class ConstraintError(ConfigError):
@@ -53,9 +53,10 @@ def pack_bitmask(allowed_V: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Constraint:
     """What a constrained request's text must be: a regex's full match (`regex`), one of the strings in `choice`,
-    a JSON value valid under a JSON schema (`json_schema`, the schema as JSON text) or any JSON object
-    (`json_object`). Build with the class methods; `spec` is the pattern, the choices (a tuple of strings) or the
-    schema text (None for `json_object`). Raises ConfigError (naming `constraint`) for a malformed one."""
+    a JSON value valid under a JSON schema (`json_schema`, the schema as JSON text), any JSON object
+    (`json_object`) or the text an xgrammar structural tag describes (`structural_tag`, its JSON text: Gemma4's tool
+    calls, `tool_calls.py`). Build with the class methods; `spec` is the pattern, the choices (a tuple of strings),
+    the schema or tag text (None for `json_object`). Raises ConfigError (naming `constraint`) for a malformed one."""
 
     kind: str
     spec: Any = None
@@ -78,6 +79,13 @@ class Constraint:
                 raise ConfigError(f"constraint: the json_schema is not valid JSON ({e})") from None
             if not isinstance(value, (dict, bool)):
                 raise ConfigError(f"constraint: a json_schema must be an object or a boolean, got {s[:40]!r}")
+        if k == "structural_tag":
+            try:
+                value = json.loads(s) if isinstance(s, str) else None
+            except ValueError:
+                value = None
+            if not isinstance(value, dict):
+                raise ConfigError(f"constraint: a structural_tag must be the JSON text of an object, got {s!r:.60}")
         if k == "json_object" and s is not None:
             raise ConfigError("constraint: json_object takes no spec")
 
@@ -102,6 +110,12 @@ class Constraint:
     def json_object(cls) -> "Constraint":
         """The text is any JSON object."""
         return cls("json_object")
+
+    @classmethod
+    def structural_tag(cls, tag: Mapping | str) -> "Constraint":
+        """The text matches an xgrammar structural tag (a dict or its JSON text; `tool_calls.tool_call_constraint`
+        builds the one of Gemma4's tool calls)."""
+        return cls("structural_tag", tag if isinstance(tag, str) else json.dumps(tag))
 
 
 def _choice_ebnf(options: tuple[str, ...]) -> str:
@@ -166,6 +180,8 @@ class GrammarLibrary:
                 return c.compile_regex(constraint.spec)
             if constraint.kind == "choice":
                 return c.compile_grammar(self._xgr.Grammar.from_ebnf(_choice_ebnf(constraint.spec)))
+            if constraint.kind == "structural_tag":
+                return c.compile_structural_tag(constraint.spec)
             # json_object: xgrammar's builtin JSON grammar admits any value; an object is the schema {"type": "object"}
             schema = constraint.spec if constraint.kind == "json_schema" else '{"type": "object"}'
             return c.compile_json_schema(schema, any_whitespace=False)

@@ -177,19 +177,26 @@ class SampleStep(NamedTuple):
 
 
 def sample_step(logits_BCV: torch.Tensor, temperature_B: torch.Tensor, greedy_B: torch.Tensor,
-                uniform_BC: torch.Tensor) -> SampleStep:
-    """The vocabulary-wide part of a denoise step, the region `dgemma::sample_step` fuses: the logits scaled by 1/T
+                uniform_BC: torch.Tensor, allowed_BW: torch.Tensor | None = None,
+                constrained_B: torch.Tensor | None = None) -> SampleStep:
+    """The vocabulary-wide part of a denoise step, the region `dgemma::sample_step` fuses: the logits (first-position
+    masked for constrained rows: `mask_first`, when `allowed_BW` and `constrained_B` are given) scaled by 1/T
     (shifted by their max first), their argmax, one token per position by `sample_chunked_icdf` with `uniform_BC`,
     the entropy of softmax(scaled), and the self-conditioning input softmax(scaled) (one-hot for greedy rows).
 
     Args: logits float [B, C, V] (any float dtype, computed in float32); temperature float32 [B]; greedy bool [B]
-    (sample = argmax, entropy 0); uniform float32 [B, C] in [0, 1). Rows are independent: a slice of rows or
-    positions gives the same values as the whole (what a chunked implementation relies on).
+    (sample = argmax, entropy 0); uniform float32 [B, C] in [0, 1); allowed int32 [B, W] and constrained bool [B]:
+    the grammar's next-token bitmask and which rows it applies to (`mask_first`; per-row tensor data, so a grammar is
+    never a recompile). Rows are independent: a slice of rows or positions gives the same values as the whole (what a
+    chunked implementation relies on; a slice of positions that does not start at position 0 takes no mask).
     """
     greedy_B11 = greedy_B[:, None, None]
+    x = logits_BCV.float()
+    if allowed_BW is not None:
+        x = mask_first(x, allowed_BW, constrained_B)
     # shift by the max before dividing: softmax is unchanged, the max entry is exactly 0, and a tiny T can only
     # push the others towards -inf (clamped), never overflow the max (which would make false ties)
-    shifted = logits_BCV.float() - logits_BCV.float().amax(dim=-1, keepdim=True)
+    shifted = x - x.amax(dim=-1, keepdim=True)
     scaled = _finite(shifted / torch.where(greedy_B, 1.0, temperature_B)[:, None, None])
     argmax = scaled.argmax(dim=-1)
     sampled = torch.where(greedy_B[:, None], argmax, sample_chunked_icdf(scaled, uniform_BC))
@@ -202,38 +209,42 @@ def sample_step(logits_BCV: torch.Tensor, temperature_B: torch.Tensor, greedy_B:
 
 MASKED_LOGIT = -1e30
 """What a constrained row's disallowed ids get at the first canvas position (`mask_first`): finite, so every carried
-tensor and logprob stays finite, and far below any softcapped logit (|logit| <= 30), so their probability is 0."""
+tensor stays finite, and far below any softcapped logit (|logit| <= 30), so their probability is 0."""
 
 
 def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B: torch.Tensor) -> torch.Tensor:
-    """Constrained decoding's device half (docs/constrained.md): the logits with, for rows where `constrained_B`
-    (bool [B]), every id the grammar's next-token bitmask `allowed_BW` (int32 [B, W], W = ceil(V / 32), bit v % 32 of
-    word v // 32 allows id v: xgrammar's layout) does not allow set to `MASKED_LOGIT` at canvas position 0 (the next
-    token after the committed ones), in place (no [B, C, V] copy; pass fresh logits); returns them. Other rows and
-    positions keep their values bit for bit (`torch.where` picks the input). Tensor ops only: a grammar is data,
-    never a recompile."""
-    V = logits_BCV.shape[-1]
+    """Constrained decoding's device half (docs/constrained.md), a part of `sample_step`: the logits with, for rows
+    where `constrained_B` (bool [B]), every id the grammar's next-token bitmask `allowed_BW` (int32 [B, W],
+    W = ceil(V / 32), bit v % 32 of word v // 32 allows id v: xgrammar's layout) does not allow set to `MASKED_LOGIT`
+    at canvas position 0 (the next token after the committed ones). A new tensor; other rows and positions keep
+    their values bit for bit (`torch.where` picks the input). Tensor ops only: a grammar is data, never a
+    recompile."""
+    C, V = logits_BCV.shape[1], logits_BCV.shape[-1]
     v_V = torch.arange(V, device=logits_BCV.device)
     bits_BV = (allowed_BW[:, v_V // 32] >> (v_V % 32).to(allowed_BW.dtype)) & 1
-    keep_BV = (bits_BV != 0) | ~constrained_B[:, None]
-    logits_BCV[:, 0] = torch.where(keep_BV, logits_BCV[:, 0], MASKED_LOGIT)
-    return logits_BCV
+    keep_B1V = ((bits_BV != 0) | ~constrained_B[:, None])[:, None, :]
+    later_1C1 = (torch.arange(C, device=logits_BCV.device) != 0)[None, :, None]
+    return torch.where(keep_B1V | later_1C1, logits_BCV, MASKED_LOGIT)
 
 
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
                    finished_B: torch.Tensor, logits_BCV: torch.Tensor, temperature_B: torch.Tensor,
                    greedy_B: torch.Tensor, noise: StepNoise, *, entropy_bound_B: torch.Tensor,
-                   confidence_B: torch.Tensor, stop_early: bool) -> StepUpdate:
+                   confidence_B: torch.Tensor, stop_early: bool, allowed_BW: torch.Tensor | None = None,
+                   constrained_B: torch.Tensor | None = None) -> StepUpdate:
     """Everything after the decoder in one denoise step, as a pure function of the current per-row state (canvas,
     argmax and history of the previous P argmax canvases, -1 before the first; finished rows) and per-row parameters
     (temperature float32 [B], greedy bool [B], entropy bound and confidence threshold float32 [B]). Rows already
     finished keep canvas and argmax frozen.
 
     Greedy rows: sample = argmax, entropy 0 (so every position is accepted), one-hot self-conditioning.
+    Constrained rows (`allowed_BW` int32 [B, W], `constrained_B` bool [B]): the first position masked inside
+    `sample_step` (`mask_first`).
     Stopping (`StableAndConfidentStoppingCriteria`): argmax equal to each of the previous P argmax canvases (so never
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
     """
-    argmax, sampled, ent, sc_probs = sample_step(logits_BCV, temperature_B, greedy_B, noise.uniform)
+    argmax, sampled, ent, sc_probs = sample_step(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW,
+                                                 constrained_B)
     accepted = entropy_bound_accept(ent, entropy_bound_B[:, None])
     canvas = torch.where(accepted, sampled, noise.renoise)
     frozen = finished_B[:, None]

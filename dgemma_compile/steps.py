@@ -37,7 +37,7 @@ from .model import DiffusionGemma
 from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
 from .plan import PlanBuffers
 from .rows import RowState
-from .sampler import StepNoise, denoise_update, mask_first, temperature_table
+from .sampler import StepNoise, denoise_update, temperature_table
 from .uniform import commit_denoise_block, denoise_block, encode_block
 
 
@@ -119,7 +119,7 @@ class StepInputs:
     most (max_denoising_steps); entropy_bound, confidence: float32 [B]; ids: int64 [B, T] and n_new: int64 [B],
     the encoder chunk and its real tokens per row; constrained: bool [B], the row's request has a grammar, and
     allowed: int32 [B, W] (W = ceil(V / 32)), its next-token bitmask for the canvas's first position
-    (`sampler.mask_first`, written by the host after each block: `constrain`; all ones and unconstrained by
+    (`sampler.mask_first`, inside `sampler.sample_step`; written by the host after each block: `constrain`; all ones and unconstrained by
     `set_requests` / `set_row`).
     """
 
@@ -227,11 +227,11 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
         logits = denoise_block(model, state.canvas, cache, None, state.has_sc, moe_impl=moe_impl,
                                      plan=plan.plan if plan is not None else None,
                                      self_conditioning_embeds=state.sc_embeds, kernel_options=kernel_options)
-    logits = mask_first(logits, inputs.allowed, inputs.constrained)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
-                         confidence_B=inputs.confidence, stop_early=stop_early)
+                         confidence_B=inputs.confidence, stop_early=stop_early, allowed_BW=inputs.allowed,
+                         constrained_B=inputs.constrained)
     state.canvas.copy_(new.canvas)
     state.argmax.copy_(new.argmax)
     state.history.copy_(new.history)
@@ -323,11 +323,12 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     hidden = model.forward_plan(ids, cache, plan.plan, moe_impl=moe_impl, self_conditioning_embeds=state.sc_embeds)
     if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
         hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
-    logits = mask_first(model.logits(hidden), inputs.allowed, inputs.constrained)
+    logits = model.logits(hidden)
     new = denoise_update(canvas, argmax, history, ~stepping, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
-                         confidence_B=inputs.confidence, stop_early=stop_early)
+                         confidence_B=inputs.confidence, stop_early=stop_early, allowed_BW=inputs.allowed,
+                         constrained_B=inputs.constrained)
     ended = stepping & (new.finished | (steps >= inputs.budget))
     # a constrained row's end is the host's (its grammar decides what of the block is kept: `finish.py`)
     done = ended & ~inputs.constrained & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos,

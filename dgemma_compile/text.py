@@ -168,14 +168,17 @@ def _texts(content: Any) -> list[str]:
 
 
 def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_id: int | None,
-                add_generation_prompt: bool = True, images: ImageSlots | None = None) -> list[int]:
+                add_generation_prompt: bool = True, images: ImageSlots | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """Token ids of a chat through the checkpoint's own template, with exactly one BOS at position 0 when
     `bos_token_id` is not None. The rendered text is tokenized without special tokens, as `apply_chat_template`
     does, so a template that writes `{{ bos_token }}` gives the only BOS and one that does not gets it prepended.
 
     Every message's text is checked as `encode_prompt` checks a prompt, named by role (`prompt` for the user,
     `system`, ...). `images`: the images of the messages' `{"type": "image"}` parts, in order; the placeholders the
-    template renders for them are expanded (`ImageSlots.expand`).
+    template renders for them are expanded (`ImageSlots.expand`). `tools`: OpenAI function tool specs, given to the
+    template as `tools` (a Gemma4 template declares them in its system turn); an assistant message may carry
+    `tool_calls` instead of text.
 
     Raises:
         ConfigError: no template, a template error (e.g. a role it refuses), empty or unencodable text, a template
@@ -192,15 +195,16 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_i
             raise ConfigError(f"messages: each message needs a role and a content, got {m!r}")
         name = "prompt" if m["role"] == "user" else str(m["role"])
         texts = _texts(m["content"])
-        if not any(texts):
+        if not any(texts) and not m.get("tool_calls"):
             raise ConfigError(f"{name}: empty {name}")
         for t in texts:
             if t:
                 check_encodable(tokenizer, t, name)
     template = chat_template(tokenizer)
     try:
+        extra = {} if tools is None else {"tools": [dict(t) for t in tools]}
         rendered = tokenizer.apply_chat_template([dict(m) for m in messages], chat_template=template,
-                                                 add_generation_prompt=add_generation_prompt, tokenize=False)
+                                                 add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
     except jinja2.TemplateError as e:
         raise ConfigError(f"chat template: {e}") from None
     if images is not None:

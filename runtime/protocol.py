@@ -2,12 +2,13 @@
 
 Requests forbid unknown fields (400, naming the field). Fields this server does not implement are accepted at a
 neutral value and refused otherwise with a 400 naming the field and the values it accepts (`NEUTRAL_COMPLETION`,
-`NEUTRAL_CHAT`): OpenAI's (`top_p` 1, penalties 0, `logit_bias` {}, `tools` [],
-`tool_choice` "none", `best_of` 1, `echo` false, `store` false, ...) and vLLM's sampling extensions
+`NEUTRAL_CHAT`): OpenAI's (`top_p` 1, penalties 0, `logit_bias` {}, the legacy `functions` [] and `function_call`,
+`best_of` 1, `echo` false, `store` false, ...) and vLLM's sampling extensions
 (`repetition_penalty` 1, `top_k` -1 or 0, `min_p` 0, `min_tokens` 0). vLLM's `ignore_eos` is implemented (a bool:
 the request runs to `max_tokens`, its eos ids kept as ordinary tokens; `GenerationConfig.ignore_eos`).
 Structured outputs (`response_format` json_schema / json_object, vLLM's `guided_regex` / `guided_choice` /
-`guided_json` and `structured_outputs`) on both routes: `structured.py`. `user` and `metadata` are accepted and
+`guided_json` and `structured_outputs`) on both routes: `structured.py`. Tool calls (chat `tools`, `tool_choice`,
+`parallel_tool_calls`; messages with `tool_calls` and `tool` messages): `tools.py`. `user` and `metadata` are accepted and
 ignored. Chat content is a string or text and `image_url` parts (an `image_url` is decoded by the server: `data:`
 URLs, and local files or http(s) URLs where the server allows them, on a model with a vision encoder; see
 `server.py`); any other part (audio, file) is refused, never dropped.
@@ -33,7 +34,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_serializer,
+                      model_validator)
 
 
 class APIError(Exception):
@@ -66,9 +68,9 @@ NEUTRAL_COMMON: dict[str, tuple[tuple, str]] = {
 }
 NEUTRAL_COMPLETION = {**NEUTRAL_COMMON, "echo": ((False,), "no echo of the prompt"),
                       "suffix": (("",), "no suffix"), "best_of": ((1,), "no server-side best-of")}
-NEUTRAL_CHAT = {**NEUTRAL_COMMON, "tools": (([],), "no tool calls"), "tool_choice": (("none", "auto"), "no tool calls"),
-                "functions": (([],), "no tool calls"), "function_call": (("none", "auto"), "no tool calls"),
-                "parallel_tool_calls": ((False, True), "no tool calls"), "audio": ((), "text only"),
+NEUTRAL_CHAT = {**NEUTRAL_COMMON, "functions": (([],), "the legacy function calls: use tools"),
+                "function_call": (("none", "auto"), "the legacy function calls: use tools and tool_choice"),
+                "audio": ((), "text only"),
                 "modalities": ((["text"],), "text only"), "prediction": ((), "no predicted outputs")}
 
 
@@ -224,13 +226,41 @@ class ImageUrlPart(BaseModel):
     image_url: ImageURL
 
 
-class ChatMessage(BaseModel):
-    """A message; `content` a string or text and image_url parts (an audio or file part is refused)."""
+class FunctionCallPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object's text")
+
+
+class MessageToolCall(BaseModel):
+    """An earlier answer's tool call, sent back in the conversation (OpenAI's shape)."""
 
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]]
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallPart
+
+
+class ChatMessage(BaseModel):
+    """A message; `content` a string or text and image_url parts (an audio or file part is refused). An assistant
+    message may carry the `tool_calls` it made (then `content` may be absent or null); a `tool` message answers one
+    (`tool_call_id`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: a message needs a content (only an assistant message with tool_calls may "
+                             "omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool_calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -246,14 +276,20 @@ class ChatMessage(BaseModel):
     def template_dict(self) -> dict:
         """The message as the chat template reads it (an image part as {"type": "image"}, as transformers' chat
         templates take it)."""
-        if isinstance(self.content, str):
-            return {"role": self.role, "content": self.content}
-        return {"role": self.role, "content": [{"type": "image"} if isinstance(p, ImageUrlPart) else p.model_dump()
-                                                for p in self.content]}
+        out: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            out["content"] = [{"type": "image"} if isinstance(p, ImageUrlPart) else p.model_dump() for p in self.content]
+        else:
+            out["content"] = self.content if self.content is not None else ""
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.role == "tool":
+            out.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v is not None})
+        return out
 
     def image_urls(self) -> list[tuple[int, str]]:
         """(part index, url) of each image part, in order."""
-        if isinstance(self.content, str):
+        if not isinstance(self.content, list):
             return []
         return [(j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImageUrlPart)]
 
@@ -395,10 +431,28 @@ class ChoiceLogprobs(BaseModel):
     refusal: None = None
 
 
+class ToolCallOut(BaseModel):
+    """One call of an answer (OpenAI's `message.tool_calls[i]`): `function.arguments` a JSON object's text."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallPart
+
+
 class AssistantMessage(BaseModel):
+    """The answer; `tool_calls` only where calls were parsed (`tools.py`), and then `content` may be null."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_empty_calls(self, handler):
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):

@@ -95,6 +95,7 @@ from .engine import Request as EngineRequest
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
 from .structured import FIELDS as STRUCTURED_FIELDS, request_constraint
+from .tools import ToolAnswer, ToolRequest, resolve_tools, template_messages
 
 GOLDEN = 0x9E3779B97F4A7C15
 ERRORS = {400: "invalid request: malformed JSON, an unknown or unsupported field, a bad value, a prompt beyond the "
@@ -235,13 +236,24 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                                   f"{limit})", param=name)
         return k
 
+    def constraint_of(req: P._Common, tool: ToolRequest | None):
+        """(the request's constraint, the field it came from): a structured-output field's, or the enforced tool
+        choice's (field "tool_choice"); both at once is a 400."""
+        constraint, field = request_constraint({name: getattr(req, name) for name in STRUCTURED_FIELDS})
+        if tool is not None and tool.constraint is not None:
+            if constraint is not None:
+                raise P.APIError(400, f"tool_choice: {tool.choice} tool calls are enforced by a grammar, which "
+                                      f"cannot be combined with {field}", param="tool_choice")
+            return tool.constraint, "tool_choice"
+        return constraint, field
+
     def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
-               images=None) -> list[EngineRequest]:
+               images=None, tool: ToolRequest | None = None) -> list[EngineRequest]:
         """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
         compile: 400 naming the field it came from). `images`: the prompt's `images.ImagePrompt` (one prompt),
         shared by its choices."""
         cfg = config_of(req)
-        constraint, field = request_constraint({name: getattr(req, name) for name in STRUCTURED_FIELDS})
+        constraint, field = constraint_of(req, tool)
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
                                  on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
@@ -276,23 +288,26 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         except ConfigError as e:
             raise P.APIError(400, f"{field}: {str(e).split(':', 1)[1].strip()}", param=field) from None
 
-    async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool, images=None):
+    async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool, images=None,
+                  tool: ToolRequest | None = None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
         k = logprobs_of(req, chat)
-        constraint, field = request_constraint({name: getattr(req, name) for name in STRUCTURED_FIELDS})
+        constraint, field = constraint_of(req, tool)
         if constraint is not None:
-            await offload(compile_grammar, constraint, field, timeout=input_timeout_s, what="compiling the grammar",
-                          param=field)
-        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images)
+            await offload(compile_grammar, constraint, "tools" if field == "tool_choice" else field,
+                          timeout=input_timeout_s, what="compiling the grammar", param=field)
+        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images, tool)
         index = {id(c): i for i, c in enumerate(choices)}
         lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]
+        answers = [ToolAnswer(tokenizer, tool, frozenset(c.config.eos_token_ids)) if tool is not None and tool.parse
+                   else None for c in choices]
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if req.stream:
             return EventSourceResponse(_stream(engine, choices, index, events, req, rid, now, model_name, chat,
-                                               prompt_tokens, lps), ping=15, sep="\n")
+                                               prompt_tokens, lps, answers), ping=15, sep="\n")
         texts, reasons, tokens = [""] * len(choices), [None] * len(choices), [0] * len(choices)
         gone = asyncio.create_task(_disconnected(request))
         gone.add_done_callback(lambda t: t.cancelled() or [engine.cancel(c) for c in choices])
@@ -303,6 +318,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                 if e.draft:
                     continue
                 texts[i] += e.text
+                if answers[i] is not None:
+                    answers[i].add(e.tokens)
                 if lps[i] is not None and e.finish_reason not in ("cancelled", "error"):
                     lps[i].add(e)
                 if e.finish_reason is not None:
@@ -320,10 +337,16 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         finish = [P.FINISH_REASONS.get(r, r) for r in reasons]
         logprobs = [None if lp is None else lp.take(n) for lp, n in zip(lps, tokens)]
         if chat:
+            messages = [P.AssistantMessage(content=t) for t in texts]
+            for i, a in enumerate(answers):
+                if a is not None:
+                    content, calls = a.message()
+                    messages[i] = P.AssistantMessage(content=content, tool_calls=calls)
+                    finish[i] = a.finish_reason(reasons[i])
             body = P.ChatCompletionResponse(
                 id=rid, created=now, model=model_name, usage=usage,
-                choices=[P.ChatChoice(index=i, message=P.AssistantMessage(content=t), finish_reason=f, logprobs=lp)
-                         for i, (t, f, lp) in enumerate(zip(texts, finish, logprobs))])
+                choices=[P.ChatChoice(index=i, message=m, finish_reason=f, logprobs=lp)
+                         for i, (m, f, lp) in enumerate(zip(messages, finish, logprobs))])
         else:
             body = P.CompletionResponse(
                 id=rid, created=now, model=model_name, usage=usage,
@@ -354,12 +377,20 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
               responses=_responses(P.ChatCompletionResponse, 400, 404, 413, 429, 500))
     async def chat_completions(request: Request):
         req = await parse(request, P.ChatCompletionRequest)
-        messages = [m.template_dict() for m in req.messages]
+        tool = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if tool.parse:
+            for name in ("stop", "logprobs"):
+                if getattr(req, name):
+                    raise P.APIError(400, f"{name}: not supported together with parsed tool calls (tool_choice "
+                                          f"{tool.choice!r}); send it without tools or with tool_choice \"none\"",
+                                     param=name)
+        messages = template_messages([m.template_dict() for m in req.messages])
         parts = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
         images, slots = await tokenize(None, read_images, parts) if parts else (None, None)
-        prompt = await tokenize(request, lambda: encode_chat(tokenizer, messages, bos_token_id=bos, images=slots))
+        prompt = await tokenize(request, lambda: encode_chat(tokenizer, messages, bos_token_id=bos, images=slots,
+                                                             tools=tool.tools))
         item = (await tokenize(None, lambda: prepare_images(engine.model, [prompt], [images])))[0] if parts else None
-        return await run(request, [prompt], req, chat=True, images=item)
+        return await run(request, [prompt], req, chat=True, images=item, tool=tool)
 
     def read_images(parts: list[tuple[str, str]]) -> tuple[list, ImageSlots]:
         """The images of a chat's image_url parts (`preprocess.open_image_url` under `image_sources`), preprocessed,
@@ -528,7 +559,7 @@ def _config_error(e: ConfigError) -> P.APIError:
 
 async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, events: asyncio.Queue, req: P._Common,
                   rid: str, now: int, model_name: str, chat: bool, prompt_tokens: int,
-                  lps: list[_ChoiceLogprobs | None]) -> AsyncIterator[dict]:
+                  lps: list[_ChoiceLogprobs | None], answers: list[ToolAnswer | None]) -> AsyncIterator[dict]:
     """The SSE events of one streamed request (see the module docstring); cancels unfinished choices when the
     client goes away (sse-starlette cancels this generator on a disconnect)."""
     reasons: list = [None] * len(choices)
@@ -573,7 +604,18 @@ async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, eve
             if lp is not None:
                 lp.add(e)
                 lp = lp.take(tokens[i] if e.finish_reason is not None else lp.behind())
-            if chat:
+            a = answers[i]
+            if a is not None:  # parsed tool calls (tools.ToolAnswer): content, then each call's deltas, then the end
+                a.add(e.tokens)
+                content, calls = a.push(final=e.finish_reason is not None)
+                if content:
+                    yield event({"index": i, "delta": {"content": content}, "logprobs": None, "finish_reason": None})
+                for d in calls:
+                    yield event({"index": i, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None})
+                if e.finish_reason is not None:
+                    yield event({"index": i, "delta": {}, "logprobs": None,
+                                 "finish_reason": a.finish_reason(e.finish_reason)})
+            elif chat:
                 yield event({"index": i, "delta": {"content": e.text}, "logprobs": lp, "finish_reason": finish})
             else:
                 yield event({"index": i, "text": e.text, "logprobs": lp, "finish_reason": finish})

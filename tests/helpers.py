@@ -82,9 +82,16 @@ def _byte_chars() -> dict[int, str]:
     return out
 
 
-def write_byte_tokenizer(directory: Path) -> None:
+GEMMA4_TOOL_MARKERS = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|tool>", "<tool|>", "<|tool_response>",
+                       "<tool_response|>", "<|turn>", "<turn|>")
+"""Gemma4's tool and turn markers, special tokens 259.. of `write_byte_tokenizer(tools=True)` (single tokens, as in
+the release's tokenizer)."""
+
+
+def write_byte_tokenizer(directory: Path, tools: bool = False) -> None:
     """A byte-level tokenizer (pad 0, eos 1, bos 2, then the 256 bytes, no merges: every text encodes, byte by
-    byte), saved as transformers does; 259 ids."""
+    byte), saved as transformers does; 259 ids. `tools`: plus Gemma4's markers (`GEMMA4_TOOL_MARKERS`, 268 ids) and
+    the Gemma4-shaped chat template of tests/fixtures/gemma4_tools (tool declarations, calls, tool responses)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -97,6 +104,9 @@ def write_byte_tokenizer(directory: Path) -> None:
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
     fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    if tools:
+        fast.add_special_tokens({"additional_special_tokens": list(GEMMA4_TOOL_MARKERS)})
+        fast.chat_template = (Path(__file__).parent / "fixtures" / "gemma4_tools" / "chat_template.jinja").read_text()
     fast.save_pretrained(str(directory))
 
 

@@ -190,9 +190,10 @@ def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_ge
     on_gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, sample_step_fusion_min_bytes=0))
     on, codes = run(on_gen)
     matches = on_gen.units.pass_matches
-    # float32 state: no dtype to fold; the softcap stays out of the op: its output is also read by the constrained
-    # rows' first-position mask (`sampler.mask_first`), and the fold needs it read by the op alone
-    assert matches[unit].counts == fusion(1, softcap=0)
+    # float32 state: no dtype to fold; the softcap folds in: the constrained rows' first-position mask is inside the
+    # op (`sampler.mask_first` in `sampler.sample_step`), so the op alone reads the softcap's output
+    capped = int(model.config.final_logit_softcapping is not None)
+    assert matches[unit].counts == fusion(1, softcap=capped)
     (denoise_code,) = [c for c in codes if "sort.default" in c]  # the entropy bound's sort
     FileCheck().check('"dgemma::sample_step"').run(denoise_code)
     assert _cumsum_sizes(denoise_code) and all(s[-1] == C for s in _cumsum_sizes(denoise_code))
@@ -212,7 +213,7 @@ def test_fusion_on_bf16_units_with_softcap_and_commit_fusion(tmp_path):
     from dgemma_compile.compile import build
     from helpers import write_checkpoint
 
-    path = write_checkpoint(tmp_path / "ckpt", vocab_size=48, final_logit_softcapping=30)
+    path = write_checkpoint(tmp_path / "ckpt", vocab_size=48, final_logit_softcapping=30, tokenizer=True)
     cfg_file = path / "config.json"
     config = json.loads(cfg_file.read_text())
     config["text_config"]["final_logit_softcapping"] = 30  # an int, as a hand-written config may hold it
@@ -225,10 +226,26 @@ def test_fusion_on_bf16_units_with_softcap_and_commit_fusion(tmp_path):
     out = gen.generate(prompts, gcfg, seed=[3, 4])
     # counts recorded at compile time, also when the caches serve the compile
     counts = {k.split("[")[0]: m.counts for k, m in gen.units.pass_matches.items()}
-    assert counts == {"step": fusion(1, 0, 1)}  # no softcap fold: the first-position mask reads it too (above)
+    assert counts == {"step": fusion(1, 1, 1)}  # the first-position mask is inside the op: the softcap folds
     # the eager generator runs `sampler.sample_step` itself: the pass-off reference, without a second compile
     eager = dg.generate(model, prompts, gcfg, seed=[3, 4], moe_impl=gen.moe_impl, fuse_commit=True, max_seq_len=256)
     assert out.fused_commits > 0 and out.sequences == eager.sequences
+    # a constrained row beside a free one through the same compiled step: the first-position mask is the op's
+    # per-row tensor data (no recompile), tokens equal the eager oracle's and the text matches
+    from dgemma_compile.constraint import Constraint, GrammarLibrary
+
+    tok = dg.load_tokenizer(path)
+    ccfg = gcfg.replace(eos_token_ids=(1,))  # a grammar ends on eos (a new end rule: its own compile, once)
+    gen.generate(prompts, ccfg, seed=[5, 6], constraint=[Constraint.choice(["ab", "c d"]), None], tokenizer=tok)
+    compiles = sum(gen.compiles.values())
+    cons = [Constraint.regex("[a-z]+( [0-9]+)*"), None]
+    out = gen.generate(prompts, ccfg, seed=[5, 6], constraint=cons, tokenizer=tok)
+    assert sum(gen.compiles.values()) == compiles  # another grammar: data in the same buffers, no recompile
+    assert out.sequences[1] == gen.generate(prompts[1:], ccfg, seed=6).sequences[0]  # the free row: its solo run
+    # the constrained row is valid (a bf16 compile and the eager loop round differently, pass on or off, so tokens
+    # are compared with the oracle in float32: tests/test_constrained.py)
+    lib = GrammarLibrary.for_model(tok, model, ccfg.eos_token_ids)
+    assert out.sequences[0] and lib.matcher(cons[0]).accept(out.sequences[0]) == len(out.sequences[0])
 
 
 def _region_into_state(logits_bf16, T, greedy, u, sc_state):

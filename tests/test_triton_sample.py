@@ -333,3 +333,40 @@ def test_op_cuda_path_matches_the_cpu_op_in_slices(softcap, dtype, sc_dtype, mon
     ref_f32 = sampler.sample_step(capped, T, greedy, u)
     assert torch.equal(ref[0], ref_f32.argmax)
     assert_same(out_f32, ref_f32, capped, T, greedy, u)
+
+
+@pytest.mark.parametrize("softcap,dtype", [(None, torch.float32), (30.0, torch.float32), (15.0, torch.bfloat16)])
+def test_masked_op_matches_the_reference(softcap, dtype, monkeypatch):
+    """The first-position mask inside the op (per-row bitmask and flag, `sampler.mask_first`): the kernel
+    (interpreted; with a softcap one launch per slice) and the CPU op against `sampler.sample_step` with the mask;
+    a constrained row's position 0 picks only allowed ids, every other row and position is as without the mask."""
+    from dgemma_compile.constraint import pack_bitmask
+    from dgemma_compile.ops import sample as op
+
+    B, C, V = 3, 3, 300
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(B, C, V, generator=g) * 40).to(dtype)
+    T, greedy = torch.tensor([0.7, 1.0, 0.9]), torch.tensor([False, True, False])
+    u = torch.rand(B, C, generator=g)
+    allowed_V = torch.rand(B, V, generator=g) < 0.05
+    allowed = torch.stack([pack_bitmask(a) for a in allowed_V])
+    constrained = torch.tensor([True, True, False])
+    monkeypatch.setattr(op, "CHUNK_BYTES", 4 * V * 2)  # two positions per slice
+    capped = op._prologue(logits, softcap)
+    ref = sampler.sample_step(capped, T, greedy, u, allowed, constrained)
+    cpu = torch.ops.dgemma.sample_step(logits, T, greedy, u, softcap, None, allowed, constrained)
+    assert torch.equal(cpu[0], ref.argmax) and torch.equal(cpu[1], ref.sampled)
+    torch.testing.assert_close(cpu[2], ref.entropy, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(cpu[3], ref.sc_probs, rtol=1e-6, atol=1e-12)
+    dev = [t.to(DEVICE) for t in (logits, T, greedy, u)]
+    out = op.triton_sample_step(sample_kernels().sample_step_triton, *dev, softcap, None, allowed.to(DEVICE),
+                                constrained.to(DEVICE))
+    masked = sampler.mask_first(capped, allowed, constrained)
+    assert_same(sampler.SampleStep(*(t.cpu() for t in out)), ref, masked, T, greedy, u)
+    for b in (0, 1):  # constrained: position 0 allowed; its later positions and the free row unmasked
+        assert allowed_V[b, ref.argmax[b, 0]] and allowed_V[b, ref.sampled[b, 0]]
+    free = sampler.sample_step(capped, T, greedy, u)
+    assert torch.equal(free.argmax[2], ref.argmax[2]) and torch.equal(free.argmax[:, 1:], ref.argmax[:, 1:])
+    assert torch.equal(free.sc_probs[:, 1:], ref.sc_probs[:, 1:]) and torch.equal(free.sc_probs[2], ref.sc_probs[2])
+    with pytest.raises(ValueError, match="allowed and constrained"):
+        torch.ops.dgemma.sample_step(logits, T, greedy, u, softcap, None, allowed, None)

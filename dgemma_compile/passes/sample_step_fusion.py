@@ -1,11 +1,13 @@
 """Pass `sample_step_fusion`: the vocabulary-wide region of the denoise step -> one `dgemma::sample_step` call.
 
-What it matches: the graph of `sampler.sample_step` (shift by the row max, scale by 1/T, argmax, chunked inverse-CDF
-sample, entropy, self-conditioning probabilities) over any producer of the logits, with any temperature / greedy / uniform
-inputs. The pattern is not written by hand: it is `sampler.sample_step` itself, traced by Inductor's `fwd_only` into
+What it matches: the graph of `sampler.sample_step` (the first-position mask of constrained rows when the step passes
+one, shift by the row max, scale by 1/T, argmax, chunked inverse-CDF sample, entropy, self-conditioning
+probabilities) over any producer of the logits, with any temperature / greedy / uniform (/ bitmask / flag) inputs. The pattern is not written by hand: it is `sampler.sample_step` itself, traced by Inductor's `fwd_only` into
 the same decomposed aten ops the captured step contains (integers, floats, dtypes and devices in it match any value,
 so one pattern serves every B, C and V), in each of its structural variants: logits already float32 or cast from a
-16-bit dtype, and a vocabulary that is or is not a whole number of sampler chunks (the padded last chunk adds a pad).
+16-bit dtype, a vocabulary that is or is not a whole number of sampler chunks (the padded last chunk adds a pad), and
+with or without the mask (the step always passes `StepInputs.allowed` / `constrained`; the mask is then the op's
+per-row tensor data, so a grammar never recompiles and the logits are read by the op alone).
 A match is rewritten only when its logits, counted as float32, span at least `min_logits_bytes`
 (`CompileOptions.sample_step_fusion_min_bytes`): below that Inductor's fused loops are faster than the op's eager
 CPU implementation and the op saves no memory worth having.
@@ -50,6 +52,15 @@ def _replace(logits, temperature, greedy, uniform):
     return torch.ops.dgemma.sample_step(logits, temperature, greedy, uniform)
 
 
+def _search_masked(logits, temperature, greedy, uniform, allowed, constrained):
+    return tuple(sampler.sample_step(logits, temperature, greedy, uniform, allowed, constrained))
+
+
+def _replace_masked(logits, temperature, greedy, uniform, allowed, constrained):
+    return torch.ops.dgemma.sample_step(logits, temperature, greedy, uniform, allowed=allowed,
+                                        constrained=constrained)
+
+
 def _large_enough(min_logits_bytes: int):
     """The match filter: the region's logits, counted as float32, span at least `min_logits_bytes`."""
 
@@ -72,6 +83,11 @@ def _patterns(min_logits_bytes: int):
         for V in (11, sampler.SAMPLE_CHUNK + 11):  # one chunk, no pad / several chunks, the last one padded
             example = [torch.randn(B, C, V, dtype=dtype), torch.rand(B), torch.zeros(B, dtype=torch.bool),
                        torch.rand(B, C)]
+            # the step's region: with the first-position mask of constrained rows (per-row tensors); registered
+            # first, since the matcher tries patterns in order and the unmasked one matches the masked region's tail
+            mask = [torch.full((B, -(-V // 32)), -1, dtype=torch.int32), torch.zeros(B, dtype=torch.bool)]
+            register_replacement(_search_masked, _replace_masked, example + mask, fwd_only, [matcher],
+                                 extra_check=_large_enough(min_logits_bytes))
             register_replacement(_search, _replace, example, fwd_only, [matcher],
                                  extra_check=_large_enough(min_logits_bytes))
     return matcher
@@ -113,7 +129,11 @@ SC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _fold(graph: torch.fx.Graph, node: torch.fx.Node) -> dict[str, int]:
     """Fold the logits' cast and softcap, and the self-conditioning output's cast, into one op call (see the module
     docstring); then recompute the op's and its outputs' fake values. Returns which folds happened (0 or 1 each)."""
-    logits, kwargs = node.args[0], dict(node.kwargs)
+    # the traced replacement passes the op's optional arguments positionally: as keywords from here on
+    optional = ("softcap", "sc_dtype", "allowed", "constrained")
+    kwargs = {**{k: a for k, a in zip(optional, node.args[4:]) if a is not None}, **node.kwargs}
+    node.args = node.args[:4]
+    logits = node.args[0]
     folded: list[torch.fx.Node] = []  # producers no longer read once the op reads their input
     val = logits.meta.get("val")
     # a softcap computed in float32 only (as the model's): one in a 16-bit dtype rounds after each op, the op would not
@@ -143,12 +163,18 @@ def _fold(graph: torch.fx.Graph, node: torch.fx.Node) -> dict[str, int]:
         graph.erase_node(cast)
     for producer in folded:  # outermost first: each is unread once its reader is gone
         graph.erase_node(producer)
-    args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+    def fake(a):
+        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+    args = [fake(a) for a in node.args]
+    fake_kwargs = {k: fake(v) for k, v in kwargs.items()}  # the mask's bitmask and flags are graph nodes
     fake_mode = torch._guards.detect_fake_mode([a for a in args if isinstance(a, torch.Tensor)])
     assert fake_mode is not None, "sample_step_fusion: the joint graph's nodes carry no fake values"
     with fake_mode:
-        out = node.target(*args, **kwargs)
+        out = node.target(*args, **fake_kwargs)
     node.meta["val"] = out
+    if "eager_input_vals" in node.meta:  # the inputs Inductor constrains the lowering's to: the new ones
+        node.meta["eager_input_vals"] = (tuple(args), fake_kwargs)
     for u in node.users:
         if u.target is operator.getitem:
             u.meta["val"] = out[u.args[1]]

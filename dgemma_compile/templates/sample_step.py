@@ -36,6 +36,8 @@ import triton.language as tl
 
 from .. import rng, sampler
 
+MASKED_LOGIT: tl.constexpr = tl.constexpr(sampler.MASKED_LOGIT)
+
 _FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 _M0 = tl.constexpr(rng.PHILOX_M[0])
 _M1 = tl.constexpr(rng.PHILOX_M[1])
@@ -185,10 +187,23 @@ def _to_out(p, out_ptr, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _load_x(x_ptr, v, ok, words_ptr, masked, HAS_MASK: tl.constexpr):
+    """Logits v of one position as float32 (-inf where not `ok`); with the first-position mask (`masked`: a
+    constrained row's position 0), MASKED_LOGIT where its bitmask word's bit v % 32 is clear (`sampler.mask_first`)."""
+    x = tl.load(x_ptr + v, mask=ok, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        word = tl.load(words_ptr + v // 32, mask=ok & masked, other=-1)
+        x = tl.where(ok & masked & (((word >> (v % 32)) & 1) == 0), MASKED_LOGIT, x)
+    return x
+
+
+@triton.jit
 def _sample_step_kernel(logits_ptr, stride_b, stride_c, t_ptr, greedy_ptr, u_ptr,
                         seed_ptr, block_ptr, step_ptr, block_stride, step_stride,
+                        allowed_ptr, W, constrained_ptr,
                         argmax_ptr, sampled_ptr, entropy_ptr, probs_ptr, C, V, CHUNK, K,
-                        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, PHILOX: tl.constexpr, OUT_BF16: tl.constexpr):
+                        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, PHILOX: tl.constexpr, OUT_BF16: tl.constexpr,
+                        HAS_MASK: tl.constexpr):
     row = tl.program_id(0)
     pos = tl.program_id(1)
     x_ptr = logits_ptr + row.to(tl.int64) * stride_b + pos.to(tl.int64) * stride_c
@@ -196,11 +211,15 @@ def _sample_step_kernel(logits_ptr, stride_b, stride_c, t_ptr, greedy_ptr, u_ptr
     lanes = tl.arange(0, BLOCK_V)
     greedy = tl.load(greedy_ptr + row) != 0
     t = tl.where(greedy, 1.0, tl.load(t_ptr + row))
+    words_ptr = allowed_ptr + row.to(tl.int64) * W
+    masked = False
+    if HAS_MASK:
+        masked = (tl.load(constrained_ptr + row) != 0) & (pos == 0)
 
     # 1. the max
     m = tl.full([], float("-inf"), tl.float32)
     for v0 in range(0, V, BLOCK_V):
-        x = tl.load(x_ptr + v0 + lanes, mask=v0 + lanes < V, other=float("-inf")).to(tl.float32)
+        x = _load_x(x_ptr, v0 + lanes, v0 + lanes < V, words_ptr, masked, HAS_MASK)
         m = tl.maximum(m, tl.max(x, 0))
 
     # 2. scaled logits s, argmax, per-chunk masses, sum of exp(s) * s
@@ -214,7 +233,7 @@ def _sample_step_kernel(logits_ptr, stride_b, stride_c, t_ptr, greedy_ptr, u_ptr
             j = j0 + lanes
             v = k * CHUNK + j
             ok = (j < CHUNK) & (v < V)
-            s = _scaled(tl.load(x_ptr + v, mask=ok, other=float("-inf")).to(tl.float32), m, t)
+            s = _scaled(_load_x(x_ptr, v, ok, words_ptr, masked, HAS_MASK), m, t)
             e = tl.where(ok, tl.exp(s), 0.0)
             mass += tl.sum(e, 0)
             sum_es += tl.sum(e * s, 0)
@@ -245,7 +264,7 @@ def _sample_step_kernel(logits_ptr, stride_b, stride_c, t_ptr, greedy_ptr, u_ptr
         j = j0 + lanes
         v = kc * CHUNK + j
         ok = (j < CHUNK) & (v < V)
-        e = tl.where(ok, tl.exp(_scaled(tl.load(x_ptr + v, mask=ok, other=float("-inf")).to(tl.float32), m, t)), 0.0)
+        e = tl.where(ok, tl.exp(_scaled(_load_x(x_ptr, v, ok, words_ptr, masked, HAS_MASK), m, t)), 0.0)
         below += tl.sum((ok & (acc + tl.cumsum(e, 0) <= rest)).to(tl.int32), 0)
         last = tl.maximum(last, tl.max(tl.where(e > 0.0, j, 0), 0))
         acc += tl.sum(e, 0)
@@ -260,7 +279,7 @@ def _sample_step_kernel(logits_ptr, stride_b, stride_c, t_ptr, greedy_ptr, u_ptr
     for v0 in range(0, V, BLOCK_V):
         v = v0 + lanes
         ok = v < V
-        s = _scaled(tl.load(x_ptr + v, mask=ok & ~greedy, other=float("-inf")).to(tl.float32), m, t)
+        s = _scaled(_load_x(x_ptr, v, ok & ~greedy, words_ptr, masked, HAS_MASK), m, t)
         p = tl.where(greedy, tl.where(v == argmax, 1.0, 0.0), tl.math.div_rn(tl.exp(s), total))
         tl.store(out_ptr + v, _to_out(p, out_ptr, OUT_BF16), mask=ok)
 
@@ -268,7 +287,9 @@ def _sample_step_kernel(logits_ptr, stride_b, stride_c, t_ptr, greedy_ptr, u_ptr
 def sample_step_triton(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                        uniform: torch.Tensor | None = None, *, seeds: torch.Tensor | None = None,
                        block: torch.Tensor | None = None, step: torch.Tensor | None = None,
-                       sc_dtype: torch.dtype = torch.float32, block_v: int = 1024) -> sampler.SampleStep:
+                       sc_dtype: torch.dtype = torch.float32, block_v: int = 1024,
+                       allowed: torch.Tensor | None = None, constrained: torch.Tensor | None = None
+                       ) -> sampler.SampleStep:
     """`sampler.sample_step` as one Triton kernel launch: argmax, sampled int64 [B, C]; entropy float32 [B, C];
     sc_probs `sc_dtype` [B, C, V] (softmax of the scaled logits; one-hot for greedy rows).
 
@@ -276,7 +297,9 @@ def sample_step_triton(logits: torch.Tensor, temperature: torch.Tensor, greedy: 
     [B]; and either uniform float32 [B, C] in [0, 1) or the stream index to draw it in-kernel, bit-identical to
     `rng.step_noise`: seeds int64 [B], block and step int64 0-d or [B]. sc_dtype: float32 (the oracle's) or
     bfloat16/float16 (the float32 probabilities rounded to nearest even). block_v: vocabulary tile, a power of two in
-    [16, 4096].
+    [16, 4096]. allowed int32 [B, ceil(V / 32)] and constrained bool [B] (both or neither): the first-position mask
+    of constrained rows (`sampler.mask_first`), read in-kernel per row (no [B, V] expansion; rows without the flag
+    read no bitmask word).
 
     Raises ValueError naming the argument for a wrong type, dtype, shape or device, for both or neither of `uniform`
     and `seeds`, or for V > 2**30 (int32 ids). The module docstring says what is exact and what rounds differently.
@@ -308,6 +331,16 @@ def sample_step_triton(logits: torch.Tensor, temperature: torch.Tensor, greedy: 
         raise ValueError(f"sc_dtype: expected one of {SC_DTYPES}, got {sc_dtype}")
     if not isinstance(block_v, int) or block_v < 16 or block_v > 4096 or block_v & (block_v - 1):
         raise ValueError(f"block_v: expected a power of two in [16, 4096], got {block_v!r}")
+    if (allowed is None) != (constrained is None):
+        raise ValueError("allowed/constrained: pass both (the first-position mask) or neither")
+    has_mask = allowed is not None
+    W = -(-V // 32)
+    if has_mask:
+        allowed = _check(allowed, "allowed", (torch.int32,), ((B, W),), dev).contiguous()
+        constrained = _check(constrained, "constrained", (torch.bool,), ((B,),), dev).contiguous()
+    else:
+        allowed = torch.zeros(1, dtype=torch.int32, device=dev)
+        constrained = torch.zeros(1, dtype=torch.bool, device=dev)
 
     chunk = min(sampler.SAMPLE_CHUNK, V)
     K = -(-V // chunk)
@@ -319,8 +352,9 @@ def sample_step_triton(logits: torch.Tensor, temperature: torch.Tensor, greedy: 
         _sample_step_kernel[(B, C)](
             logits, logits.stride(0), logits.stride(1), temperature, greedy, uniform,
             seeds, block, step, int(block.numel() > 1), int(step.numel() > 1),
+            allowed, W, constrained,
             argmax, sampled, entropy, sc_probs, C, V, chunk, K,
             K_PAD=triton.next_power_of_2(K), BLOCK_V=min(block_v, triton.next_power_of_2(chunk)),
             PHILOX=philox,
-            OUT_BF16=sc_dtype == torch.bfloat16)
+            OUT_BF16=sc_dtype == torch.bfloat16, HAS_MASK=has_mask)
     return sampler.SampleStep(argmax, sampled, entropy, sc_probs)
