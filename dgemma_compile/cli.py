@@ -359,8 +359,9 @@ def _shared(ranks, make):
 
 
 def _load(model_dir, args: argparse.Namespace, ranks):
-    """The model (--dtype), sharded over the ranks of a tensor-parallel run (`parallel.shard`, on the rank's
-    device). Raises ConfigError for --quant with --tensor-parallel-size (not combined yet)."""
+    """The model (--dtype); in a tensor-parallel run this rank's shard of it, read slice by slice from the files
+    (`parallel.load_sharded`, on the rank's device). Raises ConfigError for --quant with --tensor-parallel-size (not
+    combined yet), CheckpointError for a quantized checkpoint there."""
     from . import load
     from .config import ConfigError
 
@@ -372,8 +373,8 @@ def _load(model_dir, args: argparse.Namespace, ranks):
                           "not implemented: docs/parallel.md)")
     from . import parallel
 
-    try:
-        return parallel.shard(load(model_dir, dtype=dtype, device=ranks.device))
+    try:  # each rank reads only its slices of the sharded tensors from the files
+        return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device)
     except ValueError as e:
         raise ConfigError(f"tensor_parallel_size: {e}") from None
 
