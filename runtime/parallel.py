@@ -94,7 +94,6 @@ class TensorParallelEngine(Engine):
         self.heartbeat_s = channel.timeout_s / 4
         self._inbox: list[Request] = []
         self._cancels: list[int] = []
-        self._live: dict[int, Request] = {}  # queued or running requests by id (every rank)
         self.fatal: str | None = None
 
     # ----- rank 0: the HTTP threads only fill the inbox --------------------------------------------------------------
@@ -128,24 +127,16 @@ class TensorParallelEngine(Engine):
         if self.channel.leader:
             with self._wake:
                 self._queue.extend(mine)
-            new = mine
         else:
-            new = []
             for spec in schedule.requests:
-                req = spec.request()
-                self.submit(req)  # the same validation as on rank 0 (deterministic), then queued under spec.id
-                new.append(req)
-        for req in new:
-            self._live[req.id] = req
-        for rid in schedule.cancels:
-            req = self._live.get(rid)
-            if req is not None:
-                req.cancelled = True
-
-    def _emit(self, req, event) -> None:
-        if event.finish_reason is not None:
-            self._live.pop(req.id, None)
-        super()._emit(req, event)
+                self.submit(spec.request())  # the same validation as on rank 0 (deterministic), queued under its id
+        if schedule.cancels:
+            cancels = set(schedule.cancels)
+            with self._wake:
+                live = list(self._queue) + [row.request for row in self.rows if row.request is not None]
+            for req in live:  # queued or running; a request that already ended needs nothing
+                if req.id in cancels:
+                    req.cancelled = True
 
     # ----- the loops -------------------------------------------------------------------------------------------------
     @torch.no_grad()

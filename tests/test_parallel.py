@@ -117,6 +117,16 @@ def test_shard_without_a_process_group_raises(demo):
     assert getattr(model, "tensor_parallel", None) is None
 
 
+def test_a_quantized_checkpoint_is_refused_slice_by_slice():
+    """`load_sharded`'s loader call (`lazy=`) refuses a compressed-tensors checkpoint by name, before reading."""
+    from dgemma_compile.loader import CheckpointError
+
+    fixture = Path(__file__).parent / "fixtures" / "quant" / "demo-fp8-dynamic"
+    with pytest.raises(CheckpointError, match=r"config\.json: a quantized checkpoint \(fp8\) cannot be read slice by "
+                                              r"slice yet"):
+        dg.load(fixture, lazy=lambda name: True)
+
+
 # ----- slow: 2 gloo ranks of the demo model ------------------------------------------------------------------------
 def _forwards(model) -> dict[str, torch.Tensor]:
     """Prefill (two chunks, rows of different lengths, past the sliding window), denoise without and with
