@@ -29,13 +29,13 @@ from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
 from dgemma_compile.demo import tasks as T  # noqa: E402
 
 
-def _rank(rank: int, world: int, n: int, offset: int, out_dir: str, cache: str | None) -> None:
+def _rank(rank: int, world: int, n: int, offset: int, out_dir: str, cache: str | None, bucket: int | None) -> None:
     if cache:  # an Inductor cache of the rank's own (see --per-rank-cache)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache, f"rank{rank}"))
     parallel.init("cpu", timeout_s=600)
     model = parallel.shard(dg.load(DEMO_MODEL))
     tok = dg.load_tokenizer(DEMO_MODEL)
-    gen = dg.build(model)
+    gen = dg.build(model) if bucket is None else dg.build(model, dg.CompileOptions(batch_buckets=(bucket,)))
     config = model.generation_config
     t0 = time.monotonic()
     ids, steps = [], []
@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--reference", required=True, help="single-process ids: eval_demo_model.py --dump FILE")
     ap.add_argument("--out", default=None, help="results JSON (default: printed only)")
+    ap.add_argument("--batch-bucket", type=int, default=None, metavar="B",
+                    help="one compiled bucket of B rows for the one-request calls (default: dg.build's buckets, B=1 "
+                         "for them); batch-invariant rows on CPU give the same tokens (docs/parallel.md: why B=4 at 4 "
+                         "ranks)")
     ap.add_argument("--per-rank-cache", default=None, metavar="DIR",
                     help="give each rank its own Inductor cache DIR/rank<r> (TORCHINDUCTOR_CACHE_DIR) instead of the "
                          "shared one (docs/parallel.md: what 4 ranks compiling into one cache did)")
@@ -72,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--reference {a.reference} holds {len(ref)} prompts, fewer than --n {a.n}")
     d = tempfile.mkdtemp(prefix="parallel_eval_")
     t0 = time.monotonic()
-    parallel.spawn(_rank, a.world_size, (a.n, a.offset, d, a.per_rank_cache), timeout_s=7200)
+    parallel.spawn(_rank, a.world_size, (a.n, a.offset, d, a.per_rank_cache, a.batch_bucket), timeout_s=7200)
     ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(a.world_size)]
     ids = ranks[0]["ids"]
     differ_ranks = [i for i in range(a.n) if any(r["ids"][i] != ids[i] for r in ranks)]
     differ_ref = [i for i in range(a.n) if ids[i] != ref[i]]
     tok = dg.load_tokenizer(DEMO_MODEL)
     examples = T.make_split("heldout", a.n, 0, offset=a.offset)
-    results = {"world_size": a.world_size, "per_rank_cache": a.per_rank_cache, "n": a.n, "offset": a.offset, "reference": a.reference,
+    results = {"world_size": a.world_size, "per_rank_cache": a.per_rank_cache, "batch_bucket": a.batch_bucket, "n": a.n, "offset": a.offset, "reference": a.reference,
                "moe_impl": ranks[0]["moe_impl"], "prompts_differing_between_ranks": differ_ranks,
                "prompts_differing_from_single_process": differ_ref,
                "share_equal_to_single_process": 1 - len(differ_ref) / a.n,
