@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                    for u, v in zip(x["logprobs"], y["logprobs"]) if u is not None and v is not None), default=0.0)
     exact = sum(T.check(b["prompt"], r["text"]) for b, r in zip(bodies, tp) if r["finish_reason"] == "stop"
                 or r["finish_reason"] == "eos")
-    checks = {"no_nan_or_inf_logprobs": not bad_lp, "answers_equal_single_process": not differ,
+    checks = {"no_nan_or_inf_logprobs": not bad_lp and all(r["logprobs"] or not r["tokens"] for r in tp), "answers_equal_single_process": not differ,
               "logprobs_within_atol": lp_diff <= LOGPROB_ATOL,
               "no_error_finish": all(r["finish_reason"] in ("stop", "length") for r in tp)}
     results = {"world_size": a.world_size, "requests": a.requests, "concurrency": a.concurrency,
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                "requests_differing": differ, "max_abs_logprob_difference": lp_diff, "logprob_atol": LOGPROB_ATOL,
                "finish_reasons": {k: sum(r["finish_reason"] == k for r in tp) for k in {r["finish_reason"] for r in tp}},
                "tensor_parallel_wall_s": round(tp_s, 1), "single_process_wall_s": round(one_s, 1),
-               "exact_match_of_finished": exact, "tokens": sum(r["tokens"] for r in tp)}
+               "exact_match_of_finished": exact, "tokens": sum(r["tokens"] for r in tp),
+               "logprobs_checked": sum(len(r["logprobs"]) for r in tp)}
     text = json.dumps(results, indent=1)
     print(text)
     if a.out:
