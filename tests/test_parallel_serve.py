@@ -162,14 +162,14 @@ def test_cli_generate_on_2_ranks_equals_one_process(demo):
     the batch over the sharded model, rank 0 alone writes; every result equals the single-process eager generator's.
     """
     model, tok = demo
-    lines = ["sort 3 1 2 9 5=", '{"prompt": "add 123+045=", "seed": 3}', REV]
+    lines = ["sort 3 1 2 9 5=", '{"prompt": "add 123+045=", "seed": 3}']
     res = _cli("generate", "--prompts-file", "-", "--eager", "--threads", "1", "--max-new-tokens", "12",
                "--tensor-parallel-size", "2", stdin="\n".join(lines))
     assert res.returncode == 0, res.stderr
     results = [json.loads(r) for r in res.stdout.splitlines()]
-    prompts = [("sort 3 1 2 9 5=", 0), ("add 123+045=", 3), (REV, 0)]
+    prompts = [("sort 3 1 2 9 5=", 0), ("add 123+045=", 3)]
     assert results == [{"line": i, **_expected(model, tok, p, seed)} for i, (p, seed) in enumerate(prompts, 1)]
-    assert res.stderr.count("prompts=3 errors=0") == 1  # rank 0's stats line only
+    assert res.stderr.count("prompts=2 errors=0") == 1  # rank 0's stats line only
 
 
 def _children(pid: int) -> list[int]:
@@ -210,7 +210,7 @@ def test_cli_serve_on_2_ranks_answers_as_one_process_and_ends_when_a_rank_dies(d
                 pass
             assert proc.poll() is None and time.time() < deadline, "dgemma serve did not come up"
             time.sleep(0.2)
-        prompts = [("sort 3 1 2 9 5=", 0), ("add 123+045=", 4), ("dedup 3 1 3 2=", 2)]
+        prompts = [("sort 3 1 2 9 5=", 0), ("add 123+045=", 4)]
         answers: dict[int, str] = {}
 
         def ask(i: int) -> None:
