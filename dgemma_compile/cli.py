@@ -86,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                         "stdin; writes one JSON line per prompt on stdout, in input order")
     g.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help=f"prompts per batch with --prompts-file (default {DEFAULT_BATCH_SIZE}: one compiled bucket)")
+    _parallel_flags(g)
     e = sub.add_parser("explain", help="Dynamo explain report of the compiled step (one unit per batch size)")
     e.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
     e.add_argument("--batch-size", type=int, default=1, help="report the bucket serving this many requests")
@@ -135,7 +136,20 @@ def _parser() -> argparse.ArgumentParser:
                         "the doubled rows cost more than the iteration they save)")
     s.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op CPU threads (as generate)")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    _parallel_flags(s)
     return p
+
+
+def _parallel_flags(p: argparse.ArgumentParser) -> None:
+    from .parallel.ranks import DEFAULT_GROUP_TIMEOUT_S
+
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="shard the model over N ranks (docs/parallel.md): started here as N processes (gloo on CPU, "
+                        "nccl on CUDA), or joined under torchrun (its WORLD_SIZE); rank 0 alone writes the output "
+                        "and serves HTTP (default 1, or torchrun's WORLD_SIZE)")
+    p.add_argument("--group-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S, metavar="S",
+                   help="seconds a rank waits for its peers in a collective before the run ends with an error (a rank "
+                        f"that crashes ends it at once; default {DEFAULT_GROUP_TIMEOUT_S:.0f})")
 
 
 # ----- prompts ------------------------------------------------------------------------------------------------------
@@ -278,8 +292,10 @@ def _quantize(model, scheme: str | None) -> str | None:
     return getattr(model, "quant_scheme", None)
 
 
-def generate_command(args: argparse.Namespace) -> int:
-    from . import load, load_tokenizer
+def generate_command(args: argparse.Namespace, ranks=None) -> int:
+    """`dgemma generate`; `ranks` (`parallel.ranks.Ranks`): one rank of a tensor-parallel run, whose inputs (the
+    prompts file or stdin, the images) are rank 0's."""
+    from . import load_tokenizer
     from .config import ConfigError
     from .text import check_stop_strings
 
@@ -298,15 +314,11 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"threads: must be a positive integer, got {args.threads}")
     check_stop_strings(args.stop, "--stop")
-    lines = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None  # before any loading
-    if args.image:
-        from .preprocess import read_image
-
-        args.pil_images = [read_image(p) for p in args.image]  # before any loading too
+    lines, args.pil_images = _shared(ranks, lambda: _read_inputs(args))  # before any loading
     args.constraint = _constraint(args)
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
-    model = load(model_dir, dtype=DTYPES[args.dtype] if args.dtype else None)
+    model = _load(model_dir, args, ranks)
     args.quant = _quantize(model, args.quant)
     tokenizer = load_tokenizer(model_dir)
     if args.constraint is not None:  # compiled against this tokenizer now: a bad one fails before any model work
@@ -328,6 +340,43 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.temperature is not None:
         config = config.with_temperature(args.temperature)
     return _generate_one(args, model, tokenizer, config)
+
+
+def _read_inputs(args: argparse.Namespace) -> tuple[list[PromptLine] | None, list | None]:
+    """The prompts file's lines (or None) and the --image files (or None). Raises ConfigError."""
+    lines = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None
+    images = None
+    if args.image:
+        from .preprocess import read_image
+
+        images = [read_image(p) for p in args.image]
+    return lines, images
+
+
+def _shared(ranks, make):
+    """`make()`, or rank 0's on every rank of a tensor-parallel run (stdin and files are read once, by rank 0)."""
+    return make() if ranks is None else ranks.share(make)
+
+
+def _load(model_dir, args: argparse.Namespace, ranks):
+    """The model (--dtype); in a tensor-parallel run this rank's shard of it, read slice by slice from the files
+    (`parallel.load_sharded`, on the rank's device). Raises ConfigError for --quant with --tensor-parallel-size (not
+    combined yet), CheckpointError for a quantized checkpoint there."""
+    from . import load
+    from .config import ConfigError
+
+    dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None
+    if ranks is None:
+        return load(model_dir, dtype=dtype)
+    if getattr(args, "quant", None) is not None:
+        raise ConfigError("quant: --quant with --tensor-parallel-size is not supported yet (shard, then quantize, is "
+                          "not implemented: docs/parallel.md)")
+    from . import parallel
+
+    try:  # each rank reads only its slices of the sharded tensors from the files
+        return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device)
+    except ValueError as e:
+        raise ConfigError(f"tensor_parallel_size: {e}") from None
 
 
 def _constraint(args: argparse.Namespace):
@@ -514,8 +563,10 @@ def explain_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    """`dgemma serve`: load, build and warm the engine (compiles its bucket), then serve until interrupted."""
+def serve_command(args: argparse.Namespace, ranks=None) -> int:
+    """`dgemma serve`: load, build and warm the engine (compiles its bucket), then serve until interrupted.
+    `ranks` (`parallel.ranks.Ranks`): one rank of a tensor-parallel run; rank 0 serves HTTP, the others follow its
+    schedule (`runtime/parallel.py`) until it stops."""
     from .config import ConfigError
 
     try:
@@ -525,7 +576,7 @@ def serve_command(args: argparse.Namespace) -> int:
         from dgemma_runtime.server import create_app
     except ImportError as e:
         raise ConfigError(f"serve: needs the [serve] extra (pip install 'dgemma-compile[serve]'): {e}") from None
-    from . import load, load_tokenizer
+    from . import load_tokenizer
     from dgemma_runtime import build_engine
 
     for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes",
@@ -544,11 +595,19 @@ def serve_command(args: argparse.Namespace) -> int:
     sources = ImageSources(directory=args.image_dir, fetch=args.allow_image_urls, max_bytes=args.max_image_bytes,
                            timeout_s=min(10.0, args.input_timeout / 2))  # inside the request's input timeout
     model_dir = args.model if args.model is not None else DEMO_MODEL
-    model = load(model_dir)
+    model = _load(model_dir, args, ranks)
     tokenizer = load_tokenizer(model_dir)
     threads = _apply_threads(args, model)
     metrics = ServeMetrics()
     start = time.perf_counter()
+    fatal: list[str] = []
+    server: list = []
+
+    def on_fatal(message: str) -> None:  # a tensor-parallel rank was lost: stop serving, exit 1
+        fatal.append(message)
+        if server:  # without waiting for open connections: their requests already ended with "error"
+            server[0].should_exit = server[0].force_exit = True
+
     if not args.eager:
         print("dgemma: compiling the engine's step at batch 1 (about 30 s on a 2-core CPU the first time; larger batch "
               "sizes compile on first use)...", file=sys.stderr, flush=True)
@@ -556,7 +615,11 @@ def serve_command(args: argparse.Namespace) -> int:
                           tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics, page_size=args.kv_page_size,
                           kv_pages=args.kv_pages, fuse_commit={"auto": None, "on": True, "off": False}[args.fuse_commit],
                           batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant],
-                          max_logprobs=args.max_logprobs)
+                          max_logprobs=args.max_logprobs, channel=None if ranks is None else ranks.channel,
+                          on_fatal=on_fatal)
+    if ranks is not None and not ranks.leader:
+        engine.follow()  # until rank 0 stops; raises RuntimeError when it is lost
+        return 0
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics, max_body_bytes=args.max_body_bytes,
                      input_timeout_s=args.input_timeout, image_sources=sources)
@@ -565,23 +628,63 @@ def serve_command(args: argparse.Namespace) -> int:
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "
           f"kv={'static' if engine.memory is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
           f"batch_invariant={'on' if engine.batch_invariant else 'off'} max_logprobs={engine.max_logprobs} "
-          f"setup_s={time.perf_counter() - start:.1f} threads={threads}", file=sys.stderr, flush=True)
+          f"setup_s={time.perf_counter() - start:.1f} threads={threads}"
+          f"{'' if ranks is None else f' tensor_parallel_size={ranks.world_size}'}", file=sys.stderr, flush=True)
     for b in engine.bucket_table():
         print(f"dgemma: bucket rows={b['rows']} tokens_per_row={b['tokens_per_row']} "
               f"fuse_commit={'on' if b['fuse_commit'] else 'off'} kv={b['kv']} unit={b['unit']} "
               f"compiled={'eager' if b['compiled'] is None else b['compiled']}", file=sys.stderr, flush=True)
+    server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)))
+    if fatal:  # lost a rank before the server started
+        server[0].should_exit = True
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server[0].run()
     finally:
         engine.shutdown()
+    if fatal:
+        from .parallel.ranks import ParallelError
+
+        raise ParallelError(fatal[0])
     return 0
+
+
+def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> int:
+    """Run generate / serve as one rank of `world` (`parallel.ranks.run`: started here, or joined under torchrun).
+    A collective that fails (a peer died, or stalled past --group-timeout) ends every rank with one error line."""
+    from .parallel import ranks as R
+
+    if not args.group_timeout > 0:
+        from .config import ConfigError
+
+        raise ConfigError(f"group_timeout: must be a positive number of seconds, got {args.group_timeout}")
+    command = generate_command if args.command == "generate" else serve_command
+
+    def body(ranks: "R.Ranks") -> int:
+        R.quiet(ranks.rank)
+        try:
+            return command(args, ranks)
+        except RuntimeError as e:  # gloo / nccl: a peer's connection closed, or the group's timeout passed
+            if isinstance(e, R.ParallelError) or str(e).startswith("tensor parallel:"):
+                message = str(e)
+            else:
+                message = (f"tensor parallel: rank {ranks.rank} of {ranks.world_size}: a collective failed, a rank died "
+                           f"or stalled past --group-timeout ({args.group_timeout:.0f} s): "
+                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+            if not ranks.leader:
+                print(R.error_line(ranks.rank, message), file=sys.stderr, flush=True)
+                return 1
+            raise R.ParallelError(message) from None
+
+    return R.run(body, argv, world, args.group_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .kv_cache import CacheFullError
     from .loader import CheckpointError
+    from .parallel.ranks import ParallelError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     # AOTAutograd's cache skips graphs holding torchao tensors (Float8Tensor has no stable hash): a known cost of
@@ -590,6 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="dgemma: %(message)s")
     logging.getLogger("dgemma_compile").setLevel(logging.INFO)
     try:
+        if args.command in ("generate", "serve"):
+            from .parallel import ranks
+
+            world = ranks.world_size_for(args.tensor_parallel_size)
+            if world > 1:
+                return _tensor_parallel(args, argv, world)
         if args.command == "generate":
             return generate_command(args)
         if args.command == "explain":
@@ -599,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, CacheFullError) as e:
         print(f"dgemma: error: {e}", file=sys.stderr)
         return 2
+    except ParallelError as e:
+        print(f"dgemma: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("dgemma: interrupted", file=sys.stderr)
         return 130

@@ -22,6 +22,7 @@ float. Needs torchao (the `[quant]` extra).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 import re
 from pathlib import Path
 
@@ -120,7 +121,8 @@ def _load_configs(path: str | Path) -> tuple[ModelConfig, GenerationConfig, Visi
 
 
 def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-         window_kind: str = "anchored", attention: str = "flex", vision: bool | None = None) -> DiffusionGemma:
+         window_kind: str = "anchored", attention: str = "flex", vision: bool | None = None,
+         lazy: Callable[[str], bool] | None = None) -> DiffusionGemma:
     """Load a DiffusionGemma checkpoint directory.
 
     Args:
@@ -132,6 +134,10 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             None (default) loads them when the checkpoint can take images (a `vision_config` and an image token id
             inside the vocabulary; otherwise one log line says why not); True requires them; False leaves them on
             disk. Without them `model.vision` is None and prompts with images are refused.
+        lazy: state-dict names for which it returns True are checked (name, shape, dtype) but not read: they stay
+            meta tensors of the checkpoint's shape, `model.weight_sources[name]` = (file, key) and
+            `model.weight_dtype` the dtype they load as (`parallel.load_sharded` reads each rank's slices of them).
+            Float checkpoints only.
     Returns:
         The model in eval mode, with `.generation_config` (a `GenerationConfig`) and `.checkpoint_dir` set; for a
         quantized checkpoint also `.quant_scheme` (the `quant.SCHEMES` name it runs as) and `.quant_report` (a
@@ -158,6 +164,9 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
                               f"{why_not}")
     with_vision = vision_cfg is not None and why_not is None and vision is not False
     fmt = _stored_format(directory)
+    if fmt is not None and lazy is not None:
+        raise CheckpointError(f"{directory / 'config.json'}: a quantized checkpoint ({fmt.scheme}) cannot be read "
+                              f"slice by slice yet (tensor parallel loads it whole: load, then shard is refused too)")
     files = _index(directory)
     headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
     for f in sorted(set(files.values())):
@@ -218,8 +227,10 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             raise CheckpointError(f"{directory / 'config.json'}: {e}") from None
     state, stored_data = {}, {}
     by_file: dict[Path, tuple[list[str], list[str]]] = {}
+    skipped = {name: (files[key], key) for name, key in sources.items() if lazy is not None and lazy(name)}
     for name, key in sources.items():
-        by_file.setdefault(files[key], ([], []))[0].append(name)
+        if name not in skipped:
+            by_file.setdefault(files[key], ([], []))[0].append(name)
     for key in sorted({k for s in quantized.values() for k in s.all_keys()}):
         by_file.setdefault(files[key], ([], []))[1].append(key)
     for f, (names, keys) in by_file.items():
@@ -231,14 +242,16 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
                     stored_data[key] = fh.get_tensor(key)  # as stored: quantized data are never cast
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{f}: could not read tensor data ({e})") from None
-    if "lm_head.weight" in files and model.lm_head is None:
+    if "lm_head.weight" in files and model.lm_head is None and "embed_tokens.weight" in state:
         _check_tied(files["lm_head.weight"], state["embed_tokens.weight"])
 
-    _assign(model, state, quantized, stored_data, fmt, target, device, files)
+    _assign(model, state, quantized, stored_data, fmt, target, device, files, set(skipped))
     model.init_buffers(device)
     model.generation_config = gen
     model.checkpoint_dir = directory
     model.requires_grad_(False)
+    if lazy is not None:
+        model.weight_sources, model.weight_dtype = skipped, target
     if fmt is not None:
         model.quant_scheme = fmt.scheme
         model.quant_report = checkpoint.report(model, fmt, quantized, kinds, target, hf_names)
@@ -247,7 +260,7 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
 
 def _assign(model: DiffusionGemma, state: dict[str, torch.Tensor], quantized: dict, stored_data: dict,
             fmt: "checkpoint.StoredFormat | None", dtype: torch.dtype, device: torch.device,
-            files: dict[str, Path]) -> None:
+            files: dict[str, Path], unread: set[str] = frozenset()) -> None:
     """Load `state` (float tensors) and the quantized weights built from `stored_data` into the meta-built model:
     linears as torchao tensors (their dequantized dtype `dtype`), experts through `ExpertProjection.set_quantized`."""
     experts = {}
@@ -260,7 +273,7 @@ def _assign(model: DiffusionGemma, state: dict[str, torch.Tensor], quantized: di
                 weight = checkpoint.build_linear(stored, stored_data, like, dtype, device)
                 state[name] = nn.Parameter(weight, requires_grad=False)
     result = model.load_state_dict(state, strict=False, assign=True)
-    if set(result.missing_keys) != set(experts) or result.unexpected_keys:  # every key was checked before
+    if set(result.missing_keys) != set(experts) | unread or result.unexpected_keys:  # every key was checked before
         raise RuntimeError(f"loader: tensors left unloaded {result.missing_keys}, unexpected {result.unexpected_keys}")
     for name, args in experts.items():
         try:

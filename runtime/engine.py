@@ -301,13 +301,18 @@ class Engine:
         if self.tokenizer is not None:
             request.matcher = StopStrings(self.tokenizer, request.stops)
         with self._wake:
-            if len(self._queue) >= self.max_queue:
-                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
-            request.id = next(self._ids)
-            request.submitted = time.perf_counter()
-            self._queue.append(request)
-            self._wake.notify()
+            self._enqueue(request)
         return request
+
+    def _enqueue(self, request: Request) -> None:
+        """Queue a validated request (the lock held): give it its id and wake the engine thread. Raises
+        QueueFullError. A tensor-parallel engine (`runtime/parallel.py`) queues through rank 0's schedule instead."""
+        if len(self._queue) >= self.max_queue:
+            raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
+        request.id = next(self._ids)
+        request.submitted = time.perf_counter()
+        self._queue.append(request)
+        self._wake.notify()
 
     def cancel(self, request: Request) -> None:
         """Ask the engine to drop `request` (thread-safe): a queued request is dropped at admission, a running one
@@ -582,14 +587,20 @@ class Engine:
             req.on_event(event)
         except Exception:  # noqa: BLE001 - a failing consumer ends only its own request
             log.exception("request %d: on_event failed; cancelling it", req.id)
-            req.cancelled = True
+            self._drop(req)
+
+    def _drop(self, req: Request) -> None:
+        """The engine thread cancels `req` (its consumer failed): at once here; a tensor-parallel engine through
+        rank 0's next schedule, so every rank drops it at the same iteration."""
+        req.cancelled = True
 
 
 def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
                  prefix_cache: bool = True, batch_invariant: bool | None = None, fuse_commit: bool | None = None,
-                 batch_sizes: Sequence[int] | None = None, max_logprobs: int = 20) -> Engine:
+                 batch_sizes: Sequence[int] | None = None, max_logprobs: int = 20, channel=None,
+                 on_fatal: Callable[[str], None] | None = None) -> Engine:
     """An engine over one bucket of `max_batch` rows, stepping at batch sizes `batch_sizes` (default: the powers of
     two below `max_batch`, and `max_batch`) over them: compiled (a generator whose `CompileOptions.batch_buckets` are
     those sizes, a cache of `max_seq_len` committed slots -- default the model's context, at most
@@ -604,7 +615,9 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     (batch-invariant), off "loop" (transformers' order); `Engine.batch_invariant` tells which ran. `max_logprobs`: the
     most alternatives per token a request's logprobs may ask for (each step keeps that many per position:
     `steps.logprobs`; vLLM's default 20; compiled, `CompileOptions.max_logprobs`, a given generator's). The engine is
-    not started (`Engine.start`).
+    not started (`Engine.start`). `channel` (a `parallel.HostChannel`; the model sharded by `parallel.shard`): a
+    `runtime.parallel.TensorParallelEngine`, every rank building it the same way, rank 0 serving and the others
+    `follow()`ing its schedule; `on_fatal` receives the message when its ranks can no longer step together.
 
     Raises:
         ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); `fuse_commit`
@@ -636,16 +649,29 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         bucket = Bucket(model, batch_sizes, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
                         config=config, fuse_commit=fuse, moe_impl="dense" if on else "loop", max_logprobs=max_logprobs,
                         **paging)
-        engine = Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
-                        prefix_cache=prefix_cache)
+        engine = _engine_class(channel)(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
+                                        prefix_cache=prefix_cache, **_parallel_kw(channel, on_fatal))
         engine.batch_invariant = on
         return engine
     gen = generator or build(model, CompileOptions(batch_buckets=batch_sizes, max_seq_len=max_seq_len,
                                                    max_denoising_steps=max_denoising_steps, fuse_commit=fuse,
                                                    batch_invariant=batch_invariant, max_logprobs=max_logprobs))
     gen.warmup(1, config, **paging)  # the smallest size: a lone first request never waits for a compile
-    engine = Engine(model, gen.bucket(config, **paging), config=config, tokenizer=tokenizer, max_queue=max_queue,
-                    compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache,
-                    warm=gen.warm(gen.bucket(config, **paging)))
+    engine = _engine_class(channel)(model, gen.bucket(config, **paging), config=config, tokenizer=tokenizer,
+                                    max_queue=max_queue, compiles=lambda: gen.compiles, metrics=metrics,
+                                    prefix_cache=prefix_cache, warm=gen.warm(gen.bucket(config, **paging)),
+                                    **_parallel_kw(channel, on_fatal))
     engine.batch_invariant = gen.batch_invariant
     return engine
+
+
+def _engine_class(channel) -> type[Engine]:
+    if channel is None:
+        return Engine
+    from .parallel import TensorParallelEngine
+
+    return TensorParallelEngine
+
+
+def _parallel_kw(channel, on_fatal) -> dict:
+    return {} if channel is None else {"channel": channel, "on_fatal": on_fatal}

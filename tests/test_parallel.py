@@ -117,6 +117,16 @@ def test_shard_without_a_process_group_raises(demo):
     assert getattr(model, "tensor_parallel", None) is None
 
 
+def test_a_quantized_checkpoint_is_refused_slice_by_slice():
+    """`load_sharded`'s loader call (`lazy=`) refuses a compressed-tensors checkpoint by name, before reading."""
+    from dgemma_compile.loader import CheckpointError
+
+    fixture = Path(__file__).parent / "fixtures" / "quant" / "demo-fp8-dynamic"
+    with pytest.raises(CheckpointError, match=r"config\.json: a quantized checkpoint \(fp8\) cannot be read slice by "
+                                              r"slice yet"):
+        dg.load(fixture, lazy=lambda name: True)
+
+
 # ----- slow: 2 gloo ranks of the demo model ------------------------------------------------------------------------
 def _forwards(model) -> dict[str, torch.Tensor]:
     """Prefill (two chunks, rows of different lengths, past the sliding window), denoise without and with
@@ -164,8 +174,17 @@ def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
         raise AssertionError("quantize accepted a sharded model")
     except ConfigError as e:
         assert "sharded for tensor parallel" in str(e), e
+    from dgemma_compile.demo import DEMO_MODEL
+
+    lazy = parallel.load_sharded(DEMO_MODEL)  # only this rank's slices read from the file: the same model, bitwise
+    want, got = model.state_dict(), lazy.state_dict()
+    assert want.keys() == got.keys() and lazy.config == model.config
+    assert all(torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype for k in want), "load_sharded differs"
+    report = lazy.tensor_parallel_load
     torch.save({"out": _forwards(model), "kv_heads": model.config.num_kv_heads,
-                "cache_heads": [k.shape[1] for k in model.new_cache(1, 8).keys]}, Path(out_dir, f"rank{rank}.pt"))
+                "cache_heads": [k.shape[1] for k in model.new_cache(1, 8).keys],
+                "load": (report.bytes_read, report.full_bytes, report.largest, report.full)},
+               Path(out_dir, f"rank{rank}.pt"))
     parallel.destroy()
 
 
@@ -182,6 +201,7 @@ def test_ranks_match_the_single_process_model(tmp_path, world):
     assert all(r["kv_heads"] == (1, 1, 1, 1) and r["cache_heads"] == [1, 1, 1, 1] for r in ranks)
     for r in ranks:
         assert torch.equal(r["out"]["embed"], ref["embed"])  # the vocabulary-parallel lookup is exact
+    _check_slices_read(ranks, world, _load_demo())
     for name, want in ref.items():
         got = ranks[0]["out"][name]
         for r in ranks[1:]:  # the sampler needs the same bits on every rank
@@ -191,6 +211,35 @@ def test_ranks_match_the_single_process_model(tmp_path, world):
         assert diff <= LOGITS_ATOL, f"{name}: max abs diff {diff:.3g} > {LOGITS_ATOL}"
         assert torch.equal(got.argmax(-1), want.argmax(-1)), name
     print(f"{world} ranks: {time.monotonic() - t0:.1f} s")
+
+
+def _check_slices_read(ranks, world: int, model) -> None:
+    """`load_sharded` read, of each sharded tensor, no more than the rank's slice: 1/N of it (gate and up halves of
+    the experts' gate_up_proj read apart: 1/2N each; the vocabulary's last rank fewer real rows), a KV head's rows
+    where the KV heads are replicated (the demo's full layers: 1 KV head, the only tensors read whole); so the bytes
+    read are the sum of those slices, about 1/N of the sharded tensors' bytes."""
+    from dgemma_compile.parallel.load import is_sharded
+
+    cfg = model.config
+    names = {n for n in model.state_dict() if is_sharded(n)}  # q/k/v/o, MLP, experts of every layer; the vocabulary
+    for bytes_read, full_bytes, largest, full in (r["load"] for r in ranks):
+        assert set(largest) == set(full) == names
+        expect = 0
+        for name, n in full.items():
+            layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+            hkv = cfg.num_kv_heads[layer] if layer is not None else 0
+            if name.endswith(("k_proj.weight", "v_proj.weight")) and hkv < world:
+                want = n // hkv  # one replicated KV head
+            elif name.endswith("gate_up_proj.weight"):
+                want = n // (2 * world)
+            elif name in ("embed_tokens.weight", "lm_head.weight"):
+                want = -(-cfg.vocab_size // world) * (n // cfg.vocab_size)
+            else:
+                want = n // world
+            assert largest[name] <= want, f"{name}: read {largest[name]} elements, its slice is {want} of {n}"
+            assert largest[name] < n or (hkv == 1 and "_proj" in name and name.split(".")[-2][0] in "kv"), name
+            expect += want * 2 if name.endswith("gate_up_proj.weight") else want
+        assert bytes_read <= 4 * expect and bytes_read < full_bytes / world * 1.5, (bytes_read, full_bytes)
 
 
 def _released_slice():

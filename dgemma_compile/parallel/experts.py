@@ -16,6 +16,7 @@ from torch import nn
 
 from ..model import ExpertProjection, Experts
 from .linear import split
+from .source import ModelWeights
 
 
 def _projection(weight: torch.Tensor) -> ExpertProjection:
@@ -34,17 +35,17 @@ class TensorParallelExperts(Experts):
     intermediate size I that is not a multiple of the rank count.
     """
 
-    def __init__(self, experts: Experts, rank: int, world_size: int, group: dist.ProcessGroup, name: str):
+    def __init__(self, experts: Experts, rank: int, world_size: int, group: dist.ProcessGroup, name: str,
+                 source=None):
         nn.Module.__init__(self)
-        if experts.quant != "none":
-            raise ValueError(f"tensor parallel: {name}.gate_up_proj.weight is quantized ({experts.quant!r}); shard "
-                             f"the model before quantizing it")
-        E, I2, D = experts.gate_up_proj.shape
-        I = I2 // 2
-        gu = experts.gate_up_proj.weight.detach()
-        gate = split(gu[:, :I], 1, rank, world_size, f"{name}.gate_up_proj.weight (gate rows)")
-        up = split(gu[:, I:], 1, rank, world_size, f"{name}.gate_up_proj.weight (up rows)")
-        down = split(experts.down_proj.weight.detach(), 2, rank, world_size, f"{name}.down_proj.weight")
+        check_experts(experts, world_size, name)
+        source = source or ModelWeights()
+        full_gu, full_down = experts.gate_up_proj.weight, experts.down_proj.weight
+        I = full_gu.shape[1] // 2
+        per = I // world_size
+        gate = source.take(f"{name}.gate_up_proj.weight", full_gu, 1, rank * per, per)  # gate rows first
+        up = source.take(f"{name}.gate_up_proj.weight", full_gu, 1, I + rank * per, per)
+        down = source.take(f"{name}.down_proj.weight", full_down, 2, rank * per, per)
         self.gate_up_proj = _projection(torch.cat([gate, up], dim=1))
         self.down_proj = _projection(down)
         self.group = group
@@ -54,8 +55,11 @@ class TensorParallelExperts(Experts):
 
 
 def check_experts(experts: Experts, world_size: int, name: str) -> None:
-    """The checks `TensorParallelExperts` makes, without building it (ValueError as there)."""
+    """The checks `TensorParallelExperts` makes before reading anything. Raises ValueError naming the tensor: quantized
+    experts, or an intermediate size (gate and up halves of gate_up_proj, down_proj's columns) that cannot be split."""
     if experts.quant != "none":
         raise ValueError(f"tensor parallel: {name}.gate_up_proj.weight is quantized ({experts.quant!r}); shard "
                          f"the model before quantizing it")
+    gu = experts.gate_up_proj.weight
+    split(gu[:1, :gu.shape[1] // 2, :1], 1, 0, world_size, f"{name}.gate_up_proj.weight (gate rows)")
     split(experts.down_proj.weight[:1, :1], 2, 0, world_size, f"{name}.down_proj.weight")

@@ -15,6 +15,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from .source import ModelWeights
+
 
 def split(tensor: torch.Tensor, dim: int, rank: int, world_size: int, name: str) -> torch.Tensor:
     """Rank `rank`'s contiguous 1/world_size slice of `tensor` along `dim`, as a fresh contiguous tensor (so the
@@ -31,22 +33,16 @@ def split(tensor: torch.Tensor, dim: int, rank: int, world_size: int, name: str)
     return tensor.narrow(dim, rank * part, part).contiguous()
 
 
-def rows(tensor: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
-    """`tensor`'s rows at `index` (int64 [n]) as a fresh contiguous tensor. ValueError naming `name` for an index
-    outside [0, rows)."""
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= tensor.shape[0]):
-        raise ValueError(f"tensor parallel: {name} {list(tensor.shape)} has no rows {index.tolist()}")
-    return tensor.index_select(0, index).contiguous()
-
-
-def column_parallel(linear: nn.Linear, index: torch.Tensor, name: str) -> nn.Linear:
-    """A new `nn.Linear` holding `linear`'s output rows at `index` (int64 [n]; weight and bias), same dtype and
-    device: its output is `linear(x)[..., index]`, bitwise."""
-    w = rows(linear.weight.detach(), index, f"{name}.weight")
+def column_parallel(linear: nn.Linear, start: int, length: int, name: str, source=None) -> nn.Linear:
+    """A new `nn.Linear` holding `linear`'s output rows [start, start + length) (weight and bias), read through
+    `source` (`source.ModelWeights` by default; `FileWeights` when `linear` is a meta module the loader left unread);
+    its output is `linear(x)[..., start:start + length]`, bitwise. `name`: the module's state-dict prefix."""
+    source = source or ModelWeights()
+    w = source.take(f"{name}.weight", linear.weight, 0, start, length)
     out = nn.Linear(w.shape[1], w.shape[0], bias=linear.bias is not None, device=w.device, dtype=w.dtype)
     out.weight = nn.Parameter(w, requires_grad=False)
     if linear.bias is not None:
-        out.bias = nn.Parameter(rows(linear.bias.detach(), index, f"{name}.bias"), requires_grad=False)
+        out.bias = nn.Parameter(source.take(f"{name}.bias", linear.bias, 0, start, length), requires_grad=False)
     return out
 
 
@@ -71,15 +67,17 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, group: dist.ProcessGroup,
-                    name: str, index: torch.Tensor | None = None) -> "RowParallelLinear":
-        """`linear`'s rank-`rank` share: its input columns at `index` (int64 [n]), or the rank's contiguous
-        1/world_size of them when None. ValueError naming `name` when the columns cannot be split."""
-        w = linear.weight.detach()
-        if index is None:
-            local = split(w, 1, rank, world_size, f"{name}.weight")
-        else:
-            local = rows(w.T, index, f"{name}.weight (columns)").T.contiguous()
-        bias = None if linear.bias is None else linear.bias.detach().clone()
+                    name: str, columns: tuple[int, int] | None = None, source=None) -> "RowParallelLinear":
+        """`linear`'s rank-`rank` share: its input columns `columns` = (start, length), or the rank's contiguous
+        1/world_size of them when None, read through `source` (as `column_parallel`). ValueError naming `name`
+        when the columns cannot be split."""
+        source = source or ModelWeights()
+        if columns is None:
+            split(linear.weight, 1, rank, world_size, f"{name}.weight")  # the check only (a meta tensor is free)
+            per = linear.weight.shape[1] // world_size
+            columns = (rank * per, per)
+        local = source.take(f"{name}.weight", linear.weight, 1, *columns)
+        bias = None if linear.bias is None else source.take(f"{name}.bias", linear.bias, 0, 0, linear.bias.shape[0])
         return cls(local, bias, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -78,12 +78,6 @@ def attention_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: in
     return q, [q[0] // group]
 
 
-def _head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
-    """Output-row indices [len(heads) * head_dim] of the given heads in a [heads * head_dim, D] projection."""
-    h = torch.tensor(heads, dtype=torch.long)
-    return (h[:, None] * head_dim + torch.arange(head_dim)[None, :]).flatten()
-
-
 def _check_plain(model: nn.Module) -> None:
     if getattr(model, "sc_embedding", None) is not None:
         raise ValueError("tensor parallel: sc_embedding is set (a quantized model); shard the model before quantizing "
@@ -94,13 +88,15 @@ def _check_plain(model: nn.Module) -> None:
                              f"model before quantizing it")
 
 
-def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None) -> "DiffusionGemma":
+def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, source=None) -> "DiffusionGemma":
     """Shard `model` in place over `group` (default: the default group) for this process's rank, and return it.
 
     Args:
         model: a loaded, unquantized `DiffusionGemma` holding the full checkpoint (every rank loads the same one).
         group: an initialised process group (`parallel.init`); every rank of it must call `shard` and then run the
             same forwards (each row-parallel projection is one all-reduce).
+        source: where the rank's slices are read (`source.py`): None, the model's own full tensors; a `FileWeights`
+            for a model the loader left the sharded tensors of unread (`parallel.load_sharded`).
     Returns:
         `model`, with `model.tensor_parallel` (a `TensorParallel`) set and `model.config` the local attention shape
         (module docstring). Its forwards return what the unsharded model's do (float32 logits [B, T, V], the full
@@ -128,20 +124,22 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None) -> "D
     for i, (layer, (q, kv)) in enumerate(zip(model.layers, heads)):
         attn, dh = layer.self_attn, layer.self_attn.head_dim
         pre = f"layers.{i}.self_attn"
-        q_rows, kv_rows = _head_rows(q, dh), _head_rows(kv, dh)
-        attn.q_proj = column_parallel(attn.q_proj, q_rows, f"{pre}.q_proj")
-        attn.k_proj = column_parallel(attn.k_proj, kv_rows, f"{pre}.k_proj")
+        q_rows, kv_rows = (q[0] * dh, len(q) * dh), (kv[0] * dh, len(kv) * dh)  # contiguous heads
+        attn.q_proj = column_parallel(attn.q_proj, *q_rows, f"{pre}.q_proj", source)
+        attn.k_proj = column_parallel(attn.k_proj, *kv_rows, f"{pre}.k_proj", source)
         if attn.v_proj is not None:
-            attn.v_proj = column_parallel(attn.v_proj, kv_rows, f"{pre}.v_proj")
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, rank, world, group, f"{pre}.o_proj", index=q_rows)
+            attn.v_proj = column_parallel(attn.v_proj, *kv_rows, f"{pre}.v_proj", source)
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, rank, world, group, f"{pre}.o_proj", columns=q_rows,
+                                                    source=source)
         attn.num_heads, attn.num_kv_heads = len(q), len(kv)
         mlp, pre = layer.mlp, f"layers.{i}.mlp"
-        inter = torch.arange(mlp.gate_proj.weight.shape[0]).chunk(world)[rank]
-        mlp.gate_proj = column_parallel(mlp.gate_proj, inter, f"{pre}.gate_proj")
-        mlp.up_proj = column_parallel(mlp.up_proj, inter, f"{pre}.up_proj")
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world, group, f"{pre}.down_proj")
-        layer.experts = TensorParallelExperts(layer.experts, rank, world, group, f"layers.{i}.experts")
-    _shard_vocabulary(model, rank, world, group)
+        per = mlp.gate_proj.weight.shape[0] // world
+        mlp.gate_proj = column_parallel(mlp.gate_proj, rank * per, per, f"{pre}.gate_proj", source)
+        mlp.up_proj = column_parallel(mlp.up_proj, rank * per, per, f"{pre}.up_proj", source)
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world, group, f"{pre}.down_proj",
+                                                      source=source)
+        layer.experts = TensorParallelExperts(layer.experts, rank, world, group, f"layers.{i}.experts", source)
+    _shard_vocabulary(model, rank, world, group, source)
     model.tensor_parallel = TensorParallel(group=group, rank=rank, world_size=world, config=cfg,
                                            heads=tuple((tuple(q), tuple(kv)) for q, kv in heads))
     model.config = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
@@ -149,7 +147,7 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None) -> "D
     return model
 
 
-def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dist.ProcessGroup) -> None:
+def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dist.ProcessGroup, source) -> None:
     """The lookup, the logits and the self-conditioning product over the rank's rows of the padded vocabulary
     (`vocab.py`): `embed_tokens` becomes a `VocabParallelEmbedding` (its `weight` the local rows), `lm_head` a
     `VocabParallelHead` (over the same rows when tied, over the untied head's rows otherwise) and `sc_embedding` a
@@ -157,8 +155,9 @@ def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dis
     V = model.config.vocab_size
     start, _ = vocab_range(V, rank, world)
     table = model.embed_tokens.weight.detach()
-    model.embed_tokens = VocabParallelEmbedding(local_rows(table, rank, world), start, group)
+    model.embed_tokens = VocabParallelEmbedding(local_rows(table, rank, world, source, "embed_tokens.weight"), start,
+                                                group)
     weight = model.embed_tokens.weight
-    head = weight if model.lm_head is None else local_rows(model.lm_head.weight.detach(), rank, world)
+    head = weight if model.lm_head is None else local_rows(model.lm_head.weight, rank, world, source, "lm_head.weight")
     model.lm_head = VocabParallelHead(head, V, group)
     model.sc_embedding = VocabParallelProduct(weight, start, V, group)

@@ -19,6 +19,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from .source import ModelWeights
+
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     """(first id, rows per rank) of rank `rank`: rows per rank = ceil(vocab_size / world_size)."""
@@ -26,12 +28,16 @@ def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     return rank * per, per
 
 
-def local_rows(table: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank `rank`'s rows of a [V, D] table, zero-padded to ceil(V / world_size) rows, a fresh tensor."""
+def local_rows(table: torch.Tensor, rank: int, world_size: int, source=None, name: str = "table") -> torch.Tensor:
+    """Rank `rank`'s rows of a [V, D] table, zero-padded to ceil(V / world_size) rows, a fresh tensor; read through
+    `source` (`source.ModelWeights` by default; `FileWeights` for a meta table named `name` the loader left unread)."""
     start, per = vocab_range(table.shape[0], rank, world_size)
-    out = table.new_zeros(per, table.shape[1])
-    rows = table[start:start + per]
-    out[:rows.shape[0]] = rows
+    have = max(0, min(per, table.shape[0] - start))
+    rows = (source or ModelWeights()).take(name, table, 0, start, have) if have else None
+    out = torch.zeros(per, table.shape[1], dtype=table.dtype if rows is None else rows.dtype,
+                      device=table.device if rows is None else rows.device)
+    if rows is not None:
+        out[:have] = rows
     return out
 
 

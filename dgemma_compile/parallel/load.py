@@ -1,0 +1,89 @@
+"""Loading a rank's shards only: `load_sharded(path, group)` reads from the safetensors files just the slices
+`shard` keeps on this rank.
+
+The loader checks every tensor of the checkpoint as usual (names, shapes, dtypes) but leaves the ones `shard` splits
+unread (`loader.load(lazy=is_sharded)`: meta tensors of the checkpoint's shape); `shard` then plans the split on those
+shapes (a shape that can be neither split, padded nor replicated is refused naming the tensor, before any byte of it
+is read) and reads each slice with safetensors' `get_slice` (`source.FileWeights`). So a rank holds its q/k/v/o
+heads, its 1/N of the dense MLP's and every expert's intermediate features and its 1/N of the vocabulary's rows, and
+never a full copy of them; the replicated tensors (norms, router, self-conditioning MLP, vision tower) are read whole.
+
+What reaches memory is the slice; what the OS pages in from the file is the slice's pages for row slices (q/k/v,
+gate/up, the vocabulary: whole rows of a row-major tensor), but may be most of the tensor's pages for column slices
+(o_proj, down_proj, the experts' down_proj: each row contributes a short run), a page cache cost, not a copy.
+Quantized checkpoints are refused here (the loader's error); `--quant` with tensor parallelism is not combined yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..loader import CheckpointError, load
+from .shard import shard
+from .source import FileWeights
+
+if TYPE_CHECKING:
+    from ..model import DiffusionGemma
+
+SHARDED = re.compile(r"(embed_tokens|lm_head)\.weight|layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
+                     r"|experts\.(gate_up|down)_proj)\.weight")
+"""State-dict names `shard` splits (every other tensor is replicated)."""
+
+
+def is_sharded(name: str) -> bool:
+    return SHARDED.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a rank read of the sharded tensors: `bytes_read` (stored dtype), `full_bytes` (the same tensors whole) and
+    per tensor the elements of its largest slice (`largest`) beside its full size (`full`)."""
+
+    bytes_read: int
+    full_bytes: int
+    largest: dict[str, int]
+    full: dict[str, int]
+
+
+def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> "DiffusionGemma":
+    """Load this rank's shard of a float checkpoint (module docstring): the model `shard(load(path))` gives, without
+    reading the full sharded tensors. `model.tensor_parallel_load` is a `LoadReport`.
+
+    Raises:
+        CheckpointError: as `loader.load`; a quantized checkpoint.
+        ValueError: a tensor that cannot be split (as `shard`, naming it); the half-built model is then unusable.
+        RuntimeError: no process group is initialised.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
+    model = load(path, dtype=dtype, device=device, lazy=is_sharded)
+    source = FileWeights(model.weight_sources, model.weight_dtype, torch.device(device))
+    full = {name: model.get_parameter(name).numel() for name in model.weight_sources}
+    itemsize = {name: _stored_itemsize(p, k) for name, (p, k) in model.weight_sources.items()}
+    try:
+        shard(model, group, source=source)
+    finally:
+        source.close()
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise CheckpointError(f"{path}: tensor parallel left tensors unread: {left}")
+    model.tensor_parallel_load = LoadReport(source.bytes_read, sum(full[n] * itemsize[n] for n in full),
+                                            dict(source.largest), full)
+    return model
+
+
+def _stored_itemsize(path: Path, key: str) -> int:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as fh:
+        return ITEMSIZE[fh.get_slice(key).get_dtype()]
+
+
+ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
