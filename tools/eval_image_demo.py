@@ -2,7 +2,7 @@
 """Evaluate the image demo checkpoint on held-out image prompts: the demo tasks with their operands drawn in an image.
 
 Usage: ``python tools/eval_image_demo.py DIR [--n 200] [--offset 0] [--generator dgemma|dgemma-eager|transformers]
-[--batch 8] [--dump FILE]``
+[--batch 8] [--attention dense] [--dump FILE]``
 
 Prompts: ``dgemma_compile.demo.image_tasks.make_split("heldout", n, offset=offset)`` (offset 0: the test set of the
 table in docs/demo.md; ``--offset 500``: the validation prompts the training run logs). Each goes through the user
@@ -128,12 +128,14 @@ def main(argv=None):
     ap.add_argument("--generator", default="dgemma", choices=["dgemma", "dgemma-eager", "transformers"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--attention", default=None, help="dg.load's attention (e.g. dense: the reference, fast eagerly)")
     ap.add_argument("--dump")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     import dgemma_compile as dg
 
-    model, tok = dg.load(args.dir), dg.load_tokenizer(args.dir)
+    model = dg.load(args.dir) if args.attention is None else dg.load(args.dir, attention=args.attention)
+    tok = dg.load_tokenizer(args.dir)
     cfg = model.generation_config
     examples = IT.make_split("heldout", args.n, offset=args.offset)
     t0 = time.time()
@@ -144,7 +146,7 @@ def main(argv=None):
         seqs, steps = run_dgemma(model, encoded, cfg, args.batch, eager=args.generator == "dgemma-eager")
     m = score(tok, examples, seqs, steps, cfg.max_denoising_steps)
     print(table(m, args.offset))
-    print(f"\n({time.time() - t0:.0f}s, generator={args.generator})")
+    print(f"\n({time.time() - t0:.0f}s, generator={args.generator}, attention={args.attention or 'default'})")
     for p, shown, got in m["failures"]:
         print(f"BAD {p!r} image {shown!r} -> {got!r}")
     if args.dump:

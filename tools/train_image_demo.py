@@ -302,7 +302,9 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-2, help="the multimodal embedder")
     ap.add_argument("--tower-lr", type=float, default=5e-4,
                     help="the vision tower (small: at the embedder's rate its features collapsed to the mean, measured)")
-    ap.add_argument("--text-lr", type=float, default=2e-4, help="text layers and embeddings (nearly frozen)")
+    ap.add_argument("--text-lr", type=float, default=None,
+                    help="text layers and embeddings (nearly frozen; default 2e-4); given with --resume it replaces the "
+                         "run's from the resumed step on")
     ap.add_argument("--aux-weight", type=float, default=1.0)
     ap.add_argument("--p-text", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=1234)
@@ -329,11 +331,14 @@ def main(argv=None):
     resume = torch.load(ckpt_path, weights_only=False) if (args.resume or args.export) else None
     if resume is not None:
         keep = {"minutes", "max_steps", "run_dir", "resume", "export", "eval_minutes", "eval_n", "log_every"}
+        keep |= {"text_lr"} if args.text_lr is not None else set()
         args = argparse.Namespace(**{**vars(args), **{k: v for k, v in resume["args"].items() if k not in keep}})
         model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig.from_dict(resume["config"]))
         model.load_state_dict(resume["model"])
     else:
         model = make_model(tok, args.seed)
+    if args.text_lr is None:
+        args.text_lr = 2e-4
     if args.export:
         export(model, tok, args.export)
         print(f"exported step {resume['step']} to {args.export}")
@@ -351,6 +356,7 @@ def main(argv=None):
     step = 0
     if resume is not None:
         opt.load_state_dict(resume["opt"])
+        opt.param_groups[2]["base"] = args.text_lr
         step = resume["step"]
         set_rng_state(resume["rng"], py_rng, gen)
         log(f"resumed at step {step}")

@@ -1,5 +1,4 @@
-"""Demo assets: a toy task suite (`tasks`), its image version (`image_tasks`), a small trained DiffusionGemma shipped
-under `model/` (`DEMO_MODEL`) and its image-reading version under `image_model/` (`IMAGE_DEMO_MODEL`)."""
+"""Demo assets: a toy task suite (`tasks`) and a small trained DiffusionGemma shipped under `model/` (`DEMO_MODEL`)."""
 
 from pathlib import Path
 
@@ -8,8 +7,4 @@ from . import tasks
 DEMO_MODEL = Path(__file__).parent / "model"
 """The built-in demo checkpoint directory: the default model of `dgemma generate`, `dgemma explain` and the tests."""
 
-IMAGE_DEMO_MODEL = Path(__file__).parent / "image_model"
-"""The image demo checkpoint directory: the demo model with a tiny vision tower, reading the demo tasks' operands from
-an image (`image_tasks`; docs/demo.md)."""
-
-__all__ = ["DEMO_MODEL", "IMAGE_DEMO_MODEL", "tasks"]
+__all__ = ["DEMO_MODEL", "tasks"]
