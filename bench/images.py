@@ -5,8 +5,8 @@ image ids inside the vocabulary, image groups bidirectional) at a CPU-friendly s
 compiled generator (`dg.build`), one canvas of output, so the time to the first block is the prefill plus one block.
 Rows, each the median (min / p90) of `--repeats` interleaved runs after one warm-up each (the compile is reported
 apart): `text` (P prompt tokens), `image` (the same P tokens holding one image of N soft tokens: the vision tower,
-the image prefix's own forwards, then the step), and the image row's parts measured alone: `vision` (the tower and
-embedder, `images.prepare`) and `prefix` (`images.prefill_images`). Numbers of a random model on whatever machine
+the image prefix's own forwards, then the step), and the image row's parts measured alone: `vision` (the checks, the
+content digest, the tower and embedder: `images.prepare` + `ImagePrompt.features`) and `prefix` (`images.prefill_images`). Numbers of a random model on whatever machine
 runs it: ratios within one run are the signal, not absolute times.
 """
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> str:
 
     def vision() -> float:
         start = time.perf_counter()
-        prepare(model, [with_image], imgs)
+        prepare(model, [with_image], imgs)[0].features  # the checks, the digest and the tower (run on first use)
         return time.perf_counter() - start
 
     item = prepare(model, [with_image], imgs)[0]

@@ -25,13 +25,14 @@ Legend: L the image prefix's tokens, N soft tokens of one image, D hidden, S com
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .config import ConfigError
-from .kv_cache import KVCache
+from .kv_cache import KVCache, PagedKVCache
 from .plan import build_plan
 
 MAX_GROUP = 1120
@@ -61,22 +62,64 @@ def image_runs(prompt: Sequence[int], image_token_id: int) -> list[tuple[int, in
 
 @dataclass
 class ImagePrompt:
-    """A validated prompt with images: its runs and each image's soft tokens ([N_k, D], model dtype, N_k = run k's
-    length); `prefix` = L, the tokens up to the end of the last run (< len(prompt))."""
+    """A validated prompt with images: its runs (start, length), its images, their content digests and its length.
+
+    `prefix` = E, where the image prefix's own forwards end: the last run's end rounded up to a multiple of the
+    encoder chunk (the canvas), or the prompt's last token when that is nearer; the step prefills [E, len) in chunks
+    from there, so every forward boundary after the first image is where a text prompt's would be (a page-aligned
+    prefix cache can map them, `dgemma_runtime.image_pages`). `features(k)`: image k's soft tokens ([N_k, D], model
+    dtype), computed by the vision encoder on first use only (`encodes` counts those runs), so an image whose
+    prefix pages come from a cache never runs the tower."""
 
     runs: list[tuple[int, int]]
-    features: list[torch.Tensor]
+    images: list[Image]
+    digests: list[bytes]
+    length: int
+    chunk: int
+    vision: object = None
+    encodes: int = 0
+    _features: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def last(self) -> int:
+        """L: the end of the last run."""
+        start, n = self.runs[-1]
+        return start + n
 
     @property
     def prefix(self) -> int:
-        start, n = self.runs[-1]
-        return start + n
+        """E: where the image prefix's forwards end (see the class docstring); L <= E < len(prompt)."""
+        return min(-(-self.last // self.chunk) * self.chunk, self.length - 1)
+
+    def feature(self, k: int) -> torch.Tensor:
+        """Image k's soft tokens [N_k, D] (the vision encoder runs once per image, on first use)."""
+        if k not in self._features:
+            self._features[k] = self.vision.features(self.images[k].pixel_values, self.images[k].position_ids)
+            self.encodes += 1
+        return self._features[k]
+
+    @property
+    def features(self) -> list[torch.Tensor]:
+        """Every image's soft tokens (`feature`)."""
+        return [self.feature(k) for k in range(len(self.images))]
+
+
+def digest(image: Image) -> bytes:
+    """sha256 of an image's preprocessed content (pixel_values and position_ids, with their shapes and dtypes): the
+    key a prefix cache mixes into its page hash chain, so two images share pages only when their patches are equal."""
+    h = hashlib.sha256()
+    for t in (image.pixel_values, image.position_ids):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{list(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
 
 
 def prepare(model, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[Image] | None] | None
             ) -> list[ImagePrompt | None]:
-    """Check each prompt against its images and run the vision encoder once per image: one `ImagePrompt` per prompt
-    with images, None for the others (all None without `images`).
+    """Check each prompt against its images: one `ImagePrompt` per prompt with images, None for the others (all
+    None without `images`). The vision encoder does not run here (`ImagePrompt.feature` runs it on first use); each
+    image's shapes and soft tokens are checked now.
 
     Raises:
         ConfigError: naming `images` or `prompts[i]` / `images[i][k]`: images given to a model without a vision
@@ -101,7 +144,7 @@ def prepare(model, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[I
     if vision is None and any(imgs for imgs in images):
         raise ConfigError("images: this model has no vision encoder (a text-only checkpoint, one whose image token id "
                           "is outside its vocabulary, or loaded with vision=False)")
-    plans: list[tuple[list[tuple[int, int]], list[Image]] | None] = []
+    out: list[ImagePrompt | None] = []
     for i, (p, imgs) in enumerate(zip(prompts, images)):
         imgs = list(imgs or [])
         runs = image_runs(p, image_id) if image_id is not None else []
@@ -109,7 +152,7 @@ def prepare(model, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[I
             raise ConfigError(f"prompts[{i}]: {len(runs)} image placeholder runs (id {image_id}) but {len(imgs)} "
                               f"images given")
         if not runs:
-            plans.append(None)
+            out.append(None)
             continue
         for k, img in enumerate(imgs):
             if not isinstance(img, Image):
@@ -122,96 +165,115 @@ def prepare(model, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[I
         widest = max(n for _, n in runs)
         if widest > MAX_GROUP:
             raise ConfigError(f"prompts[{i}]: an image of {widest} soft tokens, more than the {MAX_GROUP} served")
-        plans.append((runs, imgs))
-    out: list[ImagePrompt | None] = []
-    for i, item in enumerate(plans):
-        if item is None:
-            out.append(None)
-            continue
-        runs, imgs = item
-        feats = []
         for k, ((_, n), img) in enumerate(zip(runs, imgs)):
             try:
-                f = vision.features(img.pixel_values, img.position_ids)
+                soft = vision.soft_tokens(img.pixel_values, img.position_ids)
             except ConfigError as e:
                 raise ConfigError(f"images[{i}][{k}]: {e}") from None
-            if f.shape[0] != n:
-                raise ConfigError(f"images[{i}][{k}]: {f.shape[0]} soft tokens, but its placeholder run in "
+            if soft != n:
+                raise ConfigError(f"images[{i}][{k}]: {soft} soft tokens, but its placeholder run in "
                                   f"prompts[{i}] holds {n}")
-            feats.append(f.to(model.dtype))
-        out.append(ImagePrompt(runs=runs, features=feats))
+        out.append(ImagePrompt(runs=runs, images=imgs, digests=[digest(im) for im in imgs], length=len(p),
+                               chunk=model.config.canvas_length, vision=vision))
     return out
 
 
-def pieces(prefix: int, runs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int | None]]:
-    """The image prefix's forwards, as (start, end, run index or None for text): text in chunks of at most `chunk`
-    tokens, each run alone and whole."""
+def pieces(end: int, runs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int | None]]:
+    """The image prefix's forwards up to `end` (`ImagePrompt.prefix`), as (start, end, run index or None for
+    text): each run alone and whole; text cut at every multiple of `chunk` (the positions a text prompt's prefill
+    chunks start at) and at the runs, so a forward boundary depends only on the tokens before it."""
     out: list[tuple[int, int, int | None]] = []
     at = 0
-    for k, (start, n) in enumerate(runs):
-        for s in range(at, start, chunk):
-            out.append((s, min(s + chunk, start), None))
-        out.append((start, start + n, k))
-        at = start + n
-    assert at == prefix
+    for k, (start, n) in enumerate([*runs, (end, 0)]):
+        while at < start:
+            stop = min((at // chunk + 1) * chunk, start)
+            out.append((at, stop, None))
+            at = stop
+        if n:
+            out.append((start, start + n, k))
+            at = start + n
+    assert at == end, (at, end)
     return out
+
+
+def _check_chunk(item: ImagePrompt, chunk: int) -> None:
+    if chunk != item.chunk:
+        raise ValueError(f"chunk: {chunk}, but the image prefix was prepared for chunks of {item.chunk} (the canvas)")
 
 
 @torch.no_grad()
 def encode_prefix(model, cache: KVCache, prompt: torch.Tensor, item: ImagePrompt, *, chunk: int,
-                  moe_impl: str | None = None) -> torch.Tensor:
-    """Encode the image prefix of `prompt` (int64 [len]) into the one-row `cache` after what it holds, in `pieces`;
-    returns the final-norm hidden states [L, D]. Each group is one forward of its width, with the image-group
-    overlay when the checkpoint asks for it (`vision.VisionConfig.bidirectional_groups`).
+                  moe_impl: str | None = None, start: int = 0) -> torch.Tensor:
+    """Encode the image prefix of `prompt` (int64 [len]) from `start` (0, or the end of one of its `pieces`) into
+    the one-row `cache`, which holds the prefix's first `start` tokens; returns the final-norm hidden states
+    [E - start, D]. Each group is one forward of its width, with the image-group overlay when the checkpoint asks
+    for it (`vision.VisionConfig.bidirectional_groups`); only the images from `start` on run the vision encoder.
 
     Raises:
-        ValueError: a cache of more than one row, or block slots narrower than the widest forward.
+        ValueError: a cache of more than one row, block slots narrower than the widest forward, a `start` that is
+            not a piece boundary, a `chunk` other than the one the prompt was prepared for.
     """
+    _check_chunk(item, chunk)
     widest = max(chunk, max(n for _, n in item.runs))
     if cache.batch_size != 1 or cache.block_size < widest:
         raise ValueError(f"cache: encode_prefix needs one row with block_size >= {widest}, got "
                          f"{cache.batch_size} rows, block_size {cache.block_size}")
+    todo = [pc for pc in pieces(item.prefix, item.runs, chunk) if pc[0] >= start]
+    if start and (not todo or todo[0][0] != start) and start != item.prefix:
+        raise ValueError(f"start: {start} is not where one of the image prefix's forwards begins")
     bidirectional = model.vision.config.bidirectional_groups
     dev = cache.lengths.device
     outs = []
-    for start, end, k in pieces(item.prefix, item.runs, chunk):
-        T = end - start
-        ids = prompt[start:end].to(dev)[None]
+    for s, e, k in todo:
+        T = e - s
+        ids = prompt[s:e].to(dev)[None]
         n_new = torch.tensor([T], device=dev)
         groups = torch.zeros(1, T, dtype=torch.long, device=dev) if k is not None and bidirectional else None
         plan = build_plan(model, cache, T, mode="encoder", n_new=n_new, groups=groups)
-        embeds = item.features[k].to(dev)[None] if k is not None else None
+        embeds = item.feature(k).to(dev)[None] if k is not None else None
         outs.append(model.forward_plan(ids, cache, plan, moe_impl=moe_impl, input_embeds=embeds)[0])
-    return torch.cat(outs)
+    return torch.cat(outs) if outs else torch.zeros(0, model.config.hidden_size, dtype=model.dtype, device=dev)
 
 
 @torch.no_grad()
-def prefill_images(model, cache: KVCache, row: int, prompt: Sequence[int], item: ImagePrompt, *, chunk: int,
-                   moe_impl: str | None = None) -> torch.Tensor:
-    """Encode `prompt`'s image prefix (`encode_prefix`) into row `row` of `cache`, which must be empty there
-    (`cache.lengths[row] == 0`): through a scratch cache of one row and the same committed slots, then copied into
-    the row's committed slots; sets `cache.lengths[row]` = L. Returns the hidden states [L, D].
+def prefill_images(model, cache, row: int, prompt: Sequence[int], item: ImagePrompt, *, chunk: int,
+                   moe_impl: str | None = None, start: int = 0) -> torch.Tensor:
+    """Encode `prompt`'s image prefix (`encode_prefix`) into row `row` of `cache` from `start`: through a scratch
+    cache of one row and the same committed slots (holding the row's first `start` slots), then copied into the
+    row's committed slots [start, E); sets `cache.lengths[row]` = E. Returns the hidden states [E - start, D].
+
+    `cache`: a static `KVCache` (the row empty, `start` 0), or a `PagedKVCache` whose row holds `start` tokens in
+    pages mapped for at least E slots (a prefix-cache hit: `start` the end of a piece, `pieces`).
 
     Raises:
-        ConfigError: a paged cache (`kv_cache.PagedKVCache`: not supported yet), a row that is not empty, or an image
-            prefix longer than the cache's committed slots.
+        ConfigError: a static row that is not empty or a `start` other than 0, a paged row whose length is not
+            `start`, an image prefix longer than the cache's committed slots.
+        ValueError: as `encode_prefix` (`start` not a piece boundary).
     """
-    if not isinstance(cache, KVCache):
-        raise ConfigError(f"cache: images need a static KVCache, got {type(cache).__name__} (paged caches do not "
-                          f"take images yet)")
     L = item.prefix
-    if int(cache.lengths[row]) != 0:
-        raise ConfigError(f"cache: row {row} holds {int(cache.lengths[row])} tokens; images are encoded into an "
-                          f"empty row")
+    paged = isinstance(cache, PagedKVCache)
+    held = int(cache.lengths[row])
+    if not paged and (held != 0 or start != 0):
+        raise ConfigError(f"cache: row {row} holds {held} tokens; images are encoded into an empty row")
+    if paged and held != start:
+        raise ConfigError(f"cache: row {row} holds {held} tokens, but the image prefix is to start at {start}")
     if L > cache.max_seq_len:
         raise ConfigError(f"max_seq_len: the image prefix is {L} tokens, more than the cache's {cache.max_seq_len}")
     widest = max(chunk, max(n for _, n in item.runs))
     scratch = model.new_cache(1, cache.max_seq_len, block_size=widest)
+    if start:
+        for layer, (dk, dv) in enumerate(zip(scratch.keys, scratch.values)):
+            k, v = cache.read_slots(row, layer, start)
+            dk[0, :, :start], dv[0, :, :start] = k, v
+        scratch.lengths[0] = start
     hidden = encode_prefix(model, scratch, torch.as_tensor(list(prompt), dtype=torch.long), item, chunk=chunk,
-                           moe_impl=moe_impl)
-    for dst, src in ((cache.keys, scratch.keys), (cache.values, scratch.values)):
-        for d, s in zip(dst, src):
-            d[row, :, :L] = s[0, :, :L]
+                           moe_impl=moe_impl, start=start)
+    for layer, (sk, sv) in enumerate(zip(scratch.keys, scratch.values)):
+        if paged:
+            cache.write_slots(row, layer, start, sk[0, :, start:L], sv[0, :, start:L])
+        else:
+            cache.keys[layer][row, :, start:L] = sk[0, :, start:L]
+            cache.values[layer][row, :, start:L] = sv[0, :, start:L]
     cache.lengths[row] = L
     return hidden
 

@@ -240,6 +240,24 @@ class PagedKVCache:
             out.append(g.transpose(1, 2).reshape(B, H, n * P, D)[:, :, :span])
         return out[0], out[1]
 
+    def read_slots(self, row: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s keys and values of its logical slots [0, n) in `layer`: [H_kv, n, D_h] each (copies)."""
+        P = self.page_size
+        pages = self.page_table[row, :-(-n // P)]
+        out = []
+        for pool in (self.keys[layer], self.values[layer]):
+            g = pool[pages]  # [n_pages, H, P, D]
+            out.append(g.transpose(0, 1).reshape(g.shape[1], -1, g.shape[3])[:, :n])
+        return out[0], out[1]
+
+    def write_slots(self, row: int, layer: int, start: int, k_HTD: torch.Tensor, v_HTD: torch.Tensor) -> None:
+        """Write keys/values [H_kv, T, D_h] at row `row`'s logical slots [start, start + T) of `layer` (pages the
+        row's table maps; the caller owns them). Does not change `lengths`."""
+        slots = torch.arange(start, start + k_HTD.shape[1], device=self.page_table.device)
+        page, off = self.page_table[row, slots // self.page_size], slots % self.page_size
+        self.keys[layer][page, :, off] = k_HTD.transpose(0, 1)
+        self.values[layer][page, :, off] = v_HTD.transpose(0, 1)
+
     def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor | None) -> None:
         """`KVCache.write_block` through the page table: the block's keys/values to the row's block slots, then, with
         `slots_BT` (logical slots, int64 [B, T]), each token's also at its slot."""

@@ -127,14 +127,11 @@ class VisionEncoder(nn.Module):
         if left:
             raise RuntimeError(f"vision tower: buffers {left} could not be rebuilt after loading")
 
-    @torch.no_grad()
-    def features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """One image's soft tokens: pixel_values float [P, 3 * patch^2] (the processor's rescaled patches), position_ids
-        int64 [P, 2] (x, y per patch, (-1, -1) for padding) -> [N, D] in the model dtype, N = the image's real soft
-        tokens (at most P / pooling). Images run one at a time, so an image's features never depend on another's.
+    def soft_tokens(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> int:
+        """The soft tokens `features` makes of one image (its real patches / pooling), without running the tower.
 
         Raises:
-            ConfigError: shapes or dtypes other than those above (names `pixel_values` / `position_ids`).
+            ConfigError: shapes or dtypes other than `features` takes (names `pixel_values` / `position_ids`).
         """
         P = pixel_values.shape[0] if isinstance(pixel_values, torch.Tensor) and pixel_values.dim() == 2 else -1
         if P <= 0 or pixel_values.shape[1] != self.patch_dim or not pixel_values.is_floating_point():
@@ -148,6 +145,19 @@ class VisionEncoder(nn.Module):
             raise ConfigError(f"position_ids: must be an integer tensor [{P}, 2] (one (x, y) per patch), got {got}")
         if P % self.pooling:
             raise ConfigError(f"pixel_values: {P} patches, not a multiple of the pooling ({self.pooling})")
+        return int((position_ids != -1).any(-1).sum()) // self.pooling
+
+    @torch.no_grad()
+    def features(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One image's soft tokens: pixel_values float [P, 3 * patch^2] (the processor's rescaled patches), position_ids
+        int64 [P, 2] (x, y per patch, (-1, -1) for padding) -> [N, D] in the model dtype, N = the image's real soft
+        tokens (`soft_tokens`, at most P / pooling). Images run one at a time, so an image's features never depend on
+        another's.
+
+        Raises:
+            ConfigError: shapes or dtypes other than those above (names `pixel_values` / `position_ids`).
+        """
+        self.soft_tokens(pixel_values, position_ids)
         dtype, dev = self.embedder.embedding_projection.weight.dtype, self.embedder.embedding_projection.weight.device
         out = self.tower(pixel_values=pixel_values[None].to(device=dev, dtype=dtype),
                          pixel_position_ids=position_ids[None].to(device=dev, dtype=torch.long))

@@ -37,6 +37,8 @@ Shared pages: full prompt pages, and the full pages of committed blocks of a req
 multiple of the canvas C (then its commit passes are the prefill chunks a later prompt over the same tokens runs;
 otherwise their chunking differs, and so would that request's numerics: `prefix_cache.py`), so the next turn of a
 chat maps the previous answer. The tokens are those of the request's solo run either way (tests/test_kv_paged.py).
+A request with images encodes its image prefix at admission after the pages its hit mapped (image pages are keyed
+by the images' content, `image_pages.py`: the same image in a later request runs no vision encoder).
 
 An engine owns its bucket's buffers while it runs: another engine or `gen.generate` on the same bucket overwrites
 its rows.
@@ -126,7 +128,8 @@ class Request:
     (`BlockEvent.logprobs`; k at most the bucket's `max_logprobs`); None: none."""
     images: ImagePrompt | None = None
     """The prompt's images (`images.prepare`): its image prefix is encoded into its row at admission
-    (`images.prefill_images`, static KV cache only); None: a text prompt."""
+    (`images.prefill_images`), after the pages a prefix-cache hit maps (keyed by the images' content,
+    `image_pages.py`); None: a text prompt."""
     constraint: Constraint | None = None
     """The text's grammar (docs/constrained.md): each block keeps and commits the prefix it accepts; None: free."""
     grammar: RowGrammar | None = None  # its matcher, made at `submit` (needs the engine's tokenizer)
@@ -149,7 +152,8 @@ class EngineStats:
     forwards_by_size: steps per batch size; row_passes: decoder passes summed over rows (the denominator of tokens
     per forward, as `RequestStats`); flag_read_s: seconds spent in the per-iteration read of the finished flags;
     prefill_tokens: prompt tokens run through the encoder; prefix_hit_tokens: prompt tokens mapped from the prefix
-    cache instead; plan_refreshes / refresh_s: host refills of the plan after the host changed rows or the size."""
+    cache instead; images_encoded: images run through the vision encoder; image_prefix_tokens: tokens of image
+    prefixes encoded in their own forwards (`images.prefill_images`; prefill_tokens counts the step's); plan_refreshes / refresh_s: host refills of the plan after the host changed rows or the size."""
 
     iterations: int = 0
     forwards: int = 0
@@ -162,6 +166,8 @@ class EngineStats:
     flag_read_s: float = 0.0
     prefill_tokens: int = 0
     prefix_hit_tokens: int = 0
+    images_encoded: int = 0
+    image_prefix_tokens: int = 0
     plan_refreshes: int = 0
     refresh_s: float = 0.0
 
@@ -287,9 +293,6 @@ class Engine:
             raise ConfigError(f"top_logprobs: must be an integer in [0, {self.max_logprobs}] (the server's "
                               f"--max-logprobs), got {lp!r}")
         request.config, request.slots = self._check(request.prompt, request.config, request.seed, request.images)
-        if request.images is not None and self.memory is not None:
-            raise ConfigError("images: a paged KV cache does not take images yet (its prefix cache keys pages by "
-                              "token ids)")
 
         request.prompt = list(request.prompt)
         if request.constraint is not None:
@@ -446,10 +449,10 @@ class Engine:
                 req = self._queue[skipped]
                 pages = None
                 if self.memory is not None and not req.cancelled:
-                    if self.memory.computing(req.prompt):
+                    if self.memory.computing(req.prompt, req.images):
                         skipped += 1
                         continue
-                    pages = self.memory.plan(req.prompt, req.slots)
+                    pages = self.memory.plan(req.prompt, req.slots, req.images)
                     if pages is None:
                         return  # waits (in order) for running requests to give pages back
                 del self._queue[skipped]
@@ -464,10 +467,7 @@ class Engine:
                     row.prefilled = self.memory.admit(b, pages)
                     self.stats.prefix_hit_tokens += row.prefilled
                 if req.images is not None:  # the image prefix in forwards of its own; the step prefills the rest
-                    self.bucket.cache.reset_row(b)
-                    prefill_images(self.model, self.bucket.cache, b, req.prompt, req.images, chunk=self.C,
-                                   moe_impl=self.bucket.moe_impl)
-                    row.prefilled = req.images.prefix
+                    self._prefill_images(b, row, req)
                 self.bucket.admit(b, req.prompt, req.config, req.seed,
                                   prefilled=row.prefilled if pages is not None or req.images is not None else None)
                 if req.grammar is not None:
@@ -477,6 +477,20 @@ class Engine:
                 log.exception("request %d: admission failed; ending it alone", req.id)
                 self._retire(row, "error")
                 free.insert(0, b)
+
+    def _prefill_images(self, b: int, row: _Row, req: Request) -> None:
+        """Encode the request's image prefix into row b (`images.prefill_images`) after the pages its prefix-cache hit
+        mapped (`row.prefilled` tokens; a hit that covers the prefix encodes nothing, no image runs the tower)."""
+        item, start = req.images, row.prefilled
+        if self.memory is None:
+            self.bucket.cache.reset_row(b)
+        if start < item.prefix:
+            before = item.encodes
+            prefill_images(self.model, self.bucket.cache, b, req.prompt, item, chunk=self.C,
+                           moe_impl=self.bucket.moe_impl, start=start)
+            self.stats.images_encoded += item.encodes - before
+            self.stats.image_prefix_tokens += item.prefix - start
+            row.prefilled = item.prefix
 
     def _committed(self, b: int, row: _Row) -> None:
         """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`; not

@@ -17,6 +17,9 @@ tokens (prompt + generated blocks) are registered after each commit (`committed`
 chain of every token up to the page: a later request whose prompt is this prompt + its answer + more (the next turn
 of a chat) maps them. Other requests register only their prompt pages. Committed pages are never pending: a request
 admitted before they are written computes them itself (the same page twice; its later registration is a no-op).
+
+Prompts with images: their pages are keyed by the images' content and the forwards that wrote them too, a hit ends
+where one of the request's own forwards does, and only their prompt pages are shared (`image_pages.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dgemma_compile.config import ConfigError
+from dgemma_compile.images import ImagePrompt
 from dgemma_compile.kv_cache import PagedKVCache
+from .image_pages import cut_hit, page_keys
 from .kv_pool import PagePool
 from .prefix_cache import PrefixCache
 
@@ -40,6 +45,7 @@ class Admission:
     shared: list[int]
     new: int
     need: int
+    images: bool = False
 
 
 class PagedMemory:
@@ -59,6 +65,7 @@ class PagedMemory:
         self.prefix = PrefixCache(self.pool) if prefix_cache else None
         self._keys: list[list[bytes]] = [[] for _ in range(cache.batch_size)]
         self._cached = [0] * cache.batch_size  # leading full pages of the row found in / given to the cache
+        self._images = [False] * cache.batch_size  # whether the row's prompt has images (no committed pages shared)
         self.pending: dict[bytes, int] = {}  # key of a full prompt page being computed -> the row computing it
 
     def check(self, slots: int) -> None:
@@ -68,27 +75,37 @@ class PagedMemory:
             raise ConfigError(f"max_seq_len: this request needs {self.pool.pages_for(slots)} KV pages, more than the "
                               f"server's pool ({self.pool.capacity})")
 
-    def computing(self, prompt: Sequence[int]) -> bool:
+    def computing(self, prompt: Sequence[int], images: ImagePrompt | None = None) -> bool:
         """Whether the first page of `prompt` beyond its cached run (within the pages a hit may cover) is being
-        computed by a running row: admitting it later maps that page instead of computing it again."""
+        computed by a running row: admitting it later maps that page instead of computing it again. `images`: the
+        prompt's (its pages are keyed by their content too, `image_pages`)."""
         if self.prefix is None or not self.pending:
             return False
-        for key in self.prefix.chain(prompt, (len(prompt) - 1) // self.cache.page_size):
+        salts = self._salts(images)
+        for key in self.prefix.chain(prompt, (len(prompt) - 1) // self.cache.page_size, salts=salts):
             if key not in self.prefix.pages:
                 return key in self.pending
         return False
 
-    def plan(self, prompt: Sequence[int], slots: int) -> Admission | None:
-        """What admitting a request (its prompt, its committed slots) takes now, or None while its pages are not
-        available."""
+    def _salts(self, images: ImagePrompt | None) -> list[bytes] | None:
+        return page_keys(images, self.cache.page_size).salts if images is not None else None
+
+    def plan(self, prompt: Sequence[int], slots: int, images: ImagePrompt | None = None) -> Admission | None:
+        """What admitting a request (its prompt, its committed slots, its images) takes now, or None while its pages
+        are not available. With `images` the pages are keyed by the images' content and the forwards too, and a hit
+        ends where one of the request's own forwards does (`image_pages.py`)."""
         P, pool = self.cache.page_size, self.pool
         keys, shared = [], []
         if self.prefix is not None:
-            keys = self.prefix.chain(prompt, len(prompt) // P)
-            shared = self.prefix.lookup(prompt, (len(prompt) - 1) // P)
+            pk = page_keys(images, P) if images is not None else None
+            salts = pk.salts if pk is not None else None
+            keys = self.prefix.chain(prompt, len(prompt) // P, salts=salts)
+            shared = self.prefix.lookup(prompt, (len(prompt) - 1) // P, salts=salts)
+            if pk is not None:
+                shared = cut_hit(shared, P, pk.bounds)
         new = pool.pages_for(slots) - len(shared)
         need = new + sum(pool.refs[p] == 0 for p in shared)
-        return Admission(keys, shared, new, need) if need <= pool.available() else None
+        return Admission(keys, shared, new, need, images is not None) if need <= pool.available() else None
 
     def admit(self, row: int, admission: Admission) -> int:
         """Give row `row` its pages (`PagePool.assign_row`) and start it after its shared pages: sets
@@ -97,6 +114,7 @@ class PagedMemory:
         hit = len(admission.shared) * self.cache.page_size
         self.cache.lengths[row] = hit
         self._keys[row], self._cached[row] = admission.keys, len(admission.shared)
+        self._images[row] = admission.images
         if self.prefix is not None:
             for key in admission.keys[len(admission.shared):]:
                 if key not in self.prefix.pages and key not in self.pending:
@@ -121,7 +139,7 @@ class PagedMemory:
         """The row committed a block: `blocks` are its generated tokens committed so far (whole blocks, the cache row
         holds prompt + blocks). Registers the full pages written so far when len(prompt) is a multiple of the chunk
         (see the module docstring); nothing otherwise."""
-        if self.prefix is None or len(prompt) % self.chunk:
+        if self.prefix is None or len(prompt) % self.chunk or self._images[row]:
             return
         tokens = [*prompt, *blocks]
         self._keys[row] = keys = self.prefix.chain(tokens, len(tokens) // self.cache.page_size, self._keys[row])
@@ -135,4 +153,4 @@ class PagedMemory:
         for key in self._keys[row]:
             if self.pending.get(key) == row:  # retired before its prefill wrote the page: nobody computes it now
                 del self.pending[key]
-        self._keys[row], self._cached[row] = [], 0
+        self._keys[row], self._cached[row], self._images[row] = [], 0, False

@@ -58,23 +58,27 @@ class PrefixCache:
         self.keys: dict[int, bytes] = {}
         self.stats = PrefixStats()
 
-    def chain(self, tokens: Sequence[int], n: int, known: Sequence[bytes] = ()) -> list[bytes]:
+    def chain(self, tokens: Sequence[int], n: int, known: Sequence[bytes] = (),
+              salts: Sequence[bytes] | None = None) -> list[bytes]:
         """The keys of the first n full pages of `tokens` (n <= len(tokens) // P); `known`: keys of its first pages
-        computed before (not hashed again)."""
+        computed before (not hashed again); `salts[j]`: bytes mixed into page j's hash (a prompt with images:
+        `image_pages.page_keys`; None: token ids only)."""
         P, out = self.page_size, list(known[:n])
         key = out[-1] if out else b""
         for j in range(len(out), n):
             h = hashlib.sha256(key)
             h.update(",".join(map(str, tokens[j * P:(j + 1) * P])).encode())
+            if salts is not None:
+                h.update(b"|" + salts[j])
             key = h.digest()
             out.append(key)
         return out
 
-    def lookup(self, prompt: Sequence[int], max_pages: int) -> list[int]:
+    def lookup(self, prompt: Sequence[int], max_pages: int, salts: Sequence[bytes] | None = None) -> list[int]:
         """The physical pages of the longest cached run of the prompt's first pages, at most `max_pages` (neither
         retained nor reordered: `PagePool.assign_row` retains them)."""
         found = []
-        for key in self.chain(prompt, max_pages):
+        for key in self.chain(prompt, max_pages, salts=salts):
             page = self.pages.get(key)
             if page is None:
                 break

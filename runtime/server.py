@@ -394,17 +394,14 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     def read_images(parts: list[tuple[str, str]]) -> tuple[list, ImageSlots]:
         """The images of a chat's image_url parts (`preprocess.open_image_url` under `image_sources`), preprocessed,
-        and their placeholders; ConfigError naming the part: a model without a vision encoder, a paged KV cache, too
-        many images, a URL not allowed, a bad image."""
+        and their placeholders; ConfigError naming the part: a model without a vision encoder, too many images, a URL
+        not allowed, a bad image."""
         from dgemma_compile.preprocess import ImageSources, num_soft_tokens, open_image_url, preprocess
 
         model = engine.model
         first = parts[0][0]
         if getattr(model, "vision", None) is None:
             raise ConfigError(f"{first}: image_url parts need a model with a vision encoder; this one has none")
-        if engine.memory is not None:
-            raise ConfigError(f"{first}: image_url parts need the static KV cache; this server runs a paged one "
-                              f"(--kv-page-size)")
         if len(parts) > MAX_IMAGES:
             raise ConfigError(f"{parts[MAX_IMAGES][0]}: more than the {MAX_IMAGES} images a request may hold")
         sources = image_sources or ImageSources()

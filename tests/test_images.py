@@ -151,8 +151,11 @@ def test_bad_vision_checkpoints_name_file_and_tensor(tmp_path, mm, case, pattern
 
 def test_pieces_keep_every_group_whole():
     runs = [(3, 4), (9, 20)]  # 20 > the chunk of 8
-    assert pieces(29, runs, 8) == [(0, 3, None), (3, 7, 0), (7, 9, None), (9, 29, 1)]
+    assert pieces(29, runs, 8) == [(0, 3, None), (3, 7, 0), (7, 8, None), (8, 9, None), (9, 29, 1)]
     assert pieces(12, [(0, 12)], 4) == [(0, 12, 0)]
+    # text after the last image up to the next multiple of the chunk (ImagePrompt.prefix), cut where text prompts are
+    assert pieces(32, runs, 8) == [(0, 3, None), (3, 7, 0), (7, 8, None), (8, 9, None), (9, 29, 1), (29, 32, None)]
+    assert pieces(20, [(1, 2)], 8) == [(0, 1, None), (1, 3, 0), (3, 8, None), (8, 16, None), (16, 20, None)]
 
 
 def test_bad_image_inputs_name_the_thing(mm):
