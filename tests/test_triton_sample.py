@@ -278,12 +278,12 @@ def build(kernel, types, consts):
     return triton.compile(ASTSource(kernel, sig, consts), target=target).asm
 
 
-cases = (("*fp32", "*fp32", False, 1), ("*bf16", "*bf16", True, 64), ("*fp32", "*fp16", True, 4))
-for logits, sc, philox, k_pad in cases:
-    consts = dict(K_PAD=k_pad, BLOCK_V=1024, PHILOX=philox, OUT_BF16=sc == "*bf16")
+cases = (("*fp32", "*fp32", False, 1, False), ("*bf16", "*bf16", True, 64, True), ("*fp32", "*fp16", True, 4, True))
+for logits, sc, philox, k_pad, has_mask in cases:
+    consts = dict(K_PAD=k_pad, BLOCK_V=1024, PHILOX=philox, OUT_BF16=sc == "*bf16", HAS_MASK=has_mask)
     types = dict(logits_ptr=logits, stride_b="i64", stride_c="i64", t_ptr="*fp32", greedy_ptr="*i1", u_ptr="*fp32",
                  seed_ptr="*i64", block_ptr="*i64", step_ptr="*i64", argmax_ptr="*i64", sampled_ptr="*i64",
-                 entropy_ptr="*fp32", probs_ptr=sc)
+                 entropy_ptr="*fp32", probs_ptr=sc, allowed_ptr="*i32", constrained_ptr="*i1")
     asm = build(m._sample_step_kernel, types, consts)
     assert asm["cubin"] and "div.rn.f32" in asm["ptx"], (logits, sc)
     print(logits, sc, philox)
@@ -298,7 +298,7 @@ print("philox")
 
 @pytest.mark.slow
 def test_sample_kernels_compile_for_sm90():
-    """The sample_step and Philox kernels as the GPU compiles them (the interpreter forgives type errors a compile
+    """The sample_step (with and without the first-position mask) and Philox kernels as the GPU compiles them (the interpreter forgives type errors a compile
     would not), down to sm_90 cubins with Triton's bundled ptxas, in a subprocess without TRITON_INTERPRET (~5 s):
     the division is the correctly rounded div.rn and the Philox high word a native mul.hi.u32."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
