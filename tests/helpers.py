@@ -153,3 +153,21 @@ def assert_sparsity_of_create_block_mask(mask_mod, B, q_len, kv_len, block_size)
         if name == "full_kv_indices" and ref.full_kv_indices is None:
             continue  # no full block anywhere: only the (zero) counts are compared
         assert g.dtype == torch.int32 and torch.equal(g, w.to(torch.int32)), name
+
+
+def wait_for_health(proc, port: int, *, timeout_s: float) -> None:
+    """Poll a `dgemma serve` subprocess's /health until it answers 200; fails if the process exits or `timeout_s`
+    passes first."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, "dgemma serve did not come up"
+        time.sleep(0.2)

@@ -30,6 +30,7 @@ from dgemma_compile.parallel.ranks import ParallelError, world_size_for
 from dgemma_compile.text import encode_prompt
 from dgemma_runtime import Request
 from dgemma_runtime.parallel import TensorParallelEngine
+from helpers import wait_for_health
 
 SLOTS = 256
 REV = "rev 1 2 3 4 5 6 7 8 9 0 1="  # two blocks
@@ -201,15 +202,7 @@ def test_cli_serve_on_2_ranks_answers_as_one_process_and_ends_when_a_rank_dies(d
                              "--tensor-parallel-size", "2", "--group-timeout", "30"],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "dgemma serve did not come up"
-            time.sleep(0.2)
+        wait_for_health(proc, port, timeout_s=120)
         prompts = [("sort 3 1 2 9 5=", 0), ("add 123+045=", 4)]
         answers: dict[int, str] = {}
 

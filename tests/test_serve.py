@@ -20,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import torch
 
 import dgemma_compile as dg
 from dgemma_compile.demo import tasks
 from dgemma_compile.bucket import Bucket
 from dgemma_runtime import Engine, Request, build_engine
 from dgemma_compile.text import encode_prompt
+from helpers import wait_for_health
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -526,15 +526,7 @@ def test_cli_serve_subprocess(tmp_path):
                              "--max-batch", "2", "--max-seq-len", str(SLOTS), "--fuse-commit", "on"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "dgemma serve did not come up"
-            time.sleep(0.2)
+        wait_for_health(proc, port, timeout_s=60)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         out = client.completions.create(model=MODEL, prompt="add 123+045=", seed=0)
         assert out.choices[0].text == "0168"
