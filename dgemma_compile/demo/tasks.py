@@ -34,6 +34,7 @@ parts: prompts ``[0, 500)`` are the test set (the README's table), prompts from
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 
@@ -118,6 +119,13 @@ def _stream(name: str, seed: int) -> random.Random:
     return random.Random(f"dgemma-demo/{name}/{seed}")
 
 
+@functools.lru_cache(maxsize=4)
+def _train_prompts(train_n: int, seed: int) -> frozenset[str]:
+    """The prompts of ``make_split("train", train_n, seed)``, which every "heldout" call excludes (cached: building
+    them is most of a held-out split's cost)."""
+    return frozenset(p for _, p, _ in make_split("train", train_n, seed))
+
+
 def make_split(
     name: str,
     n: int,
@@ -149,7 +157,7 @@ def make_split(
             out.append((task, prompt, ans))
         return out
     if name == "heldout":
-        banned = {p for _, p, _ in make_split("train", train_n, seed)}
+        banned = _train_prompts(train_n, seed)
         rng = _stream("heldout", seed)
         out, seen = [], set()
         i = 0
