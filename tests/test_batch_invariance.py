@@ -171,15 +171,16 @@ def test_released_width_bf16_logits_are_bitwise_batch_invariant():
     self-conditioned on the first) after its prompt's encoder chunk are bitwise those of its solo run, for the
     batch-invariant experts ("dense", the eager engine's; "grouped", what compiled bfloat16 runs at the released
     E/K = 16). Fixed shapes as in the engine: prompts padded to one 256-token chunk, a cache of 512 slots for every
-    batch size. Rows: 3 prompts of 30, 200 and 120 tokens; the solo run of the last (~30 s of CPU)."""
+    batch size. Rows: 2 prompts of 200 and 120 tokens; the solo run of the second (~40 s of CPU; a third row of 30
+    tokens added ~15 s and no case: the batch's rows already differ in length and position)."""
     model = released_width_model()
     C, slots = model.config.canvas_length, 512
     g = torch.Generator().manual_seed(0)
     V = model.config.vocab_size
-    lengths = [30, 200, 120]
-    ids = torch.randint(3, V, (3, C), generator=g)
-    canvas = torch.randint(3, V, (3, C), generator=g)
-    canvas2 = torch.randint(3, V, (3, C), generator=g)
+    lengths = [200, 120]
+    ids = torch.randint(3, V, (2, C), generator=g)
+    canvas = torch.randint(3, V, (2, C), generator=g)
+    canvas2 = torch.randint(3, V, (2, C), generator=g)
 
     def run(rows: list[int], moe_impl: str) -> list[torch.Tensor]:
         cache = model.new_cache(len(rows), slots)
@@ -188,8 +189,8 @@ def test_released_width_bf16_logits_are_bitwise_batch_invariant():
         return [first, model.denoise(canvas2[rows], cache, first, moe_impl=moe_impl)]
 
     for moe_impl in ("dense", "grouped"):
-        batch = run([0, 1, 2], moe_impl)
-        for r in (2,):
+        batch = run([0, 1], moe_impl)
+        for r in (1,):
             for k, (solo, together) in enumerate(zip(run([r], moe_impl), batch)):
                 assert solo.dtype == torch.float32
                 assert torch.equal(solo[0], together[r]), \
