@@ -23,7 +23,6 @@ Legend: B batch, C canvas, V vocab, P stability_threshold (history depth), N ste
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -41,6 +40,14 @@ next forward did the product: the same operations on the same values, so v4 give
 demo test prompts, README), with D instead of V values per position carried between steps. v2 carried the scaled
 logits (stored in the model dtype) and the next forward took their softmax. v1 was torch.Generator streams seeded by
 SplitMix64 with an unchunked inverse CDF."""
+
+
+def step_scheme(model) -> str:
+    """The numerics a model's steps sample with: `SCHEME`, or under tensor parallel its `vocab_shard.scheme`."""
+    shard = getattr(model, "vocab_shard", None)
+    return SCHEME if shard is None else shard.scheme
+
+
 GREEDY_BELOW = torch.finfo(torch.float32).tiny
 """Temperatures below float32's smallest normal (zero and denormals included) mean greedy decoding."""
 

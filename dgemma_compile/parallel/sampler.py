@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from ..sampler import MASKED_LOGIT, SAMPLE_CHUNK, SampleStep, _finite, _last_positive, mask_first
+from ..sampler import MASKED_LOGIT, SAMPLE_CHUNK, SCHEME, SampleStep, _finite, _last_positive, mask_first
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +50,12 @@ class VocabShard:
     start: int
     per: int
     vocab_size: int
+
+    @property
+    def scheme(self) -> str:
+        """The step numerics under this split (`sampler.SCHEME` plus the chunks cut per rank: a sampled id can differ
+        from one process's where the slice is not whole SAMPLE_CHUNK chunks; module docstring)."""
+        return f"{SCHEME}+vocab-shard-{self.world_size}/v1"
 
     def masked(self, logits_BCV: torch.Tensor) -> torch.Tensor:
         """float32 [B, C, per]: the rank's logits with the padding ids at `MASKED_LOGIT` (probability 0)."""
