@@ -28,7 +28,7 @@ from .config import DEFAULT_MAX_SEQ_LEN, ConfigError, GenerationConfig
 from .model import DiffusionGemma
 from .observe import STEP, Observer, SpanTimer
 from .ops.moe import resolve_moe_impl
-from .sampler import SCHEME
+from .sampler import SCHEME, step_scheme
 from .constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
 from .finish import finalize_constrained, finalize_row
 from .kv_cache import KVCache
@@ -86,7 +86,7 @@ class GenerationOutput:
     moe_impl: str = ""
     """The routed experts' implementation that ran (`ops.moe.resolve_moe_impl`)."""
     scheme: str = SCHEME
-    """The sampling numerics (`sampler.SCHEME`)."""
+    """The sampling numerics (`sampler.step_scheme`: `sampler.SCHEME`, or a tensor-parallel split's)."""
 
 
 BlockCallback = Callable[[int, list[list[int]]], None]
@@ -282,7 +282,8 @@ def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list
     R = len(prompts)
     timer = timer or SpanTimer(dev, None)
     stop_check = stop_check or StopCheck("sync")
-    out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)])
+    out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
+                           scheme=step_scheme(model))
     sequences, stats = out.sequences, out.stats
     grammars = list(grammars) if grammars is not None else [None] * R
     num_blocks = max(c.max_new_tokens if g is not None else math.ceil(c.max_new_tokens / C)

@@ -311,6 +311,7 @@ class DiffusionGemma(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
         self.sc_embedding: nn.Linear | None = None  # `quant.quantize`: the embeddings as a [V -> D] projection
+        self.vocab_shard = None  # `parallel.shard`: this rank's `parallel.sampler.VocabShard`
         self.vision: VisionEncoder | None = VisionEncoder(vision, config.hidden_size) if vision is not None else None
         self.init_buffers(self.embed_tokens.weight.device)
 
@@ -446,21 +447,33 @@ class DiffusionGemma(nn.Module):
         """(cos, sin) [B, T, rotary dim] in the model dtype for `layer_type`'s RoPE at `positions_BT`."""
         return rope_cos_sin(getattr(self, f"inv_freq_{layer_type}"), positions_BT, self.dtype)
 
-    def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden_BTD: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The lm_head (the tied embeddings, or `lm_head` when the checkpoint has its own or `quant.quantize` made a
-        quantized copy), then float32 soft-capping cap * tanh(logits / cap)."""
-        head = hidden_BTD @ self.embed_tokens.weight.T if self.lm_head is None else self.lm_head(hidden_BTD)
+        quantized copy), then float32 soft-capping cap * tanh(logits / cap): float32 [B, T, V].
+
+        `local`: under tensor parallel (`vocab_shard` set), this rank's slice [B, T, per] of the padded vocabulary
+        only, for `parallel.sampler.VocabShard` (no gather); in one process the same as the default."""
+        if local and self.vocab_shard is not None:
+            head = self.lm_head.local_logits(hidden_BTD)
+        elif self.lm_head is None:
+            head = hidden_BTD @ self.embed_tokens.weight.T
+        else:
+            head = self.lm_head(hidden_BTD)
         logits = head.float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def self_conditioning_embedding(self, probs_BTV: torch.Tensor) -> torch.Tensor:
+    def self_conditioning_embedding(self, probs_BTV: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The soft embedding of self-conditioning: probs @ embedding weight * embed_scale (transformers'
         DiffusionGemmaSelfConditioning input), [B, T, D] in the model dtype, from probabilities [B, T, V] (cast to
-        the model dtype first; `quant.quantize`'s `sc_embedding` projection in place of the weight where set)."""
+        the model dtype first; `quant.quantize`'s `sc_embedding` projection in place of the weight where set).
+        `local`: under tensor parallel, `probs_BTV` is this rank's slice [B, T, per] (`VocabShard.sample_step`)."""
         weight = self.embed_tokens.weight
         probs = probs_BTV.to(weight.dtype)
-        product = probs @ weight if self.sc_embedding is None else self.sc_embedding(probs)
+        if local and self.vocab_shard is not None:
+            product = self.sc_embedding.local(probs)
+        else:
+            product = probs @ weight if self.sc_embedding is None else self.sc_embedding(probs)
         return product * self.embed_scale.to(weight.dtype)
 
     # ----- internals --------------------------------------------------------------------------------------------

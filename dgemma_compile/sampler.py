@@ -23,7 +23,6 @@ Legend: B batch, C canvas, V vocab, P stability_threshold (history depth), N ste
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -41,6 +40,14 @@ next forward did the product: the same operations on the same values, so v4 give
 demo test prompts, README), with D instead of V values per position carried between steps. v2 carried the scaled
 logits (stored in the model dtype) and the next forward took their softmax. v1 was torch.Generator streams seeded by
 SplitMix64 with an unchunked inverse CDF."""
+
+
+def step_scheme(model) -> str:
+    """The numerics a model's steps sample with: `SCHEME`, or under tensor parallel its `vocab_shard.scheme`."""
+    shard = getattr(model, "vocab_shard", None)
+    return SCHEME if shard is None else shard.scheme
+
+
 GREEDY_BELOW = torch.finfo(torch.float32).tiny
 """Temperatures below float32's smallest normal (zero and denormals included) mean greedy decoding."""
 
@@ -212,15 +219,19 @@ MASKED_LOGIT = -1e30
 tensor stays finite, and far below any softcapped logit (|logit| <= 30), so their probability is 0."""
 
 
-def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B: torch.Tensor) -> torch.Tensor:
+def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B: torch.Tensor,
+               first_id: int = 0) -> torch.Tensor:
     """Constrained decoding's device half (docs/constrained.md), a part of `sample_step`: the logits with, for rows
     where `constrained_B` (bool [B]), every id the grammar's next-token bitmask `allowed_BW` (int32 [B, W],
     W = ceil(V / 32), bit v % 32 of word v // 32 allows id v: xgrammar's layout) does not allow set to `MASKED_LOGIT`
     at canvas position 0 (the next token after the committed ones). A new tensor; other rows and positions keep
     their values bit for bit (`torch.where` picks the input). Tensor ops only: a grammar is data, never a
-    recompile."""
+    recompile. `first_id`: the vocabulary id of the logits' first column (a tensor-parallel rank's slice,
+    `parallel.sampler`; ids past the bitmask, the slice's padding, read its last word)."""
     C, V = logits_BCV.shape[1], logits_BCV.shape[-1]
     v_V = torch.arange(V, device=logits_BCV.device)
+    if first_id:
+        v_V = (v_V + first_id).clamp(max=allowed_BW.shape[-1] * 32 - 1)
     bits_BV = (allowed_BW[:, v_V // 32] >> (v_V % 32).to(allowed_BW.dtype)) & 1
     keep_B1V = ((bits_BV != 0) | ~constrained_B[:, None])[:, None, :]
     later_1C1 = (torch.arange(C, device=logits_BCV.device) != 0)[None, :, None]
@@ -231,7 +242,7 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
                    finished_B: torch.Tensor, logits_BCV: torch.Tensor, temperature_B: torch.Tensor,
                    greedy_B: torch.Tensor, noise: StepNoise, *, entropy_bound_B: torch.Tensor,
                    confidence_B: torch.Tensor, stop_early: bool, allowed_BW: torch.Tensor | None = None,
-                   constrained_B: torch.Tensor | None = None) -> StepUpdate:
+                   constrained_B: torch.Tensor | None = None, vocab_shard=None) -> StepUpdate:
     """Everything after the decoder in one denoise step, as a pure function of the current per-row state (canvas,
     argmax and history of the previous P argmax canvases, -1 before the first; finished rows) and per-row parameters
     (temperature float32 [B], greedy bool [B], entropy bound and confidence threshold float32 [B]). Rows already
@@ -240,10 +251,13 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
     Greedy rows: sample = argmax, entropy 0 (so every position is accepted), one-hot self-conditioning.
     Constrained rows (`allowed_BW` int32 [B, W], `constrained_B` bool [B]): the first position masked inside
     `sample_step` (`mask_first`).
+    `vocab_shard`: under tensor parallel, the rank's `parallel.sampler.VocabShard`: `logits_BCV` is the rank's slice
+    [B, C, per] and its `sample_step` replaces `sample_step` (sc_probs the rank's slice too).
     Stopping (`StableAndConfidentStoppingCriteria`): argmax equal to each of the previous P argmax canvases (so never
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
     """
-    argmax, sampled, ent, sc_probs = sample_step(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW,
+    sample = sample_step if vocab_shard is None else vocab_shard.sample_step
+    argmax, sampled, ent, sc_probs = sample(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW,
                                                  constrained_B)
     accepted = entropy_bound_accept(ent, entropy_bound_B[:, None])
     canvas = torch.where(accepted, sampled, noise.renoise)

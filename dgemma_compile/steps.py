@@ -220,25 +220,26 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     state.steps.add_((~state.finished).long())
     if commit:
         logits = commit_denoise_block(model, inputs.ids[:, :C], state.canvas, cache, inputs.n_new, moe_impl=moe_impl,
-                                            kernel_options=kernel_options)
+                                      kernel_options=kernel_options, local=True)
         if plan is not None:
             plan.fill()
     else:
         logits = denoise_block(model, state.canvas, cache, None, state.has_sc, moe_impl=moe_impl,
                                      plan=plan.plan if plan is not None else None,
-                                     self_conditioning_embeds=state.sc_embeds, kernel_options=kernel_options)
+                                     self_conditioning_embeds=state.sc_embeds, kernel_options=kernel_options,
+                                     local=True)
     new = denoise_update(state.canvas, state.argmax, state.history, state.finished, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
                          confidence_B=inputs.confidence, stop_early=stop_early, allowed_BW=inputs.allowed,
-                         constrained_B=inputs.constrained)
+                         constrained_B=inputs.constrained, vocab_shard=model.vocab_shard)
     state.canvas.copy_(new.canvas)
     state.argmax.copy_(new.argmax)
     state.history.copy_(new.history)
     state.finished.copy_(new.finished | (state.steps >= inputs.budget))
-    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs))
+    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs, local=True))
     state.has_sc.fill_(True)
-    _keep_logprobs(state, logits, new.argmax)
+    _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
 
 
 def encode_chunk(model: DiffusionGemma, cache: KVCache, inputs: StepInputs, plan: PlanBuffers | None = None, *,
@@ -323,12 +324,12 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     hidden = model.forward_plan(ids, cache, plan.plan, moe_impl=moe_impl, self_conditioning_embeds=state.sc_embeds)
     if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
         hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
-    logits = model.logits(hidden)
+    logits = model.logits(hidden, local=True)  # under tensor parallel the rank's vocabulary slice, never gathered
     new = denoise_update(canvas, argmax, history, ~stepping, logits,
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
                          confidence_B=inputs.confidence, stop_early=stop_early, allowed_BW=inputs.allowed,
-                         constrained_B=inputs.constrained)
+                         constrained_B=inputs.constrained, vocab_shard=model.vocab_shard)
     ended = stepping & (new.finished | (steps >= inputs.budget))
     # a constrained row's end is the host's (its grammar decides what of the block is kept: `finish.py`)
     done = ended & ~inputs.constrained & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos,
@@ -341,8 +342,8 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     state.argmax.copy_(torch.where(begin_BC, start, new.argmax))
     state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
     state.steps.copy_(torch.where(begin, 0, steps))
-    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs))
-    _keep_logprobs(state, logits, new.argmax)
+    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs, local=True))
+    _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
     state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
     inputs.block.copy_(block)
     rows.prefilled.copy_(prefilled)
@@ -356,12 +357,14 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     refresh_plan(rows, state, plan)
 
 
-def _keep_logprobs(state: DenoiseState, logits_BCV: torch.Tensor, argmax_BC: torch.Tensor) -> None:
+def _keep_logprobs(state: DenoiseState, logits_BCV: torch.Tensor, argmax_BC: torch.Tensor, vocab_shard=None) -> None:
     """The step's `logprobs` of its argmax canvas into the state (every row: the host reads a row's only in the
-    iteration its block finished). Nothing when the state keeps none (a static shape: no branch at run time)."""
+    iteration its block finished). Nothing when the state keeps none (a static shape: no branch at run time).
+    `vocab_shard`: under tensor parallel, the logits are the rank's slice and its `logprobs` computes them."""
     if state.logprob.shape[1] == 0:
         return
-    token, ids, top = logprobs(logits_BCV, argmax_BC, state.top_ids.shape[-1])
+    of = logprobs if vocab_shard is None else vocab_shard.logprobs
+    token, ids, top = of(logits_BCV, argmax_BC, state.top_ids.shape[-1])
     state.logprob.copy_(token)
     state.top_ids.copy_(ids)
     state.top_logprobs.copy_(top)

@@ -32,29 +32,31 @@ def denoise_block(model: "DiffusionGemma", canvas_BC: torch.Tensor, cache: KVCac
                   self_conditioning_logits: torch.Tensor | None, self_conditioning_mask_B: torch.Tensor | None = None,
                   moe_impl: str | None = None, plan: ForwardPlan | None = None,
                   self_conditioning_embeds: torch.Tensor | None = None,
-                  kernel_options: dict | None = None) -> torch.Tensor:
+                  kernel_options: dict | None = None, local: bool = False) -> torch.Tensor:
     """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
     self-conditioning signal of rows without previous logits (no Python branch). `plan`: the uniform denoise plan
     for the cache's current lengths, built once per block (`plan.PlanBuffers`); None builds it here.
     `self_conditioning_embeds` [B, C, D]: the signal as its soft embedding
     (`DiffusionGemma.self_conditioning_embedding`), in place of `self_conditioning_logits` [B, C, V] (pass None
-    there). `kernel_options`: as `encode_block`'s, for a plan built here."""
+    there). `kernel_options`: as `encode_block`'s, for a plan built here. `local`: the rank's vocabulary slice
+    under tensor parallel (`DiffusionGemma.logits`)."""
     if plan is None:
         plan = build_plan(model, cache, canvas_BC.shape[1], mode="denoise", kernel_options=kernel_options)
     if self_conditioning_mask_B is not None:  # the rows whose input carries the signal
         plan = dataclasses.replace(plan, self_conditioning=self_conditioning_mask_B)
     hidden = model.forward_plan(canvas_BC, cache, plan, self_conditioning_logits, moe_impl=moe_impl,
                                 self_conditioning_embeds=self_conditioning_embeds)
-    return model.logits(hidden)
+    return model.logits(hidden, local=local)
 
 
 def commit_denoise_block(model: "DiffusionGemma", ids_BC: torch.Tensor, canvas_BC: torch.Tensor, cache: KVCache,
                          n_new_B: torch.Tensor, moe_impl: str | None = None,
-                         kernel_options: dict | None = None) -> torch.Tensor:
+                         kernel_options: dict | None = None, local: bool = False) -> torch.Tensor:
     """Commit fusion: one forward of 2C tokens that commits `ids_BC` (the first `n_new_B[b]` of each row, as
     `encode_block` does, advancing `cache.lengths`) and runs the first denoise step of the next block's `canvas_BC`
     after them (no self-conditioning; `plan.py`, mode "commit+denoise"). Returns the canvas's float32 logits
-    [B, C, V], equal within float32 reduction-order noise to `encode_block` then `denoise_block`.
+    [B, C, V] (`local`: the rank's vocabulary slice, as `denoise_block`), equal within float32 reduction-order noise
+    to `encode_block` then `denoise_block`.
 
     Raises:
         ValueError: ids and canvas of different shapes, or a cache with block_size < 2C."""
@@ -64,4 +66,4 @@ def commit_denoise_block(model: "DiffusionGemma", ids_BC: torch.Tensor, canvas_B
                          f"2C; got {tuple(ids_BC.shape)}, {tuple(canvas_BC.shape)}, block_size {cache.block_size}")
     plan = build_plan(model, cache, 2 * C, mode="commit+denoise", n_new=n_new_B, kernel_options=kernel_options)
     hidden = model.forward_plan(torch.cat([ids_BC, canvas_BC], dim=1), cache, plan, moe_impl=moe_impl)
-    return model.logits(hidden[:, C:])
+    return model.logits(hidden[:, C:], local=local)

@@ -22,6 +22,7 @@ from dgemma_compile.config import ConfigError
 from dgemma_compile.parallel import RankFailed, RendezvousError, attention_heads, split, vocab_range
 from dgemma_compile.parallel.vocab import local_rows
 from dgemma_compile.parallel.group import env_rank
+from dgemma_compile.sampler import SCHEME
 
 # Logits of the sharded model vs the single process, max abs over every real position (float32, |logits| <= 30 by
 # the softcap). Each row-parallel projection sums its K products in world_size partial sums instead of one: a
@@ -181,7 +182,9 @@ def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
     assert want.keys() == got.keys() and lazy.config == model.config
     assert all(torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype for k in want), "load_sharded differs"
     report = lazy.tensor_parallel_load
-    torch.save({"out": _forwards(model), "kv_heads": model.config.num_kv_heads,
+    from dgemma_compile.sampler import step_scheme
+
+    torch.save({"out": _forwards(model), "kv_heads": model.config.num_kv_heads, "scheme": step_scheme(model),
                 "cache_heads": [k.shape[1] for k in model.new_cache(1, 8).keys],
                 "load": (report.bytes_read, report.full_bytes, report.largest, report.full)},
                Path(out_dir, f"rank{rank}.pt"))
@@ -201,6 +204,7 @@ def test_ranks_match_the_single_process_model(tmp_path, world):
     assert all(r["kv_heads"] == (1, 1, 1, 1) and r["cache_heads"] == [1, 1, 1, 1] for r in ranks)
     for r in ranks:
         assert torch.equal(r["out"]["embed"], ref["embed"])  # the vocabulary-parallel lookup is exact
+        assert r["scheme"] == f"{SCHEME}+vocab-shard-{world}/v1"  # the numerics name the split
     _check_slices_read(ranks, world, _load_demo())
     for name, want in ref.items():
         got = ranks[0]["out"][name]

@@ -37,6 +37,7 @@ from ..model import DiffusionGemma
 from ..observe import STEP, UNIT, Observer, SpanTimer
 from ..ops.moe import resolve_moe_impl
 from ..phases import Phase, RowMirror
+from ..sampler import step_scheme
 from .options import CompileOptions, check_batch_invariant
 from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
@@ -212,7 +213,8 @@ class _Driver:
         self.images = images or [None] * len(prompts)
         R = len(prompts)
         self.out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
-                                    fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl)
+                                    fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl,
+                                    scheme=step_scheme(gen.model))
         self.queue = deque(range(R))
         self.rows: list[_Row | None] = [None] * bucket.rows
 

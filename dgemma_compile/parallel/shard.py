@@ -7,8 +7,10 @@ What each rank keeps (Megatron's split, transformers' `base_model_tp_plan`: q/k/
   all-reduce per layer). q_norm / k_norm / v_norm act per head and stay whole.
 - dense MLP: gate_proj / up_proj output rows I/N (column parallel), down_proj row parallel (one all-reduce).
 - routed experts: every expert's intermediate slice I/N (`experts.py`, one all-reduce per layer).
-- vocabulary: table rows Vp/N of the padded vocabulary for the lookup, the logits (an all-gather: every rank gets
-  the full [.., V] logits) and the self-conditioning product (`vocab.py`).
+- vocabulary: table rows Vp/N of the padded vocabulary for the lookup, the logits and the self-conditioning product
+  (`vocab.py`); the step's sampler works on the rank's slice of the logits (`sampler.VocabShard`, set as
+  `model.vocab_shard`): the logits are never gathered in a step (`model.logits(hidden)` without `local` still
+  gathers, for tests and callers that want [.., V]).
 - replicated, unchanged: norms, router, self-conditioning MLP, vision tower.
 So every rank's residual stream is the full [B, T, D] and bitwise the same on every rank.
 
@@ -30,6 +32,7 @@ from torch import nn
 from ..config import ModelConfig
 from .experts import TensorParallelExperts, check_experts
 from .linear import RowParallelLinear, column_parallel, split
+from .sampler import VocabShard
 from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProduct, local_rows, vocab_range
 
 if TYPE_CHECKING:
@@ -161,3 +164,5 @@ def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dis
     head = weight if model.lm_head is None else local_rows(model.lm_head.weight, rank, world, source, "lm_head.weight")
     model.lm_head = VocabParallelHead(head, V, group)
     model.sc_embedding = VocabParallelProduct(weight, start, V, group)
+    model.vocab_shard = VocabShard(group=group, rank=rank, world_size=world, start=start, per=weight.shape[0],
+                                   vocab_size=V)

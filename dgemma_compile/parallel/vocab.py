@@ -71,13 +71,18 @@ class VocabParallelHead(nn.Module):
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., ceil(V/N)]: this rank's slice of the logits, padding ids included (what the step's sampler reads:
+        `sampler.VocabShard`; no collective)."""
+        return F.linear(hidden, self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)  # [..., V/N]
+        local = self.local_logits(hidden)  # [..., V/N]
         per = local.shape[-1]
         # The gather as an all-reduce of the slice placed in zeros (exact: one nonzero term per logit). An all-gather
         # would move half the bytes, but Inductor's C++ wrapper (CompileOptions.cpp_wrapper, on for CPU) cannot call
-        # all_gather_into_tensor in torch 2.13 ("arg type Any is not yet supported by custom_op_wrapper"); the
-        # vocabulary-parallel sampler is to remove this gather altogether (docs/parallel.md).
+        # all_gather_into_tensor in torch 2.13 ("arg type Any is not yet supported by custom_op_wrapper"). The step
+        # never gathers: its sampler works on `local_logits` (`sampler.VocabShard`).
         placed = F.pad(local, (self.rank * per, (self.world_size - 1 - self.rank) * per))
         return funcol.all_reduce(placed, "sum", self.group)[..., :self.vocab_size]
 
@@ -93,6 +98,11 @@ class VocabParallelProduct(nn.Module):
         self.start = start
         self.vocab_size = vocab_size
         self.group = group
+
+    def local(self, probs_local: torch.Tensor) -> torch.Tensor:
+        """[..., D]: the product from this rank's slice of the probabilities [..., ceil(V/N)] (padding ids 0), one
+        all-reduce (the step's path: `sampler.VocabShard.sample_step` gives the slice)."""
+        return funcol.all_reduce(probs_local @ self.weight, "sum", self.group)
 
     def forward(self, probs: torch.Tensor) -> torch.Tensor:
         per = self.weight.shape[0]
