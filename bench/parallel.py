@@ -185,7 +185,9 @@ def report(results: dict, args, started: str, balance: dict | None = None) -> st
     cfg = slice_config(args.vocab)
     lines = [f"# Tensor parallel cost on CPU gloo ranks ({environment.today()})", "",
              f"`python -m bench.parallel --ranks {args.ranks} --experts {args.experts} --repeats {args.repeats} "
-             f"--vocab {args.vocab}`; started {started}, machine load {environment.load_average()} at the end.",
+             f"--rounds {args.rounds} --vocab {args.vocab}`; started {started}, machine load "
+             f"{environment.load_average()} at the end. Cases run one after another, round-robin over "
+             f"{args.rounds} round(s); each case's timings pooled over its rounds (per-round medians in brackets).",
              f"Device: {environment.device_name('cpu')}; versions {environment.versions()}; 1 intra-op thread per "
              f"rank; gloo over loopback.", "",
              "Model: the release's widths (hidden 2816, 16 query heads, sliding 8 KV heads of 256, full 2 of 512, dense "
@@ -209,7 +211,9 @@ def report(results: dict, args, started: str, balance: dict | None = None) -> st
             f"{float((res['logits'] - base['logits']).abs().max()):.2g}"
         share = "-" if ranks[0]["balance"] is None or split != "expert" else \
             f"{ranks[0]['mean_balance']:.0%} mean, {ranks[0]['balance']:.0%} max (even: {1 / n:.0%})"
-        lines.append(f"| {n} | {split if n > 1 else '-'} | {med[0]:.1f} | {max(med):.1f} | {comm:.1f} | {comm / med[0]:.0%} | {t['calls']} | "
+        rounds = ranks[0].get("round_ms")
+        first = f"{med[0]:.0f}" + ("" if not rounds else " [" + ", ".join(f"{x:.0f}" for x in rounds) + "]")
+        lines.append(f"| {n} | {split if n > 1 else '-'} | {first} | {max(med):.0f} | {comm:.1f} | {comm / med[0]:.0%} | {t['calls']} | "
                      f"{t['payload_bytes'] / 1e6:.2f} | {t['wire_bytes'] / 1e6:.2f} | {want / 1e6:.2f}"
                      f"{'' if want == t['payload_bytes'] else ' (differs)'} | {diff} | {share} |")
     lines += ["", "Collectives per forward kind (rank 0, measured; shape, op, dtype, calls):", ""]
@@ -240,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", default="1,2,4")
     p.add_argument("--experts", default="tensor,expert")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per rank and round")
+    p.add_argument("--rounds", type=int, default=1, help="passes over every case, round-robin (timings pooled)")
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--timeout-s", type=float, default=900)
@@ -248,13 +253,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also the raw results as JSON")
     args = p.parse_args(argv)
     started = environment.now()
+    cases = [(n, split) for n in (int(x) for x in args.ranks.split(","))
+             for split in (["tensor"] if n == 1 else args.experts.split(","))]
     results = {}
-    for n in (int(x) for x in args.ranks.split(",")):
-        for split in (["tensor"] if n == 1 else args.experts.split(",")):
+    for round_ in range(args.rounds):  # round-robin: a slow minute of the shared machine hits every case alike
+        for n, split in cases:
             t0 = time.monotonic()
-            results[(n, split)] = run_case(n, split, vocab=args.vocab, repeats=args.repeats,
-                                           prompt_len=args.prompt_len, timeout_s=args.timeout_s)
-            print(f"N={n} {split}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            res = run_case(n, split, vocab=args.vocab, repeats=args.repeats, prompt_len=args.prompt_len,
+                           timeout_s=args.timeout_s)
+            if (n, split) in results:  # pool the timings; bytes and logits are the same every round
+                for old, new in zip(results[(n, split)]["ranks"], res["ranks"]):
+                    old["step_ms"] += new["step_ms"]
+                    old["comm_ms"] += new["comm_ms"]
+                    old.setdefault("round_ms", [statistics.median(old["step_ms"][:args.repeats])])
+                    old["round_ms"].append(statistics.median(new["step_ms"]))
+            else:
+                results[(n, split)] = res
+            print(f"round {round_ + 1}, N={n} {split}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     worlds = [n for n in (int(x) for x in args.ranks.split(",")) if n > 1]
     text = report(results, args, started, demo_balance(worlds) if "expert" in args.experts and worlds else None)
     out = Path(args.out or Path(__file__).parent / "results" / f"parallel_cost_cpu_{environment.today()}.md")
