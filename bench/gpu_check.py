@@ -17,6 +17,10 @@
    vocabulary (bf16 logits [2, 256, 262144], softcap 30, one greedy row): argmax identical, sampled ids identical at
    >= 99.9% of positions (float32 sums in another order may move a draw at a chunk boundary), entropy and
    probabilities within 1e-4; plus its time against the unfused region compiled by Inductor.
+6. Tensor parallel on one multi-GPU machine (`check_tensor_parallel`, only with 2+ CUDA devices; one line saying it
+   was skipped otherwise): `dgemma generate --tensor-parallel-size N` (the CLI starts N ranks, nccl, rank r on cuda:r)
+   on demo prompts with each experts split (`--experts-split tensor|expert`), its output equal to the single process's,
+   N = 2 and, with 4+ devices, 4. `--tensor-parallel-only` runs this check alone (seconds of compile per rank).
 Exit status 1 if tokens differ or a check fails. Prints versions and the device first.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -209,13 +214,54 @@ def check_sample_step_kernel(repeats: int) -> bool:
     return ok
 
 
+TP_PROMPTS = "sort 3 1 2 9 5=\nrev 4 0 7=\nadd 12+30=\ndedup 5 5 1 2 2=\n"
+"""Demo prompts (one a line) of the multi-GPU check; the CLI prints one JSON line per prompt."""
+
+
+def check_tensor_parallel(timeout_s: float = 900.0) -> bool:
+    """`dgemma generate --prompts-file -` on the demo with `--tensor-parallel-size N` (nccl, one rank a GPU) for each
+    experts split, against one process on cuda:0: the printed completions must be equal. Skipped (True, one line)
+    with fewer than 2 CUDA devices. N: 2, and 4 when 4+ devices (the demo's 4 query heads and 8 experts divide)."""
+    n_dev = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_dev < 2:
+        print(f"tensor parallel (multi-GPU): skipped, {n_dev} CUDA device(s) here; needs 2 or more")
+        return True
+
+    def generate(*flags: str) -> str:
+        cmd = [sys.executable, "-m", "dgemma_compile.cli", "generate", "--prompts-file", "-", "--batch-size", "4",
+               *flags]
+        done = subprocess.run(cmd, input=TP_PROMPTS, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr[-2000:]}")
+        return done.stdout
+
+    ok = True
+    want = generate()
+    for n in [n for n in (2, 4) if n <= n_dev]:
+        for split in ("tensor", "expert"):
+            t0 = time.perf_counter()
+            try:
+                got = generate("--tensor-parallel-size", str(n), "--experts-split", split)
+                same = got == want
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                got, same = str(e), False
+            ok &= same
+            print(f"tensor parallel N={n} experts={split} (nccl, {n} GPUs): output == one process: {same} "
+                  f"({time.perf_counter() - t0:.0f} s with compiles)" + ("" if same else f"\n  got: {got[-500:]!r}"))
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--tensor-parallel-only", action="store_true", help="run the multi-GPU check alone")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
+        check_tensor_parallel()  # says it is skipped
         return 2
+    if args.tensor_parallel_only:
+        return 0 if check_tensor_parallel() else 1
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, dgemma_compile from {dg.__file__}")
     ok = check_sample_step_kernel(args.repeats)
     demo = dg.load(DEMO_MODEL, device="cuda")
@@ -226,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ok &= check_observer(lambda *a, **k: dg.generate(demo, *a, **k), cfg, "eager, CUDA events", compiled=False)
     step_latency(demo, "demo fp32", args.repeats)
     step_latency(scaled_model("cuda"), "scaled bf16", args.repeats)
+    ok &= check_tensor_parallel()
     return 0 if ok else 1
 
 

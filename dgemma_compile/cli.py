@@ -147,6 +147,10 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N ranks (docs/parallel.md): started here as N processes (gloo on CPU, "
                         "nccl on CUDA), or joined under torchrun (its WORLD_SIZE); rank 0 alone writes the output "
                         "and serves HTTP (default 1, or torchrun's WORLD_SIZE)")
+    p.add_argument("--experts-split", choices=("tensor", "expert"), default="tensor",
+                   help="how a tensor-parallel run splits the routed experts: tensor (every expert's intermediate "
+                        "slice on every rank, the default) or expert (E/N whole experts a rank; E must be a multiple "
+                        "of N); the same bytes move per step either way (docs/parallel.md, 'Experts: which split')")
     p.add_argument("--group-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S, metavar="S",
                    help="seconds a rank waits for its peers in a collective before the run ends with an error (a rank "
                         f"that crashes ends it at once; default {DEFAULT_GROUP_TIMEOUT_S:.0f})")
@@ -374,7 +378,8 @@ def _load(model_dir, args: argparse.Namespace, ranks):
     from . import parallel
 
     try:  # each rank reads only its slices of the sharded tensors from the files
-        return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device)
+        return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device,
+                                     experts=getattr(args, "experts_split", "tensor"))
     except ValueError as e:
         raise ConfigError(f"tensor_parallel_size: {e}") from None
 

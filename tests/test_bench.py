@@ -131,6 +131,17 @@ def test_a_timeout_and_a_crash_are_rows_not_errors(tiny_dir):
     os.kill(w.proc.pid, signal.SIGKILL)
     reply = w.call({"op": "prepare", "payload": p})
     assert not reply["ok"] and reply["result"]["status"] == f"n/a (worker exited with status {-signal.SIGKILL})"
+def test_the_multi_gpu_check_of_gpu_check_skips_with_one_line_without_two_gpus(capsys):
+    from bench import gpu_check
+
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("2+ CUDA devices: the check would run")
+    assert gpu_check.check_tensor_parallel() is True
+    assert capsys.readouterr().out.startswith("tensor parallel (multi-GPU): skipped, ")
+
+
 @pytest.mark.slow
 def test_the_observer_check_of_gpu_check_runs_on_a_cpu(tiny_dir):
     """bench/gpu_check.py imports without a GPU, says so, and its observer check holds on the eager generator and on

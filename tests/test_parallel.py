@@ -178,24 +178,48 @@ def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
     from dgemma_compile.demo import DEMO_MODEL
 
     lazy = parallel.load_sharded(DEMO_MODEL)  # only this rank's slices read from the file: the same model, bitwise
-    want, got = model.state_dict(), lazy.state_dict()
-    assert want.keys() == got.keys() and lazy.config == model.config
-    assert all(torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype for k in want), "load_sharded differs"
+    _same_model(model, lazy, "load_sharded")
     report = lazy.tensor_parallel_load
+    # expert parallel: E/N whole experts a rank (the demo's 8: 4 or 2 a rank); 5 experts cannot be split by expert
+    bad = _load_demo()
+    for p in (bad.layers[1].experts.gate_up_proj, bad.layers[1].experts.down_proj):
+        p.weight = torch.nn.Parameter(p.weight[:5], requires_grad=False)
+    try:
+        parallel.shard(bad, experts="expert")
+        raise AssertionError("shard accepted 5 experts split by expert")
+    except ValueError as e:
+        assert f"layers.1.experts.gate_up_proj.weight holds 5 experts, which cannot be split over {world}" in str(e), e
+    assert getattr(bad, "tensor_parallel", None) is None and type(bad.layers[0].experts).__name__ == "Experts"
+    by_expert = parallel.shard(_load_demo(), experts="expert")
+    assert by_expert.tensor_parallel.experts == "expert"
+    assert by_expert.layers[0].experts.gate_up_proj.weight.shape[0] == 8 // world
+    lazy_ep = parallel.load_sharded(DEMO_MODEL, experts="expert")
+    _same_model(by_expert, lazy_ep, "load_sharded(experts='expert')")
+    ep_read = lazy_ep.tensor_parallel_load.largest
     from dgemma_compile.sampler import step_scheme
 
-    torch.save({"out": _forwards(model), "kv_heads": model.config.num_kv_heads, "scheme": step_scheme(model),
+    torch.save({"out": _forwards(model), "out_expert": _forwards(by_expert), "kv_heads": model.config.num_kv_heads,
+                "scheme": step_scheme(model),
+                "ep_read": {k: v for k, v in ep_read.items() if ".experts." in k},
                 "cache_heads": [k.shape[1] for k in model.new_cache(1, 8).keys],
                 "load": (report.bytes_read, report.full_bytes, report.largest, report.full)},
                Path(out_dir, f"rank{rank}.pt"))
     parallel.destroy()
 
 
+def _same_model(want_model, got_model, what: str) -> None:
+    want, got = want_model.state_dict(), got_model.state_dict()
+    assert want.keys() == got.keys() and got_model.config == want_model.config
+    assert all(torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype for k in want), f"{what} differs"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_match_the_single_process_model(tmp_path, world):
     """2 ranks: sliding layers' 2 KV heads split, full layers' 1 replicated, vocabulary 27 padded to 28; 4 ranks:
-    one query head a rank, every KV head replicated, 7 vocabulary rows a rank (the last holds 6 and a pad)."""
+    one query head a rank, every KV head replicated, 7 vocabulary rows a rank (the last holds 6 and a pad). The
+    experts split by intermediate slice (the default) and, the same forwards again, by expert (experts="expert":
+    4 or 2 of the 8 experts a rank, read as E/N whole experts from the file), both under the same bound."""
     t0 = time.monotonic()
     parallel.spawn(_rank_forwards, world, (str(tmp_path),), timeout_s=150)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
@@ -206,14 +230,20 @@ def test_ranks_match_the_single_process_model(tmp_path, world):
         assert torch.equal(r["out"]["embed"], ref["embed"])  # the vocabulary-parallel lookup is exact
         assert r["scheme"] == f"{SCHEME}+vocab-shard-{world}/v1"  # the numerics name the split
     _check_slices_read(ranks, world, _load_demo())
-    for name, want in ref.items():
-        got = ranks[0]["out"][name]
-        for r in ranks[1:]:  # the sampler needs the same bits on every rank
-            assert torch.equal(r["out"][name], got), f"{name}: ranks disagree"
-        assert want.abs().max() > 1000 * LOGITS_ATOL  # real values, not a degenerate output
-        diff = float((got - want).abs().max())
-        assert diff <= LOGITS_ATOL, f"{name}: max abs diff {diff:.3g} > {LOGITS_ATOL}"
-        assert torch.equal(got.argmax(-1), want.argmax(-1)), name
+    for r in ranks:  # a rank read its experts' rows only: 1/N of each expert tensor
+        n_experts = {k: v for k, v in ranks[0]["load"][3].items() if ".experts." in k}
+        assert r["ep_read"].keys() == n_experts.keys() and all(r["ep_read"][k] == n // world
+                                                               for k, n in n_experts.items()), r["ep_read"]
+    for which in ("out", "out_expert"):
+        for name, want in ref.items():
+            got = ranks[0][which][name]
+            for r in ranks[1:]:  # the sampler needs the same bits on every rank
+                assert torch.equal(r[which][name], got), f"{which} {name}: ranks disagree"
+            assert want.abs().max() > 1000 * LOGITS_ATOL  # real values, not a degenerate output
+            diff = float((got - want).abs().max())
+            assert diff <= LOGITS_ATOL, f"{which} {name}: max abs diff {diff:.3g} > {LOGITS_ATOL}"
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), (which, name)
+            print(which, name, f"{diff:.3g}")
     print(f"{world} ranks: {time.monotonic() - t0:.1f} s")
 
 

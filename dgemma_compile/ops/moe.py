@@ -126,11 +126,14 @@ def _as_weight(weight: "torch.Tensor | ExpertWeight", x: torch.Tensor) -> Expert
 
 def moe_experts_loop(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWeight):
     """transformers' loop: the experts that received tokens in increasing id order, each token's contributions
-    accumulated into zeros in that order (bit-identical to transformers' eager MoE)."""
+    accumulated into zeros in that order (bit-identical to transformers' eager MoE). Ids >= E are skipped: an
+    assignment another rank computes (expert parallel, `parallel.expert_parallel.local_routing`)."""
     gate_up, down = _as_weight(gate_up, x_ND), _as_weight(down, x_ND)
     out = torch.zeros_like(x_ND)
     x_in = gate_up.activation(x_ND)
     for e in torch.unique(idx_NK).tolist():
+        if e >= gate_up.weight.shape[0]:
+            continue
         token, slot = torch.where(idx_NK == e)
         gate, up = F.linear(x_in[token], gate_up.rows(e)).to(x_ND.dtype).chunk(2, dim=-1)
         h = F.gelu(gate, approximate="tanh") * up
@@ -160,10 +163,12 @@ def moe_experts_grouped(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertW
 
 
 def moe_experts_dense(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWeight):
-    """Sync-free experts: every expert on every token, combined with the routing weights (zero where unrouted)."""
+    """Sync-free experts: every expert on every token, combined with the routing weights (zero where unrouted).
+    The combine matrix adds the weights of repeated ids (an expert-parallel rank's masked slots: weight 0; with
+    distinct ids, as routing gives, the same values as a plain scatter)."""
     gate_up, down = _as_weight(gate_up, x_ND), _as_weight(down, x_ND)
     N, E = x_ND.shape[0], gate_up.weight.shape[0]
-    combine_EN = torch.zeros(N, E, dtype=w_NK.dtype, device=x_ND.device).scatter(1, idx_NK, w_NK).T
+    combine_EN = torch.zeros(N, E, dtype=w_NK.dtype, device=x_ND.device).scatter_add(1, idx_NK, w_NK).T
     gate, up = torch.einsum("nd,eid->eni", gate_up.activation(x_ND), gate_up.all()).to(x_ND.dtype).chunk(2, dim=-1)
     h = F.gelu(gate, approximate="tanh") * up
     y_END = torch.einsum("eni,edi->end", down.activation(h), down.all()).to(x_ND.dtype)
@@ -294,7 +299,8 @@ def moe_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, ga
     Args: x [N, D] (model dtype), w [N, K] float32 routing weights, idx [N, K] int64 expert ids (distinct per row),
     gate_up [E, 2I, D] (gate rows first) and down [E, D, I] as stored in the format `quant` (`EXPERT_QUANTS`,
     layouts in `model.ExpertProjection`; packed NVFP4 halves the last dim), each with its list of scale tensors
-    ([] unquantized), impl one of `MOE_IMPLS`. Returns [N, D] in x's dtype.
+    ([] unquantized), impl one of `MOE_IMPLS`. Returns [N, D] in x's dtype. Expert parallel
+    (`parallel.expert_parallel.local_routing`) also passes repeated ids of weight 0 and, to "loop", ids >= E (skipped).
 
     Raises: ValueError for an unknown impl (naming moe_impl) or a format the implementation does not take.
     """

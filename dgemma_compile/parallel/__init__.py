@@ -1,6 +1,6 @@
 """Tensor parallelism over torch.distributed (docs/parallel.md): the process group (`group.py`), a local launcher
 (`launch.py`), a weight's per-rank slice and the row-parallel linear (`linear.py`), the sharding of a loaded model
-(`shard.py`: attention heads, the dense MLP, the routed experts (`experts.py`) and the vocabulary (`vocab.py`)), read
+(`shard.py`: attention heads, the dense MLP, the routed experts (`experts.py` by intermediate slice, `expert_parallel.py` by expert) and the vocabulary (`vocab.py`)), read
 from the model or straight from the checkpoint's files (`source.py`, `load.py`: `load_sharded`), the host channel
 (`channel.py`) and the ranks of a CLI command (`ranks.py`)."""
 
@@ -8,11 +8,12 @@ from .group import RendezvousError, backend_for, destroy, init
 from .launch import RankFailed, spawn
 from .linear import RowParallelLinear, split
 from .experts import TensorParallelExperts
+from .expert_parallel import DEFAULT_EXPERT_SPLIT, EXPERT_SPLITS, ExpertParallelExperts
 from .shard import TensorParallel, attention_heads, shard
 from .load import LoadReport, load_sharded
 from .source import FileWeights, ModelWeights
 from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProduct, vocab_range
 
-__all__ = ["FileWeights", "LoadReport", "ModelWeights", "load_sharded", "RankFailed", "RendezvousError", "RowParallelLinear", "TensorParallel", "TensorParallelExperts",
+__all__ = ["DEFAULT_EXPERT_SPLIT", "EXPERT_SPLITS", "ExpertParallelExperts", "FileWeights", "LoadReport", "ModelWeights", "load_sharded", "RankFailed", "RendezvousError", "RowParallelLinear", "TensorParallel", "TensorParallelExperts",
            "VocabParallelEmbedding", "VocabParallelHead", "VocabParallelProduct", "attention_heads", "backend_for",
            "destroy", "init", "shard", "spawn", "split", "vocab_range"]

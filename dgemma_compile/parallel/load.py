@@ -52,9 +52,10 @@ class LoadReport:
 
 
 def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu") -> "DiffusionGemma":
+                 device: str | torch.device = "cpu", experts: str = "tensor") -> "DiffusionGemma":
     """Load this rank's shard of a float checkpoint (module docstring): the model `shard(load(path))` gives, without
-    reading the full sharded tensors. `model.tensor_parallel_load` is a `LoadReport`.
+    reading the full sharded tensors. `model.tensor_parallel_load` is a `LoadReport`. `experts`: as `shard`'s
+    ("tensor" or "expert": with "expert" a rank reads its E/N whole experts, contiguous rows of the files).
 
     Raises:
         CheckpointError: as `loader.load`; a quantized checkpoint.
@@ -68,7 +69,7 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
     full = {name: model.get_parameter(name).numel() for name in model.weight_sources}
     itemsize = {name: _stored_itemsize(p, k) for name, (p, k) in model.weight_sources.items()}
     try:
-        shard(model, group, source=source)
+        shard(model, group, source=source, experts=experts)
     finally:
         source.close()
     left = [n for n, p in model.named_parameters() if p.is_meta]

@@ -6,7 +6,8 @@ What each rank keeps (Megatron's split, transformers' `base_model_tp_plan`: q/k/
   released full layers have 2 KV heads); o_proj is row parallel over the same heads (`RowParallelLinear`, one
   all-reduce per layer). q_norm / k_norm / v_norm act per head and stay whole.
 - dense MLP: gate_proj / up_proj output rows I/N (column parallel), down_proj row parallel (one all-reduce).
-- routed experts: every expert's intermediate slice I/N (`experts.py`, one all-reduce per layer).
+- routed experts: every expert's intermediate slice I/N (`experts.py`, experts="tensor", the default) or E/N whole
+  experts (`expert_parallel.py`, experts="expert"); one all-reduce per layer either way.
 - vocabulary: table rows Vp/N of the padded vocabulary for the lookup, the logits and the self-conditioning product
   (`vocab.py`); the step's sampler works on the rank's slice of the logits (`sampler.VocabShard`, set as
   `model.vocab_shard`): the logits are never gathered in a step (`model.logits(hidden)` without `local` still
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ModelConfig
+from .expert_parallel import ExpertParallelExperts, check_expert_parallel, check_expert_split
 from .experts import TensorParallelExperts, check_experts
 from .linear import RowParallelLinear, column_parallel, split
 from .sampler import VocabShard
@@ -42,13 +44,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TensorParallel:
     """How a model was sharded: `group` (the process group), this process's `rank` of `world_size`, the checkpoint's
-    `config` (before sharding) and per layer the (query heads, KV heads) this rank holds (global head ids)."""
+    `config` (before sharding), per layer the (query heads, KV heads) this rank holds (global head ids), and how
+    the routed experts were split (`experts`: "tensor" or "expert", `expert_parallel.EXPERT_SPLITS`)."""
 
     group: dist.ProcessGroup
     rank: int
     world_size: int
     config: ModelConfig
     heads: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    experts: str = "tensor"
 
 
 def attention_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int,
@@ -91,7 +95,8 @@ def _check_plain(model: nn.Module) -> None:
                              f"model before quantizing it")
 
 
-def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, source=None) -> "DiffusionGemma":
+def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, source=None,
+          experts: str = "tensor") -> "DiffusionGemma":
     """Shard `model` in place over `group` (default: the default group) for this process's rank, and return it.
 
     Args:
@@ -100,6 +105,8 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
             same forwards (each row-parallel projection is one all-reduce).
         source: where the rank's slices are read (`source.py`): None, the model's own full tensors; a `FileWeights`
             for a model the loader left the sharded tensors of unread (`parallel.load_sharded`).
+        experts: "tensor" (every expert's I/N intermediate slice on every rank, the default) or "expert" (E/N whole
+            experts a rank); docs/parallel.md, "Experts: which split".
     Returns:
         `model`, with `model.tensor_parallel` (a `TensorParallel`) set and `model.config` the local attention shape
         (module docstring). Its forwards return what the unsharded model's do (float32 logits [B, T, V], the full
@@ -107,7 +114,8 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
     Raises:
         ValueError: the model is already sharded or quantized, or a tensor cannot be split (the message names it:
             query heads, KV heads, or the dense MLP's or the experts' intermediate size not divisible by the rank
-            count; the vocabulary is padded, never refused). Nothing is changed when it raises.
+            count, or with experts="expert" the expert count; the vocabulary is padded, never refused); an unknown
+            `experts`. Nothing is changed when it raises.
         RuntimeError: no process group is initialised.
     """
     if getattr(model, "tensor_parallel", None) is not None:
@@ -117,13 +125,14 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
     group = dist.group.WORLD if group is None else group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cfg = model.config
+    check_expert_split(experts)
     _check_plain(model)
     # Plan everything first, so that a shape that cannot be split changes nothing.
     heads = [attention_heads(cfg.num_attention_heads, cfg.num_kv_heads[i], rank, world, i)
              for i in range(cfg.num_layers)]
     for i, layer in enumerate(model.layers):
         split(layer.mlp.gate_proj.weight, 0, rank, world, f"layers.{i}.mlp.gate_proj.weight")
-        check_experts(layer.experts, world, f"layers.{i}.experts")
+        (check_experts if experts == "tensor" else check_expert_parallel)(layer.experts, world, f"layers.{i}.experts")
     for i, (layer, (q, kv)) in enumerate(zip(model.layers, heads)):
         attn, dh = layer.self_attn, layer.self_attn.head_dim
         pre = f"layers.{i}.self_attn"
@@ -141,10 +150,11 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
         mlp.up_proj = column_parallel(mlp.up_proj, rank * per, per, f"{pre}.up_proj", source)
         mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world, group, f"{pre}.down_proj",
                                                       source=source)
-        layer.experts = TensorParallelExperts(layer.experts, rank, world, group, f"layers.{i}.experts", source)
+        split_experts = TensorParallelExperts if experts == "tensor" else ExpertParallelExperts
+        layer.experts = split_experts(layer.experts, rank, world, group, f"layers.{i}.experts", source)
     _shard_vocabulary(model, rank, world, group, source)
     model.tensor_parallel = TensorParallel(group=group, rank=rank, world_size=world, config=cfg,
-                                           heads=tuple((tuple(q), tuple(kv)) for q, kv in heads))
+                                           heads=tuple((tuple(q), tuple(kv)) for q, kv in heads), experts=experts)
     model.config = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
                                        num_kv_heads=tuple(len(kv) for _, kv in heads))
     return model
