@@ -23,7 +23,7 @@ What each computes, with x the rank's float32 logits (padding ids set to `sample
 - self-conditioning: exp(scaled) / total on the rank's ids (one-hot at the argmax for greedy rows); the product with
   the rank's embedding rows and its all-reduce are `vocab.VocabParallelProduct.local`.
 Bytes all-reduced per step, B rows of C positions: 4 (max) + 8 (argmax) + 4 * N * chunks (masses) + 8 (token) + 4
-(entropy) per position: at the release (64 chunks of 4096) 280 bytes a position, against 4 * 262144 for
+(entropy) per position: at the release (64 chunks of 4096) 280 bytes a position, against 2 * 262144 (bf16) for
 gathering the logits. Reduction-order differences from one process are the float32 sums' (total mass, entropy).
 """
 
