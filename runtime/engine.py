@@ -310,12 +310,20 @@ class Engine:
     def _enqueue(self, request: Request) -> None:
         """Queue a validated request (the lock held): give it its id and wake the engine thread. Raises
         QueueFullError. A tensor-parallel engine (`runtime/parallel.py`) queues through rank 0's schedule instead."""
-        if len(self._queue) >= self.max_queue:
+        if self._waiting() >= self.max_queue:
             raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
         request.id = next(self._ids)
         request.submitted = time.perf_counter()
-        self._queue.append(request)
+        self._new_requests().append(request)
         self._wake.notify()
+
+    def _waiting(self) -> int:
+        """Requests queued and not yet admitted (what `max_queue` bounds)."""
+        return len(self._queue)
+
+    def _new_requests(self) -> "deque[Request] | list[Request]":
+        """Where `_enqueue` puts a new request: the queue (rank 0 of a tensor-parallel engine: its inbox)."""
+        return self._queue
 
     def cancel(self, request: Request) -> None:
         """Ask the engine to drop `request` (thread-safe): a queued request is dropped at admission, a running one

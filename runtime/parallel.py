@@ -29,7 +29,6 @@ ends its requests with "error" and calls `on_fatal(message)` (the CLI prints it 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,7 +37,7 @@ import torch
 from dgemma_compile.config import GenerationConfig
 from dgemma_compile.constraint import Constraint
 from dgemma_compile.images import ImagePrompt
-from .engine import Engine, QueueFullError, Request
+from .engine import Engine, Request
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +102,13 @@ class TensorParallelEngine(Engine):
             return
         if self.fatal is not None:
             raise RuntimeError(self.fatal)
-        if len(self._queue) + len(self._inbox) >= self.max_queue:
-            raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
-        request.id = next(self._ids)
-        request.submitted = time.perf_counter()
-        self._inbox.append(request)
-        self._wake.notify()
+        super()._enqueue(request)  # into the inbox: rank 0's next schedule hands it to every rank
+
+    def _waiting(self) -> int:
+        return len(self._queue) + len(self._inbox)
+
+    def _new_requests(self) -> list[Request]:
+        return self._inbox
 
     def cancel(self, request: Request) -> None:
         with self._wake:
