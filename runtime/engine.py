@@ -310,6 +310,10 @@ class Engine:
     def _enqueue(self, request: Request) -> None:
         """Queue a validated request (the lock held): give it its id and wake the engine thread. Raises
         QueueFullError. A tensor-parallel engine (`runtime/parallel.py`) queues through rank 0's schedule instead."""
+        self._stamp_and_queue(request)
+
+    def _stamp_and_queue(self, request: Request) -> None:
+        """The queue-full check, the request's id and submit time, into `_new_requests()`; wakes the engine."""
         if self._waiting() >= self.max_queue:
             raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
         request.id = next(self._ids)

@@ -102,7 +102,7 @@ class TensorParallelEngine(Engine):
             return
         if self.fatal is not None:
             raise RuntimeError(self.fatal)
-        super()._enqueue(request)  # into the inbox: rank 0's next schedule hands it to every rank
+        self._stamp_and_queue(request)  # into the inbox: rank 0's next schedule hands it to every rank
 
     def _waiting(self) -> int:
         return len(self._queue) + len(self._inbox)
