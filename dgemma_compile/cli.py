@@ -323,7 +323,7 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = _load(model_dir, args, ranks)
-    args.quant = _quantize(model, args.quant)
+    args.quant = _quantize(model, args.quant if ranks is None else None)  # ranks: quantized before sharding (_load)
     tokenizer = load_tokenizer(model_dir)
     if args.constraint is not None:  # compiled against this tokenizer now: a bad one fails before any model work
         from .constraint import row_grammars
@@ -364,22 +364,29 @@ def _shared(ranks, make):
 
 def _load(model_dir, args: argparse.Namespace, ranks):
     """The model (--dtype); in a tensor-parallel run this rank's shard of it, read slice by slice from the files
-    (`parallel.load_sharded`, on the rank's device). Raises ConfigError for --quant with --tensor-parallel-size (not
-    combined yet), CheckpointError for a quantized checkpoint there."""
+    (`parallel.load_sharded`, on the rank's device; a compressed-tensors checkpoint too), or with --quant loaded
+    whole, quantized as one process would and then sharded (`model.quant_report` set), so that every rank holds the
+    one-process quantized weights' slices. Raises ConfigError for a split the model's shapes refuse."""
     from . import load
     from .config import ConfigError
 
     dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None
     if ranks is None:
         return load(model_dir, dtype=dtype)
-    if getattr(args, "quant", None) is not None:
-        raise ConfigError("quant: --quant with --tensor-parallel-size is not supported yet (shard, then quantize, is "
-                          "not implemented: docs/parallel.md)")
     from . import parallel
 
-    try:  # each rank reads only its slices of the sharded tensors from the files
-        return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device,
-                                     experts=getattr(args, "experts_split", "tensor"))
+    experts = getattr(args, "experts_split", "tensor")
+    try:
+        if getattr(args, "quant", None) is None:  # each rank reads only its slices of the sharded tensors
+            return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device, experts=experts)
+        from .quant import quantize
+
+        # a full float copy per rank while quantizing (a pre-quantized checkpoint loads slice by slice instead)
+        model = load(model_dir, dtype=dtype, device=ranks.device)
+        report = quantize(model, args.quant)
+        model = parallel.shard(model, experts=experts)
+        model.quant_report = report
+        return model
     except ValueError as e:
         raise ConfigError(f"tensor_parallel_size: {e}") from None
 

@@ -134,10 +134,11 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             None (default) loads them when the checkpoint can take images (a `vision_config` and an image token id
             inside the vocabulary; otherwise one log line says why not); True requires them; False leaves them on
             disk. Without them `model.vision` is None and prompts with images are refused.
-        lazy: state-dict names for which it returns True are checked (name, shape, dtype) but not read: they stay
-            meta tensors of the checkpoint's shape, `model.weight_sources[name]` = (file, key) and
-            `model.weight_dtype` the dtype they load as (`parallel.load_sharded` reads each rank's slices of them).
-            Float checkpoints only.
+        lazy: state-dict names for which it returns True are checked (name, shape, dtype; a quantized one's whole
+            stored family) but not read: they stay meta tensors of the checkpoint's (dequantized) shape,
+            `model.weight_sources[name]` = (file, key) and `model.weight_dtype` the dtype they load as; a quantized
+            one's `quant.checkpoint.StoredWeight` in `model.quantized_sources[name]`, its keys' files in
+            `model.weight_files` (`parallel.load_sharded` reads each rank's slices of them).
     Returns:
         The model in eval mode, with `.generation_config` (a `GenerationConfig`) and `.checkpoint_dir` set; for a
         quantized checkpoint also `.quant_scheme` (the `quant.SCHEMES` name it runs as) and `.quant_report` (a
@@ -164,9 +165,6 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
                               f"{why_not}")
     with_vision = vision_cfg is not None and why_not is None and vision is not False
     fmt = _stored_format(directory)
-    if fmt is not None and lazy is not None:
-        raise CheckpointError(f"{directory / 'config.json'}: a quantized checkpoint ({fmt.scheme}) cannot be read "
-                              f"slice by slice yet (tensor parallel loads it whole: load, then shard is refused too)")
     files = _index(directory)
     headers: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
     for f in sorted(set(files.values())):
@@ -228,10 +226,12 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
     state, stored_data = {}, {}
     by_file: dict[Path, tuple[list[str], list[str]]] = {}
     skipped = {name: (files[key], key) for name, key in sources.items() if lazy is not None and lazy(name)}
+    skipped_quantized = {name: s for name, s in quantized.items() if lazy is not None and lazy(name)}
+    read_quantized = {name: s for name, s in quantized.items() if name not in skipped_quantized}
     for name, key in sources.items():
         if name not in skipped:
             by_file.setdefault(files[key], ([], []))[0].append(name)
-    for key in sorted({k for s in quantized.values() for k in s.all_keys()}):
+    for key in sorted({k for s in read_quantized.values() for k in s.all_keys()}):
         by_file.setdefault(files[key], ([], []))[1].append(key)
     for f, (names, keys) in by_file.items():
         try:
@@ -245,13 +245,16 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
     if "lm_head.weight" in files and model.lm_head is None and "embed_tokens.weight" in state:
         _check_tied(files["lm_head.weight"], state["embed_tokens.weight"])
 
-    _assign(model, state, quantized, stored_data, fmt, target, device, files, set(skipped))
+    _assign(model, state, read_quantized, stored_data, fmt, target, device, files,
+            set(skipped) | set(skipped_quantized))
     model.init_buffers(device)
     model.generation_config = gen
     model.checkpoint_dir = directory
     model.requires_grad_(False)
     if lazy is not None:
         model.weight_sources, model.weight_dtype = skipped, target
+        model.quantized_sources = skipped_quantized
+        model.weight_files = {k: files[k] for s in skipped_quantized.values() for k in s.all_keys()}
     if fmt is not None:
         model.quant_scheme = fmt.scheme
         model.quant_report = checkpoint.report(model, fmt, quantized, kinds, target, hf_names)

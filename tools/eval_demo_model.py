@@ -198,6 +198,9 @@ def main(argv=None):
     ap.add_argument("--quant", default=None, metavar="SCHEME",
                     help="dgemma generators: quantize the weights after loading (dg.quantize: fp8, fp8-weight-only, "
                     "nvfp4-w4a16)")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="dgemma generators: the tokenizer's directory (default: model_dir; e.g. the demo's for a "
+                    "quantized copy of it without one)")
     ap.add_argument("--dump", metavar="FILE", help="write the generated ids of every prompt (JSON list) to FILE, e.g. "
                     "to compare two generators token for token")
     args = ap.parse_args(argv)
@@ -212,7 +215,7 @@ def main(argv=None):
             from dgemma_compile.quant import quantize
 
             print(quantize(ours, args.quant).text().splitlines()[0], file=sys.stderr)
-        tokenizer = dg.load_tokenizer(args.model_dir)
+        tokenizer = dg.load_tokenizer(args.tokenizer or args.model_dir)
         if args.generator == "dgemma-eager":
             model = _EagerRunner(ours)
         else:  # dgemma-fused: commit fusion forced on (CompileOptions.fuse_commit=True; default: CUDA only)

@@ -7,6 +7,7 @@ ids. The parent compares the ranks with each other and with a single-process dum
 reference of main's numerics) and reports the share that differ, prompt by prompt, with the exact-match score.
 
     python tools/parallel_eval.py --world-size 2 --reference /tmp/perf_500.json --out results.json
+        [--checkpoint DIR] [--quant SCHEME]   # the reference: eval_demo_model.py DIR [--quant SCHEME] --dump
 
 Takes ~10-30 min on 2 shared cores (each rank compiles its own step, then 500 requests with collectives).
 Exit status 1 when a rank differs from another or from the reference.
@@ -29,11 +30,17 @@ from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
 from dgemma_compile.demo import tasks as T  # noqa: E402
 
 
-def _rank(rank: int, world: int, n: int, offset: int, out_dir: str, cache: str | None, bucket: int | None) -> None:
+def _rank(rank: int, world: int, n: int, offset: int, out_dir: str, cache: str | None, bucket: int | None,
+          checkpoint: str = str(DEMO_MODEL), quant: str | None = None) -> None:
     if cache:  # an Inductor cache of the rank's own (see --per-rank-cache)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache, f"rank{rank}"))
     parallel.init("cpu", timeout_s=600)
-    model = parallel.shard(dg.load(DEMO_MODEL))
+    if quant is None:  # the rank's slices from the files (a compressed-tensors checkpoint too)
+        model = parallel.load_sharded(checkpoint)
+    else:  # quantized as one process would, then sharded (`dgemma generate --quant --tensor-parallel-size`)
+        model = dg.load(checkpoint)
+        dg.quantize(model, quant)
+        model = parallel.shard(model)
     tok = dg.load_tokenizer(DEMO_MODEL)
     gen = dg.build(model) if bucket is None else dg.build(model, dg.CompileOptions(batch_buckets=(bucket,)))
     config = model.generation_config
@@ -70,20 +77,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-rank-cache", default=None, metavar="DIR",
                     help="give each rank its own Inductor cache DIR/rank<r> (TORCHINDUCTOR_CACHE_DIR) instead of the "
                          "shared one (docs/parallel.md: what 4 ranks compiling into one cache did)")
+    ap.add_argument("--checkpoint", default=str(DEMO_MODEL),
+                    help="the model (default: the demo; a quantized copy of it such as tests/fixtures/quant/"
+                         "demo-nvfp4a16); the demo's tokenizer either way")
+    ap.add_argument("--quant", default=None, help="quantize on load, before sharding (dg.quantize's schemes)")
     a = ap.parse_args(argv)
     ref = json.loads(Path(a.reference).read_text())[:a.n]
     if len(ref) < a.n:
         raise SystemExit(f"--reference {a.reference} holds {len(ref)} prompts, fewer than --n {a.n}")
     d = tempfile.mkdtemp(prefix="parallel_eval_")
     t0 = time.monotonic()
-    parallel.spawn(_rank, a.world_size, (a.n, a.offset, d, a.per_rank_cache, a.batch_bucket), timeout_s=7200)
+    parallel.spawn(_rank, a.world_size, (a.n, a.offset, d, a.per_rank_cache, a.batch_bucket, a.checkpoint, a.quant),
+                   timeout_s=7200)
     ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(a.world_size)]
     ids = ranks[0]["ids"]
     differ_ranks = [i for i in range(a.n) if any(r["ids"][i] != ids[i] for r in ranks)]
     differ_ref = [i for i in range(a.n) if ids[i] != ref[i]]
     tok = dg.load_tokenizer(DEMO_MODEL)
     examples = T.make_split("heldout", a.n, 0, offset=a.offset)
-    results = {"world_size": a.world_size, "per_rank_cache": a.per_rank_cache, "batch_bucket": a.batch_bucket, "n": a.n, "offset": a.offset, "reference": a.reference,
+    results = {"world_size": a.world_size, "checkpoint": a.checkpoint, "quant": a.quant, "per_rank_cache": a.per_rank_cache, "batch_bucket": a.batch_bucket, "n": a.n, "offset": a.offset, "reference": a.reference,
                "moe_impl": ranks[0]["moe_impl"], "prompts_differing_between_ranks": differ_ranks,
                "prompts_differing_from_single_process": differ_ref,
                "share_equal_to_single_process": 1 - len(differ_ref) / a.n,

@@ -4,6 +4,10 @@ prompts; checks that every rank's tokens are equal, equal to the sharded model's
 single-process eager loop, and reports `gen.explain` (graphs, graph breaks) per rank. Writes a JSON results file.
 
     python tools/parallel_generate.py [--world-size 2] [--experts-split tensor|expert] [--out results.json]
+        [--checkpoint DIR] [--quant SCHEME]
+
+`--checkpoint`: another checkpoint of the demo's vocabulary (a compressed-tensors one, read slice by slice by
+`parallel.load_sharded`); `--quant`: quantize it on load (before sharding, as `dgemma generate --quant` does).
 
 Takes ~3 min on 2 shared cores at 2 ranks (each rank compiles its own step). Exit status 1 when a check fails.
 """
@@ -36,9 +40,21 @@ def _seqs(out) -> list[list[int]]:
     return [[int(t) for t in s] for s in out.sequences]
 
 
-def _rank(rank: int, world: int, out_dir: str, experts: str = "tensor") -> None:
+def _load(checkpoint: str, quant: str | None):
+    """The one-process model: `checkpoint`, quantized to `quant` when given."""
+    model = dg.load(checkpoint)
+    if quant is not None:
+        dg.quantize(model, quant)
+    return model
+
+
+def _rank(rank: int, world: int, out_dir: str, experts: str = "tensor", checkpoint: str = str(DEMO_MODEL),
+          quant: str | None = None) -> None:
     parallel.init("cpu", timeout_s=300)
-    model = parallel.shard(dg.load(DEMO_MODEL), experts=experts)
+    if quant is None:  # each rank reads its slices from the files
+        model = parallel.load_sharded(checkpoint, experts=experts)
+    else:
+        model = parallel.shard(_load(checkpoint, quant), experts=experts)
     t0 = time.monotonic()
     gen = dg.build(model, CompileOptions(batch_buckets=(len(PROMPTS),), max_seq_len=256))
     compiled = gen.generate(_ids(), seed=0)
@@ -59,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts-split", choices=("tensor", "expert"), default="tensor",
                     help="how the routed experts are split (parallel.shard's experts=)")
     ap.add_argument("--out", default=None, help="results JSON (default: printed only)")
+    ap.add_argument("--checkpoint", default=str(DEMO_MODEL), help="the model (default: the demo; its tokenizer)")
+    ap.add_argument("--quant", default=None, help="quantize on load, before sharding (dg.quantize's schemes)")
     a = ap.parse_args(argv)
     d = tempfile.mkdtemp(prefix="parallel_generate_")
     t0 = time.monotonic()
-    parallel.spawn(_rank, a.world_size, (d, a.experts_split), timeout_s=1200)
+    parallel.spawn(_rank, a.world_size, (d, a.experts_split, a.checkpoint, a.quant), timeout_s=1200)
     ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(a.world_size)]
-    ref = _seqs(dg.generate(dg.load(DEMO_MODEL), _ids(), seed=0, moe_impl=ranks[0]["moe_impl"]))
+    ref = _seqs(dg.generate(_load(a.checkpoint, a.quant), _ids(), seed=0, moe_impl=ranks[0]["moe_impl"]))
     tok = dg.load_tokenizer(DEMO_MODEL)
     checks = {
         "ranks_equal": all(r["compiled"] == ranks[0]["compiled"] for r in ranks),
@@ -74,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         and all(u["graph_break_count"] == 0 for r in ranks for u in r["units"]),
         "one_graph_per_unit": all(u["graph_count"] == 1 for r in ranks for u in r["units"]),
     }
-    results = {"world_size": a.world_size, "experts": a.experts_split, "prompts": PROMPTS, "checks": checks,
+    results = {"world_size": a.world_size, "experts": a.experts_split, "checkpoint": a.checkpoint, "quant": a.quant,
+               "prompts": PROMPTS, "checks": checks,
                "texts": [tok.decode(s, skip_special_tokens=True) for s in ranks[0]["compiled"]],
                "per_rank": [{k: r[k] for k in ("rank", "moe_impl", "compile_and_first_generate_s", "units")}
                             for r in ranks],

@@ -1,7 +1,8 @@
 """Tensor parallelism over torch.distributed (docs/parallel.md): the process group (`group.py`), a local launcher
 (`launch.py`), a weight's per-rank slice and the row-parallel linear (`linear.py`), the sharding of a loaded model
 (`shard.py`: attention heads, the dense MLP, the routed experts (`experts.py` by intermediate slice, `expert_parallel.py` by expert) and the vocabulary (`vocab.py`)), read
-from the model or straight from the checkpoint's files (`source.py`, `load.py`: `load_sharded`), the host channel
+from the model or straight from the checkpoint's files (`source.py`, `load.py`: `load_sharded`; quantized weights
+part by part, `quantized.py`), the host channel
 (`channel.py`) and the ranks of a CLI command (`ranks.py`)."""
 
 from .group import RendezvousError, backend_for, destroy, init

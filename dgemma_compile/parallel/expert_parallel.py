@@ -22,7 +22,6 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from ..model import Experts
-from .experts import _projection
 from .source import ModelWeights
 
 EXPERT_SPLITS = ("tensor", "expert")
@@ -72,8 +71,10 @@ class ExpertParallelExperts(Experts):
     reduction-order error (each token's K terms are summed per rank, then across ranks), bitwise the same on every
     rank.
 
-    Raises (construction): ValueError naming the tensor for quantized experts (shard before quantizing) or an expert
-    count that is not a multiple of the rank count (`expert_range`).
+    Quantized experts keep their format (whole experts: every part of the layout sliced by expert).
+
+    Raises (construction): ValueError naming the tensor for an expert count that is not a multiple of the rank count
+    (`expert_range`).
     """
 
     def __init__(self, experts: Experts, rank: int, world_size: int, group: dist.ProcessGroup | None, name: str,
@@ -81,10 +82,10 @@ class ExpertParallelExperts(Experts):
         nn.Module.__init__(self)
         check_expert_parallel(experts, world_size, name)
         source = source or ModelWeights()
-        full_gu, full_down = experts.gate_up_proj.weight, experts.down_proj.weight
-        self.start, self.count = expert_range(full_gu.shape[0], rank, world_size, f"{name}.gate_up_proj.weight")
-        self.gate_up_proj = _projection(source.take(f"{name}.gate_up_proj.weight", full_gu, 0, self.start, self.count))
-        self.down_proj = _projection(source.take(f"{name}.down_proj.weight", full_down, 0, self.start, self.count))
+        gu, down = experts.gate_up_proj, experts.down_proj
+        self.start, self.count = expert_range(gu.shape[0], rank, world_size, f"{name}.gate_up_proj.weight")
+        self.gate_up_proj = source.take_projection(f"{name}.gate_up_proj.weight", gu, 0, self.start, self.count)
+        self.down_proj = source.take_projection(f"{name}.down_proj.weight", down, 0, self.start, self.count)
         self.group = group
 
     def partial(self, x_ND, w_NK, idx_NK, impl: str):
@@ -100,12 +101,9 @@ class ExpertParallelExperts(Experts):
 
 
 def check_expert_parallel(experts: Experts, world_size: int, name: str) -> None:
-    """The checks `ExpertParallelExperts` makes before reading anything: ValueError naming the tensor for quantized
-    experts or an expert count that cannot be split."""
-    if experts.quant != "none":
-        raise ValueError(f"tensor parallel: {name}.gate_up_proj.weight is quantized ({experts.quant!r}); shard "
-                         f"the model before quantizing it")
-    expert_range(experts.gate_up_proj.weight.shape[0], 0, world_size, f"{name}.gate_up_proj.weight")
-    if experts.down_proj.weight.shape[0] != experts.gate_up_proj.weight.shape[0]:
-        raise ValueError(f"tensor parallel: {name}.down_proj.weight holds {experts.down_proj.weight.shape[0]} experts "
-                         f"but gate_up_proj {experts.gate_up_proj.weight.shape[0]}")
+    """The checks `ExpertParallelExperts` makes before reading anything: ValueError naming the tensor for an expert
+    count that cannot be split."""
+    expert_range(experts.gate_up_proj.shape[0], 0, world_size, f"{name}.gate_up_proj.weight")
+    if experts.down_proj.shape[0] != experts.gate_up_proj.shape[0]:
+        raise ValueError(f"tensor parallel: {name}.down_proj.weight holds {experts.down_proj.shape[0]} experts "
+                         f"but gate_up_proj {experts.gate_up_proj.shape[0]}")

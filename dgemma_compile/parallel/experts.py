@@ -14,16 +14,10 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from ..model import ExpertProjection, Experts
+from ..model import Experts
 from .linear import split
+from .quantized import cat_projections
 from .source import ModelWeights
-
-
-def _projection(weight: torch.Tensor) -> ExpertProjection:
-    E, N, K = weight.shape
-    p = ExpertProjection(0, N, K)  # no [E, N, K] allocation: the weight is replaced at once
-    p.weight = nn.Parameter(weight, requires_grad=False)
-    return p
 
 
 class TensorParallelExperts(Experts):
@@ -31,8 +25,11 @@ class TensorParallelExperts(Experts):
     -> [N, D], the sum over ranks of the local experts' output: the single-process value within float32
     reduction-order error, bitwise the same on every rank.
 
-    Raises (construction): ValueError naming the tensor for quantized experts (shard before quantizing) or an
-    intermediate size I that is not a multiple of the rank count.
+    Quantized experts keep their format: each part of the layout sliced with the rows or columns it scales
+    (`quantized.py`).
+
+    Raises (construction): ValueError naming the tensor for an intermediate size I that is not a multiple of the rank
+    count, or a slice that cuts an NVFP4 block of 16 inputs (down_proj's columns).
     """
 
     def __init__(self, experts: Experts, rank: int, world_size: int, group: dist.ProcessGroup, name: str,
@@ -40,14 +37,13 @@ class TensorParallelExperts(Experts):
         nn.Module.__init__(self)
         check_experts(experts, world_size, name)
         source = source or ModelWeights()
-        full_gu, full_down = experts.gate_up_proj.weight, experts.down_proj.weight
-        I = full_gu.shape[1] // 2
+        gu, gu_name = experts.gate_up_proj, f"{name}.gate_up_proj.weight"
+        I = gu.shape[1] // 2
         per = I // world_size
-        gate = source.take(f"{name}.gate_up_proj.weight", full_gu, 1, rank * per, per)  # gate rows first
-        up = source.take(f"{name}.gate_up_proj.weight", full_gu, 1, I + rank * per, per)
-        down = source.take(f"{name}.down_proj.weight", full_down, 2, rank * per, per)
-        self.gate_up_proj = _projection(torch.cat([gate, up], dim=1))
-        self.down_proj = _projection(down)
+        gate = source.take_projection(gu_name, gu, 1, rank * per, per)  # gate rows first
+        up = source.take_projection(gu_name, gu, 1, I + rank * per, per)
+        self.gate_up_proj = cat_projections([gate, up], 1)
+        self.down_proj = source.take_projection(f"{name}.down_proj.weight", experts.down_proj, 2, rank * per, per)
         self.group = group
 
     def forward(self, x_ND, w_NK, idx_NK, impl: str):
@@ -55,11 +51,8 @@ class TensorParallelExperts(Experts):
 
 
 def check_experts(experts: Experts, world_size: int, name: str) -> None:
-    """The checks `TensorParallelExperts` makes before reading anything. Raises ValueError naming the tensor: quantized
-    experts, or an intermediate size (gate and up halves of gate_up_proj, down_proj's columns) that cannot be split."""
-    if experts.quant != "none":
-        raise ValueError(f"tensor parallel: {name}.gate_up_proj.weight is quantized ({experts.quant!r}); shard "
-                         f"the model before quantizing it")
-    gu = experts.gate_up_proj.weight
-    split(gu[:1, :gu.shape[1] // 2, :1], 1, 0, world_size, f"{name}.gate_up_proj.weight (gate rows)")
-    split(experts.down_proj.weight[:1, :1], 2, 0, world_size, f"{name}.down_proj.weight")
+    """The checks `TensorParallelExperts` makes before reading anything. Raises ValueError naming the tensor: an
+    intermediate size (gate and up halves of gate_up_proj, down_proj's columns) that cannot be split."""
+    E, N, K = experts.gate_up_proj.shape
+    split(torch.empty(1, N // 2, 1, device="meta"), 1, 0, world_size, f"{name}.gate_up_proj.weight (gate rows)")
+    split(torch.empty(1, 1, experts.down_proj.shape[2], device="meta"), 2, 0, world_size, f"{name}.down_proj.weight")

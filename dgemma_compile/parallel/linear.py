@@ -73,7 +73,7 @@ class RowParallelLinear(nn.Module):
         when the columns cannot be split."""
         source = source or ModelWeights()
         if columns is None:
-            split(linear.weight, 1, rank, world_size, f"{name}.weight")  # the check only (a meta tensor is free)
+            split(torch.empty(linear.weight.shape, device="meta"), 1, rank, world_size, f"{name}.weight")  # a check
             per = linear.weight.shape[1] // world_size
             columns = (rank * per, per)
         local = source.take(f"{name}.weight", linear.weight, 1, *columns)

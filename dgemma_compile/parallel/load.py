@@ -11,11 +11,15 @@ never a full copy of them; the replicated tensors (norms, router, self-condition
 What reaches memory is the slice; what the OS pages in from the file is the slice's pages for row slices (q/k/v,
 gate/up, the vocabulary: whole rows of a row-major tensor), but may be most of the tensor's pages for column slices
 (o_proj, down_proj, the experts' down_proj: each row contributes a short run), a page cache cost, not a copy.
-Quantized checkpoints are refused here (the loader's error); `--quant` with tensor parallelism is not combined yet.
+A compressed-tensors checkpoint (FP8, NVFP4) is read the same way, each stored part of a quantized weight (codes,
+per-row, per-block and per-tensor scales) sliced with the rows or columns it covers (`quantized.py`), and built into
+the torchao tensors (or the experts' plain layout) the loader builds for the whole checkpoint: the rank's weights
+are exactly the slices of the one-process model's.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
 
 SHARDED = re.compile(r"(embed_tokens|lm_head)\.weight|layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
                      r"|experts\.(gate_up|down)_proj)\.weight")
-"""State-dict names `shard` splits (every other tensor is replicated)."""
+"""State-dict names `shard` splits, float or stored quantized (every other tensor is replicated)."""
 
 
 def is_sharded(name: str) -> bool:
@@ -53,21 +57,29 @@ class LoadReport:
 
 def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu", experts: str = "tensor") -> "DiffusionGemma":
-    """Load this rank's shard of a float checkpoint (module docstring): the model `shard(load(path))` gives, without
-    reading the full sharded tensors. `model.tensor_parallel_load` is a `LoadReport`. `experts`: as `shard`'s
+    """Load this rank's shard of a checkpoint, float or compressed-tensors (module docstring): the model
+    `shard(load(path))` gives, without reading the full sharded tensors. `model.tensor_parallel_load` is a
+    `LoadReport` (a quantized weight's parts counted under their checkpoint keys); a quantized checkpoint's
+    `model.quant_report` counts the rank's bytes. `experts`: as `shard`'s
     ("tensor" or "expert": with "expert" a rank reads its E/N whole experts, contiguous rows of the files).
 
     Raises:
-        CheckpointError: as `loader.load`; a quantized checkpoint.
+        CheckpointError: as `loader.load`.
         ValueError: a tensor that cannot be split (as `shard`, naming it); the half-built model is then unusable.
         RuntimeError: no process group is initialised.
     """
     if not dist.is_initialized():
         raise RuntimeError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
     model = load(path, dtype=dtype, device=device, lazy=is_sharded)
-    source = FileWeights(model.weight_sources, model.weight_dtype, torch.device(device))
-    full = {name: model.get_parameter(name).numel() for name in model.weight_sources}
-    itemsize = {name: _stored_itemsize(p, k) for name, (p, k) in model.weight_sources.items()}
+    source = FileWeights(model.weight_sources, model.weight_dtype, torch.device(device),
+                         quantized=model.quantized_sources, files=model.weight_files,
+                         scheme=getattr(model, "quant_scheme", None))
+    stored = {name: (p, k) for name, (p, k) in model.weight_sources.items()}  # float: counted by our name
+    stored.update((k, (p, k)) for k, p in model.weight_files.items())  # quantized: by each stored part's key
+    full, nbytes = {}, 0
+    for name, (p, k) in stored.items():
+        numel, itemsize = _stored_size(p, k)
+        full[name], nbytes = numel, nbytes + numel * itemsize
     try:
         shard(model, group, source=source, experts=experts)
     finally:
@@ -75,16 +87,21 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"{path}: tensor parallel left tensors unread: {left}")
-    model.tensor_parallel_load = LoadReport(source.bytes_read, sum(full[n] * itemsize[n] for n in full),
-                                            dict(source.largest), full)
+    model.tensor_parallel_load = LoadReport(source.bytes_read, nbytes, dict(source.largest), full)
+    if getattr(model, "quant_report", None) is not None:  # the rank's bytes, not the meta model's
+        from ..quant.checkpoint import count_bytes
+
+        count_bytes(model.quant_report, model, model.weight_dtype)
     return model
 
 
-def _stored_itemsize(path: Path, key: str) -> int:
+def _stored_size(path: Path, key: str) -> tuple[int, int]:
+    """(elements, bytes per element) of stored tensor `key`."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cpu") as fh:
-        return ITEMSIZE[fh.get_slice(key).get_dtype()]
+        sl = fh.get_slice(key)
+        return math.prod(sl.get_shape()), ITEMSIZE[sl.get_dtype()]
 
 
-ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
+ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "F8_E4M3": 1, "U8": 1}

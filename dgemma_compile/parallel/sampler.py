@@ -50,12 +50,17 @@ class VocabShard:
     start: int
     per: int
     vocab_size: int
+    quant: str | None = None
+    """The model's quantization scheme (`quant.SCHEMES`), which names its numerics under the split."""
 
     @property
     def scheme(self) -> str:
         """The step numerics under this split (`sampler.SCHEME` plus the chunks cut per rank: a sampled id can differ
-        from one process's where the slice is not whole SAMPLE_CHUNK chunks; module docstring)."""
-        return f"{SCHEME}+vocab-shard-{self.world_size}/v1"
+        from one process's where the slice is not whole SAMPLE_CHUNK chunks; module docstring). With fp8 (dynamic
+        activations) also `+fp8-rank-activations/v1`: a row-parallel projection quantizes each rank's slice of an
+        activation row with that slice's own scale, where one process scales the whole row (docs/parallel.md)."""
+        suffix = "+fp8-rank-activations/v1" if self.quant == "fp8" else ""
+        return f"{SCHEME}+vocab-shard-{self.world_size}/v1{suffix}"
 
     def masked(self, logits_BCV: torch.Tensor) -> torch.Tensor:
         """float32 [B, C, per]: the rank's logits with the padding ids at `MASKED_LOGIT` (probability 0)."""

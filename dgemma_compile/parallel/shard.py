@@ -85,14 +85,14 @@ def attention_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: in
     return q, [q[0] // group]
 
 
-def _check_plain(model: nn.Module) -> None:
-    if getattr(model, "sc_embedding", None) is not None:
-        raise ValueError("tensor parallel: sc_embedding is set (a quantized model); shard the model before quantizing "
-                         "it")
+def _check_quantized(model: nn.Module) -> None:
+    """A quantized model shards when its quantized weights are the layouts `quantized.py` slices (per-row
+    `Float8Tensor`, per-tensor-scaled `NVFP4Tensor`, `ExpertProjection`); ValueError naming another."""
+    from .quantized import is_quantized, narrow_tensor
+
     for name, p in model.named_parameters():
-        if type(p.data) is not torch.Tensor:
-            raise ValueError(f"tensor parallel: {name} is a {type(p.data).__name__}, not a plain tensor; shard the "
-                             f"model before quantizing it")
+        if is_quantized(p.data):
+            narrow_tensor(p.data, 0, 0, p.shape[0], name)  # raises for a layout it cannot slice
 
 
 def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, source=None,
@@ -100,7 +100,9 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
     """Shard `model` in place over `group` (default: the default group) for this process's rank, and return it.
 
     Args:
-        model: a loaded, unquantized `DiffusionGemma` holding the full checkpoint (every rank loads the same one).
+        model: a loaded `DiffusionGemma` holding the full checkpoint (every rank loads the same one), float or
+            quantized (`dg.quantize`, or a compressed-tensors checkpoint): a quantized weight's slice keeps its own
+            codes and scales (`quantized.py`), so it dequantizes to exactly the slice of the one-process weight.
         group: an initialised process group (`parallel.init`); every rank of it must call `shard` and then run the
             same forwards (each row-parallel projection is one all-reduce).
         source: where the rank's slices are read (`source.py`): None, the model's own full tensors; a `FileWeights`
@@ -112,10 +114,11 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
         (module docstring). Its forwards return what the unsharded model's do (float32 logits [B, T, V], the full
         vocabulary), within float32 reduction-order error, bitwise identical on every rank.
     Raises:
-        ValueError: the model is already sharded or quantized, or a tensor cannot be split (the message names it:
-            query heads, KV heads, or the dense MLP's or the experts' intermediate size not divisible by the rank
-            count, or with experts="expert" the expert count; the vocabulary is padded, never refused); an unknown
-            `experts`. Nothing is changed when it raises.
+        ValueError: the model is already sharded, or a tensor cannot be split (the message names it: query heads,
+            KV heads, or the dense MLP's or the experts' intermediate size not divisible by the rank count, with
+            experts="expert" the expert count, or a quantized weight's slice that would cut a scale group: an NVFP4
+            input slice that is not a multiple of 16; the vocabulary is padded, never refused); an unknown `experts`.
+            Nothing is changed when it raises.
         RuntimeError: no process group is initialised.
     """
     if getattr(model, "tensor_parallel", None) is not None:
@@ -126,33 +129,39 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cfg = model.config
     check_expert_split(experts)
-    _check_plain(model)
-    # Plan everything first, so that a shape that cannot be split changes nothing.
+    _check_quantized(model)
+    # Plan the split first, then read every slice into new modules, then swap them in: a shape that cannot be split
+    # (or a slice that would cut a quantized weight's scale group) changes nothing.
     heads = [attention_heads(cfg.num_attention_heads, cfg.num_kv_heads[i], rank, world, i)
              for i in range(cfg.num_layers)]
     for i, layer in enumerate(model.layers):
-        split(layer.mlp.gate_proj.weight, 0, rank, world, f"layers.{i}.mlp.gate_proj.weight")
+        split(torch.empty(layer.mlp.gate_proj.weight.shape, device="meta"), 0, rank, world,
+              f"layers.{i}.mlp.gate_proj.weight")
         (check_experts if experts == "tensor" else check_expert_parallel)(layer.experts, world, f"layers.{i}.experts")
+    changes: list[tuple[object, str, object]] = []  # (owner, attribute, new value)
     for i, (layer, (q, kv)) in enumerate(zip(model.layers, heads)):
         attn, dh = layer.self_attn, layer.self_attn.head_dim
         pre = f"layers.{i}.self_attn"
         q_rows, kv_rows = (q[0] * dh, len(q) * dh), (kv[0] * dh, len(kv) * dh)  # contiguous heads
-        attn.q_proj = column_parallel(attn.q_proj, *q_rows, f"{pre}.q_proj", source)
-        attn.k_proj = column_parallel(attn.k_proj, *kv_rows, f"{pre}.k_proj", source)
+        changes += [(attn, "q_proj", column_parallel(attn.q_proj, *q_rows, f"{pre}.q_proj", source)),
+                    (attn, "k_proj", column_parallel(attn.k_proj, *kv_rows, f"{pre}.k_proj", source))]
         if attn.v_proj is not None:
-            attn.v_proj = column_parallel(attn.v_proj, *kv_rows, f"{pre}.v_proj", source)
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, rank, world, group, f"{pre}.o_proj", columns=q_rows,
-                                                    source=source)
-        attn.num_heads, attn.num_kv_heads = len(q), len(kv)
+            changes.append((attn, "v_proj", column_parallel(attn.v_proj, *kv_rows, f"{pre}.v_proj", source)))
+        changes += [(attn, "o_proj", RowParallelLinear.from_linear(attn.o_proj, rank, world, group, f"{pre}.o_proj",
+                                                                   columns=q_rows, source=source)),
+                    (attn, "num_heads", len(q)), (attn, "num_kv_heads", len(kv))]
         mlp, pre = layer.mlp, f"layers.{i}.mlp"
         per = mlp.gate_proj.weight.shape[0] // world
-        mlp.gate_proj = column_parallel(mlp.gate_proj, rank * per, per, f"{pre}.gate_proj", source)
-        mlp.up_proj = column_parallel(mlp.up_proj, rank * per, per, f"{pre}.up_proj", source)
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, rank, world, group, f"{pre}.down_proj",
-                                                      source=source)
+        changes += [(mlp, "gate_proj", column_parallel(mlp.gate_proj, rank * per, per, f"{pre}.gate_proj", source)),
+                    (mlp, "up_proj", column_parallel(mlp.up_proj, rank * per, per, f"{pre}.up_proj", source)),
+                    (mlp, "down_proj", RowParallelLinear.from_linear(mlp.down_proj, rank, world, group,
+                                                                     f"{pre}.down_proj", source=source))]
         split_experts = TensorParallelExperts if experts == "tensor" else ExpertParallelExperts
-        layer.experts = split_experts(layer.experts, rank, world, group, f"layers.{i}.experts", source)
-    _shard_vocabulary(model, rank, world, group, source)
+        changes.append((layer, "experts", split_experts(layer.experts, rank, world, group, f"layers.{i}.experts",
+                                                        source)))
+    changes += _shard_vocabulary(model, rank, world, group, source)
+    for owner, attr, value in changes:
+        setattr(owner, attr, value)
     model.tensor_parallel = TensorParallel(group=group, rank=rank, world_size=world, config=cfg,
                                            heads=tuple((tuple(q), tuple(kv)) for q, kv in heads), experts=experts)
     model.config = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
@@ -160,19 +169,24 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
     return model
 
 
-def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dist.ProcessGroup, source) -> None:
+def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dist.ProcessGroup,
+                      source) -> list[tuple[object, str, object]]:
     """The lookup, the logits and the self-conditioning product over the rank's rows of the padded vocabulary
-    (`vocab.py`): `embed_tokens` becomes a `VocabParallelEmbedding` (its `weight` the local rows), `lm_head` a
-    `VocabParallelHead` (over the same rows when tied, over the untied head's rows otherwise) and `sc_embedding` a
-    `VocabParallelProduct` (always the input embeddings, as transformers' self-conditioning)."""
+    (`vocab.py`), as `shard`'s changes: `embed_tokens` becomes a `VocabParallelEmbedding` (its `weight` the local
+    rows), `lm_head` a `VocabParallelHead` (over the same rows when tied, over the lm_head's rows otherwise: the
+    untied one, or `quant.quantize`'s quantized copy) and `sc_embedding` a `VocabParallelProduct` (the input
+    embeddings, as transformers' self-conditioning; a quantized model's `sc_embedding` sliced to the rank's
+    columns)."""
     V = model.config.vocab_size
-    start, _ = vocab_range(V, rank, world)
+    start, per = vocab_range(V, rank, world)
     table = model.embed_tokens.weight.detach()
-    model.embed_tokens = VocabParallelEmbedding(local_rows(table, rank, world, source, "embed_tokens.weight"), start,
-                                                group)
-    weight = model.embed_tokens.weight
+    embed = VocabParallelEmbedding(local_rows(table, rank, world, source, "embed_tokens.weight"), start, group)
+    weight = embed.weight
     head = weight if model.lm_head is None else local_rows(model.lm_head.weight, rank, world, source, "lm_head.weight")
-    model.lm_head = VocabParallelHead(head, V, group)
-    model.sc_embedding = VocabParallelProduct(weight, start, V, group)
-    model.vocab_shard = VocabShard(group=group, rank=rank, world_size=world, start=start, per=weight.shape[0],
-                                   vocab_size=V)
+    sc = model.sc_embedding
+    product = None if sc is None else local_rows(sc.weight, rank, world, source, "sc_embedding.weight", dim=1)
+    shard = VocabShard(group=group, rank=rank, world_size=world, start=start, per=per, vocab_size=V,
+                       quant=getattr(model, "quant_scheme", None))
+    return [(model, "embed_tokens", embed), (model, "lm_head", VocabParallelHead(head, V, group)),
+            (model, "sc_embedding", VocabParallelProduct(weight, start, V, group, projection=product)),
+            (model, "vocab_shard", shard)]

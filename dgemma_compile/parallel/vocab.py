@@ -19,6 +19,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from .quantized import is_quantized, narrow_tensor
 from .source import ModelWeights
 
 
@@ -28,17 +29,23 @@ def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     return rank * per, per
 
 
-def local_rows(table: torch.Tensor, rank: int, world_size: int, source=None, name: str = "table") -> torch.Tensor:
-    """Rank `rank`'s rows of a [V, D] table, zero-padded to ceil(V / world_size) rows, a fresh tensor; read through
-    `source` (`source.ModelWeights` by default; `FileWeights` for a meta table named `name` the loader left unread)."""
-    start, per = vocab_range(table.shape[0], rank, world_size)
-    have = max(0, min(per, table.shape[0] - start))
-    rows = (source or ModelWeights()).take(name, table, 0, start, have) if have else None
-    out = torch.zeros(per, table.shape[1], dtype=table.dtype if rows is None else rows.dtype,
-                      device=table.device if rows is None else rows.device)
-    if rows is not None:
-        out[:have] = rows
-    return out
+def local_rows(table: torch.Tensor, rank: int, world_size: int, source=None, name: str = "table",
+               dim: int = 0) -> torch.Tensor:
+    """Rank `rank`'s vocabulary entries of `table` along `dim` (the rows of a [V, D] table; dim 1: the columns of a
+    [D, V] projection), zero-padded to ceil(V / world_size) of them, a fresh tensor; read through `source`
+    (`source.ModelWeights` by default; `FileWeights` for a meta table named `name` the loader left unread). A
+    quantized (torchao) table is padded part by part (`quantized.narrow_tensor`: zero codes, zero scales)."""
+    V = table.shape[dim]
+    start, per = vocab_range(V, rank, world_size)
+    have = max(0, min(per, V - start))
+    part = (source or ModelWeights()).take(name, table, dim, min(start, V), have)
+    if have == per:
+        return part
+    if is_quantized(part):
+        return narrow_tensor(part, dim, 0, have, name, padded=per)
+    shape = list(part.shape)
+    shape[dim] = per - have
+    return torch.cat([part, part.new_zeros(shape)], dim=dim)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -90,11 +97,15 @@ class VocabParallelHead(nn.Module):
 class VocabParallelProduct(nn.Module):
     """The self-conditioning product as a [V -> D] projection (the model's `sc_embedding` hook):
     forward(probs [..., V]) -> [..., D] = probs @ table, in probs' dtype, from this rank's rows `weight`
-    [ceil(V/N), D] (shared with the embedding) and one all-reduce."""
+    [ceil(V/N), D] (shared with the embedding) and one all-reduce. `projection`: a quantized model's product
+    (`quant.quantize`'s `sc_embedding`, the table as a [V -> D] linear) sliced to this rank's columns [D, ceil(V/N)]
+    (a torchao tensor), used in place of `weight` when given."""
 
-    def __init__(self, weight: nn.Parameter, start: int, vocab_size: int, group: dist.ProcessGroup):
+    def __init__(self, weight: nn.Parameter, start: int, vocab_size: int, group: dist.ProcessGroup,
+                 projection: torch.Tensor | None = None):
         super().__init__()
         self.weight = weight
+        self.projection = None if projection is None else nn.Parameter(projection, requires_grad=False)
         self.start = start
         self.vocab_size = vocab_size
         self.group = group
@@ -102,10 +113,10 @@ class VocabParallelProduct(nn.Module):
     def local(self, probs_local: torch.Tensor) -> torch.Tensor:
         """[..., D]: the product from this rank's slice of the probabilities [..., ceil(V/N)] (padding ids 0), one
         all-reduce (the step's path: `sampler.VocabShard.sample_step` gives the slice)."""
-        return funcol.all_reduce(probs_local @ self.weight, "sum", self.group)
+        product = probs_local @ self.weight if self.projection is None else F.linear(probs_local, self.projection)
+        return funcol.all_reduce(product, "sum", self.group)
 
     def forward(self, probs: torch.Tensor) -> torch.Tensor:
         per = self.weight.shape[0]
         padded = F.pad(probs, (0, self.start + per - min(self.vocab_size, self.start + per)))
-        local = padded[..., self.start:self.start + per]
-        return funcol.all_reduce(local @ self.weight, "sum", self.group)
+        return self.local(padded[..., self.start:self.start + per])

@@ -394,11 +394,17 @@ def report(model: nn.Module, fmt: StoredFormat, quantized: dict, kinds: dict[str
         "lookup and self-conditioning product"
     report.excluded += [("embed_tokens", f"embedding ({uses}): not a Linear, stored in the model dtype"),
                         ("*norm*, *scalar*", "RMSNorm weights and layer scalars: vectors, kept in the model dtype")]
+    return count_bytes(report, model, dtype)
+
+
+def count_bytes(report: QuantReport, model: nn.Module, dtype: torch.dtype) -> QuantReport:
+    """`report` with `model`'s weight bytes as it is now (`bytes_after`) and with each of `report.quantized` in
+    `dtype` instead (`bytes_before`); after a tensor-parallel load, the rank's own bytes (`parallel.load_sharded`)."""
     report.bytes_after = weight_bytes(model)
     modules = dict(model.named_modules())
     report.bytes_before = report.bytes_after
-    for name in quantized:  # each a Linear (no bias) or an ExpertProjection: its own bytes are the stored family's
-        owner = modules[name.removesuffix(".weight")]
+    for name in report.quantized:  # a Linear (no bias) or an ExpertProjection: its own bytes are the stored family's
+        owner = modules[name]
         shape = owner.shape if isinstance(owner, ExpertProjection) else owner.weight.shape
         report.bytes_before += math.prod(shape) * dtype.itemsize - weight_bytes(owner)
     return report

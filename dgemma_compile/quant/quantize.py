@@ -116,8 +116,8 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
         raise ConfigError(f"quant scheme: the model is already quantized ({model.quant_scheme}); quantize a model "
                           "loaded from a float checkpoint")
     if getattr(model, "tensor_parallel", None) is not None:
-        raise ConfigError("quant scheme: the model is sharded for tensor parallel (parallel.shard); quantizing a "
-                          "sharded model is not supported yet")
+        raise ConfigError("quant scheme: the model is sharded for tensor parallel (parallel.shard); quantize it "
+                          "before sharding (a rank's slice of a row-parallel weight would get scales of its own)")
     try:
         with quiet_torchao():
             import torchao  # noqa: F401

@@ -1,0 +1,192 @@
+"""A quantized weight's per-rank slice (`parallel/quantized.py`, docs/parallel.md "Quantized weights"), one process:
+the rule that slices each part (codes, per-row, per-block and per-tensor scales) as a property; torchao tensors and
+expert projections sliced to exactly the slice of the dequantized weight, padded with zeros, refused by name where
+a slice would cut an NVFP4 block; and the compressed-tensors fixtures read slice by slice from their files
+(`FileWeights`) equal to the slices of the whole loaded model, per-expert and fused layouts alike, reading fewer
+bytes. The ranks themselves (gloo, logits against one process) are in tests/test_parallel.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+pytest.importorskip("torchao")
+
+import dgemma_compile as dg  # noqa: E402
+from dgemma_compile.model import ExpertProjection  # noqa: E402
+from dgemma_compile.parallel.load import is_sharded  # noqa: E402
+from dgemma_compile.parallel.quantized import (cat_projections, is_quantized, narrow_part,  # noqa: E402
+                                               narrow_projection, narrow_tensor, projection)
+from dgemma_compile.parallel.source import FileWeights, ModelWeights  # noqa: E402
+from dgemma_compile.quant.quantize import quiet_torchao  # noqa: E402
+from dgemma_compile.quant.schemes import direct_weight, expert_weights, torchao_config  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+
+
+@given(extent_groups=st.integers(1, 12), group=st.sampled_from([1, 2, 16]), data=st.data())
+def test_a_part_keeps_the_values_of_the_range_it_covers(extent_groups, group, data):
+    """A part holding one value per `group` of the weight's `extent` values: its slice for [start, start + length)
+    holds, for each weight position of the range, the value that position had (what makes the slice dequantize to
+    the slice of the dequantized weight); a part of size 1 is kept whole; padding adds zeros; a range that cuts a
+    group is refused. A part of one value for the whole dimension (extent == group) is shared, kept whole: whether
+    the slice is still a valid layout (an NVFP4 input slice of a multiple of 16) is the layout's check."""
+    extent = extent_groups * group
+    start = data.draw(st.integers(0, extent - 1))
+    length = data.draw(st.integers(1, extent - start))
+    part = torch.arange(1, extent // group + 1, dtype=torch.float32)[None, :].repeat(3, 1)  # [3, extent / group]
+    shared = torch.tensor([[7.0]] * 3)
+    if extent == group:
+        assert torch.equal(narrow_part(part, extent, 1, start, length, "x"), part)
+        return
+    if start % group or length % group:
+        with pytest.raises(ValueError, match=r"layers\.0\.x \(scale\) holds one value per"):
+            narrow_part(part, extent, 1, start, length, "layers.0.x (scale)")
+        return
+    got = narrow_part(part, extent, 1, start, length, "x")
+    positions = torch.arange(start, start + length)
+    assert torch.equal(got.repeat_interleave(group, dim=1), part[:, positions // group])
+    assert torch.equal(narrow_part(shared, extent, 1, start, length, "x"), shared)
+    padded = narrow_part(part, extent, 1, start, length, "x", padded=length + group)
+    assert torch.equal(padded[:, :length // group], got) and not padded[:, length // group:].any()
+
+
+def _linear_weight(scheme: str, w: torch.Tensor) -> torch.Tensor:
+    """`w` quantized as `quant.quantize` quantizes a linear's weight for `scheme`."""
+    with quiet_torchao():
+        config = torchao_config(scheme)
+        if config is None:
+            return direct_weight(scheme)(w)
+        from torchao.quantization import quantize_
+
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight = nn.Parameter(w.clone(), requires_grad=False)
+        quantize_(lin, config)
+        return lin.weight
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-weight-only", "nvfp4-w4a16"])
+def test_a_torchao_weight_slices_to_the_slice_of_its_dequantized_weight(scheme):
+    torch.manual_seed(0)
+    w = _linear_weight(scheme, torch.randn(160, 96))  # 160 rows: NVFP4's swizzled scales pad to 128-row tiles
+    full = w.dequantize(torch.float32)
+    x = torch.randn(5, 96)
+    for dim, start, length in ((0, 16, 32), (0, 128, 32), (1, 32, 32), (1, 48, 48), (1, 0, 16)):
+        part = narrow_tensor(w, dim, start, length, "w")
+        assert type(part) is type(w) and part.dtype == w.dtype
+        assert torch.equal(part.dequantize(torch.float32), full.narrow(dim, start, length)), (dim, start, length)
+        y = nn.functional.linear(x.narrow(1, start, length) if dim == 1 else x, part)
+        assert y.shape == (5, length if dim == 0 else 160) and torch.isfinite(y).all()
+    padded = narrow_tensor(w, 0, 144, 16, "w", padded=32)  # the vocabulary's padding rows: zero codes, zero scales
+    assert torch.equal(padded.dequantize(torch.float32), torch.cat([full[144:], torch.zeros(16, 96)]))
+    if scheme.startswith("nvfp4"):
+        with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.o_proj\.weight \(NVFP4 block scales\) holds "
+                                             r"one value per 16 .* cuts a group of 16"):
+            narrow_tensor(w, 1, 8, 40, "layers.0.self_attn.o_proj.weight")
+    else:  # one scale per row: any column range (the rank's columns keep the whole row's scale)
+        part = narrow_tensor(w, 1, 8, 40, "w")
+        assert torch.equal(part.dequantize(torch.float32), full[:, 8:48]) and torch.equal(part.scale, w.scale)
+
+
+def _dequantized(p: ExpertProjection) -> torch.Tensor:
+    """An expert projection's [E, N, K] weight by its docstring's formula (float32)."""
+    if p.quant == "nvfp4-w4a16":
+        e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        codes = torch.stack([p.weight & 15, p.weight >> 4], dim=-1).flatten(-2).long()
+        values = e2m1[codes & 7] * (1 - 2 * (codes >> 3)).float()
+        return values * (p.weight_scale.float() / p.weight_global_scale).repeat_interleave(16, dim=-1)
+    return p.weight.float() * p.weight_scale if p.quant != "none" else p.weight.float()
+
+
+@pytest.mark.parametrize("scheme", ["none", "fp8", "nvfp4-w4a16"])
+def test_an_expert_projection_slices_by_expert_row_and_column(scheme):
+    torch.manual_seed(0)
+    w = torch.randn(4, 64, 96)
+    proj = projection("none", w, [], (4, 64, 96)) if scheme == "none" else \
+        projection(scheme, *(lambda t: (t[0], list(t[1:])))(expert_weights(scheme, w, parts=2)), (4, 64, 96))
+    full = _dequantized(proj)
+    for dim, start, length in ((0, 2, 2), (1, 16, 16), (1, 32, 32), (2, 48, 48)):
+        part = narrow_projection(proj, dim, start, length, "layers.0.experts.down_proj.weight")
+        assert part.quant == proj.quant and torch.equal(_dequantized(part), full.narrow(dim, start, length))
+    gate, up = (narrow_projection(proj, 1, s, 16, "g") for s in (0, 32))  # a rank's gate rows and up rows
+    both = cat_projections([gate, up], 1)
+    assert both.shape == (4, 32, 96) and torch.equal(_dequantized(both), torch.cat([full[:, :16], full[:, 32:48]], 1))
+    if scheme == "nvfp4-w4a16":
+        with pytest.raises(ValueError, match=r"layers\.0\.experts\.down_proj\.weight .* cuts a group of 16"):
+            narrow_projection(proj, 2, 0, 88, "layers.0.experts.down_proj.weight")
+
+
+def _file_source(model) -> FileWeights:
+    return FileWeights(model.weight_sources, model.weight_dtype, torch.device("cpu"),
+                       quantized=model.quantized_sources, files=model.weight_files, scheme=model.quant_scheme)
+
+
+def _same(a, b, what: str) -> None:
+    """Two slices: the same kind, every part bitwise (1-byte parts compared as bytes: fp8 has NaN codes)."""
+    if isinstance(a, ExpertProjection):
+        parts_a, parts_b = [a.weight] + a.scales(), [b.weight] + b.scales()
+        assert a.quant == b.quant and a.shape == b.shape, what
+    else:
+        assert type(a) is type(b) and a.shape == b.shape, what
+        parts_a, parts_b = (([t.qdata, t.scale] if is_quantized(t) else [t]) for t in (a, b))
+    for x, y in zip(parts_a, parts_b, strict=True):
+        x, y = (t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in (x, y))
+        assert x.dtype == y.dtype and torch.equal(x, y), what
+
+
+@pytest.mark.parametrize("name", ["demo-fp8-dynamic", "demo-nvfp4a16", "tiny-untied-fp8-dynamic",
+                                  "tiny-untied-fp8-dynamic-fused", "tiny-untied-nvfp4a16",
+                                  "tiny-untied-nvfp4a16-fused"])
+def test_stored_quantized_slices_equal_the_slices_of_the_loaded_model(name):
+    """`FileWeights` reads each stored part's range (per-expert and fused experts, the untied lm_head) and builds the
+    weight as the loader builds the whole one: every part bitwise the whole model's slice, read without the rest."""
+    whole = dg.load(FIXTURES / name)
+    lazy = dg.load(FIXTURES / name, lazy=is_sharded)
+    quantized = {n + ".weight" for n in whole.quant_report.quantized}
+    assert set(lazy.quantized_sources) == {n for n in quantized if is_sharded(n)}
+    assert any(not is_sharded(n) for n in quantized)  # the replicated ones (self-conditioning MLP) are read whole
+    assert all(p.is_meta for n, p in lazy.named_parameters() if n in lazy.quantized_sources)
+    files, mine = _file_source(lazy), ModelWeights()
+    mods, lazy_mods = dict(whole.named_modules()), dict(lazy.named_modules())
+    stored = _stored_bytes(lazy)
+    checked = 0
+    for n, family in lazy.quantized_sources.items():
+        module, meta = mods[n.removesuffix(".weight")], lazy_mods[n.removesuffix(".weight")]
+        whole_bytes = sum(stored[k] for k in family.all_keys())
+        data_bytes = sum(stored[k] for role in ("weight", "weight_packed") for k in family.keys.get(role, []))
+        if isinstance(module, ExpertProjection):
+            E, N, K = module.shape
+            half = N // 2 if n.endswith("gate_up_proj.weight") else N
+            slices = ((0, E // 2, E // 2), (1, 0, half // 2), (1, N - half // 2, half // 2), (2, K - 16, 16))
+            read = lambda dim, start, length: files.take_projection(n, meta, dim, start, length)  # noqa: E731
+            want = lambda dim, start, length: mine.take_projection(n, module, dim, start, length)  # noqa: E731
+        else:
+            (N, K), E = module.weight.shape, 1
+            slices = ((0, N // 2, N // 2), (1, K - 16, 16))
+            read = lambda dim, start, length: files.take(n, meta.weight, dim, start, length)  # noqa: E731
+            want = lambda dim, start, length: mine.take(n, module.weight, dim, start, length)  # noqa: E731
+        for dim, start, length in slices:
+            before = files.bytes_read
+            _same(read(dim, start, length), want(dim, start, length), f"{n} {dim} {start}")
+            # what was read: the range's share of the codes, the scales at most whole
+            share = length / ((E, N, K) if isinstance(module, ExpertProjection) else (N, K))[dim]
+            assert files.bytes_read - before <= data_bytes * share + (whole_bytes - data_bytes), (n, dim, start)
+            checked += 1
+    assert checked >= 3 * whole.config.num_layers
+
+
+def _stored_bytes(lazy) -> dict[str, int]:
+    """checkpoint key -> stored bytes of every part the loader left unread."""
+    from safetensors import safe_open
+
+    sizes = {}
+    for key, path in lazy.weight_files.items():
+        with safe_open(path, framework="pt") as fh:
+            t = fh.get_tensor(key)
+            sizes[key] = t.numel() * t.element_size()
+    return sizes
