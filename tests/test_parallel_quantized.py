@@ -190,3 +190,54 @@ def _stored_bytes(lazy) -> dict[str, int]:
             t = fh.get_tensor(key)
             sizes[key] = t.numel() * t.element_size()
     return sizes
+
+
+@pytest.fixture
+def fake_rank():
+    """Join torch's `fake` process group as rank r of N (its collectives return their input: a rank's partial sum
+    stays its own, so the ranks' parts can be added here, in one process)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def join(rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_quantized_logits_and_self_conditioning_product_split_over_the_vocabulary(tmp_path, fake_rank):
+    """A tied model quantized by `dg.quantize` (its lm_head and its self-conditioning product are quantized copies of
+    the table) sharded over 2 ranks: each rank's logits are its rows of the one-process logits, and the ranks'
+    partial self-conditioning products add up to the one-process product -- the product's columns slice keeps each
+    row's fp8 scale."""
+    from helpers import write_checkpoint
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+    from dgemma_compile import parallel
+
+    d = write_checkpoint(tmp_path / "tiny", vocab_size=64)  # [64, 32] and [32, 64]: both copies quantized
+    one = dg.load(d)
+    dg.quantize(one, "fp8-weight-only")
+    g = torch.Generator().manual_seed(0)
+    V, D = one.config.vocab_size, one.config.hidden_size
+    hidden, probs = torch.randn(2, 5, D, generator=g), torch.softmax(torch.randn(2, 5, V, generator=g) * 3, -1)
+    with torch.no_grad():
+        want_logits, want_product = one.logits(hidden), one.self_conditioning_embedding(probs)
+    logits, product = [], 0
+    for rank in range(2):
+        fake_rank(rank, 2)
+        model = dg.load(d)
+        dg.quantize(model, "fp8-weight-only")
+        parallel.shard(model)
+        assert type(model.lm_head.weight.data) is Float8Tensor and type(model.sc_embedding.projection.data) is Float8Tensor
+        per = model.vocab_shard.per
+        with torch.no_grad():
+            logits.append(model.logits(hidden, local=True))
+            product = product + model.self_conditioning_embedding(probs[..., rank * per:(rank + 1) * per], local=True)
+    torch.testing.assert_close(torch.cat(logits, -1)[..., :V], want_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(product, want_product, rtol=0, atol=1e-5)
+    assert want_product.abs().max() > 0.1 and want_logits.abs().max() > 0.1

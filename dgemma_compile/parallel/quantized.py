@@ -69,6 +69,21 @@ def is_quantized(weight: torch.Tensor) -> bool:
     return type(weight) not in (torch.Tensor, nn.Parameter) and hasattr(weight, "__tensor_flatten__")
 
 
+def check_sliceable(weight: torch.Tensor, name: str) -> None:
+    """ValueError naming `name` unless `weight` is a torchao layout `narrow_tensor` slices: a per-row `Float8Tensor`
+    or a per-tensor-scaled `NVFP4Tensor` (what `quant.quantize` and the compressed-tensors loader build)."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+    if isinstance(weight, Float8Tensor) and weight.ndim == 2 and tuple(weight.scale.shape) == (weight.shape[0], 1):
+        return
+    if isinstance(weight, NVFP4Tensor) and weight.ndim == 2 and weight.per_tensor_scale is not None \
+            and weight.per_tensor_scale.ndim == 0:
+        return
+    raise ValueError(f"tensor parallel: {name} is a {type(weight).__name__} of a layout that cannot be sliced here "
+                     f"(per-row Float8Tensor and per-tensor-scaled NVFP4Tensor can)")
+
+
 def narrow_tensor(weight: torch.Tensor, dim: int, start: int, length: int, name: str,
                   padded: int | None = None) -> torch.Tensor:
     """Rows (dim 0) or input columns (dim 1) [start, start + length) of a 2-D torchao weight [N, K] (`Float8Tensor`
@@ -80,8 +95,9 @@ def narrow_tensor(weight: torch.Tensor, dim: int, start: int, length: int, name:
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
     from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
 
+    check_sliceable(weight, name)
     extent = weight.shape[dim]
-    if isinstance(weight, Float8Tensor) and weight.scale.shape == (weight.shape[0], 1):
+    if isinstance(weight, Float8Tensor):
         qdata, scale = (narrow_part(p, extent, dim, start, length, f"{name} ({what})", padded)
                         for p, what in ((weight.qdata, "fp8 data"), (weight.scale, "per-row scale")))
         block = [min(b, s) for b, s in zip(weight.block_size, qdata.shape)]
@@ -89,26 +105,24 @@ def narrow_tensor(weight: torch.Tensor, dim: int, start: int, length: int, name:
         return Float8Tensor(qdata, scale, block_size=block, mm_config=weight.mm_config,
                             act_quant_kwargs=weight.act_quant_kwargs, kernel_preference=weight.kernel_preference,
                             dtype=weight.dtype)
-    if isinstance(weight, NVFP4Tensor) and weight.per_tensor_scale is not None and weight.per_tensor_scale.ndim == 0:
-        from torchao.prototype.mx_formats.utils import from_blocked, hp_data_dims_to_swizzled_scale_dims_nvfp4, to_blocked
+    # an NVFP4Tensor (check_sliceable admits the two)
+    from torchao.prototype.mx_formats.utils import from_blocked, hp_data_dims_to_swizzled_scale_dims_nvfp4, to_blocked
 
-        N, K = weight.shape
-        scale = from_blocked(weight.scale.flatten(), N, K // weight.block_size) if weight.is_swizzled_scales \
-            else weight.scale
-        qdata = narrow_part(weight.qdata, extent, dim, start, length, f"{name} (e2m1 codes)", padded)
-        scale = narrow_part(scale, extent, dim, start, length, f"{name} (NVFP4 block scales)", padded)
-        if dim == 1 and length % weight.block_size:  # K == 16: one block scale is the whole dimension's
-            raise ValueError(f"tensor parallel: {name} (NVFP4) keeps {length} input columns, not a multiple of its "
-                             f"block of {weight.block_size}")
-        if weight.is_swizzled_scales:
-            scale = to_blocked(scale).view(hp_data_dims_to_swizzled_scale_dims_nvfp4(qdata.shape[0],
-                                                                                     qdata.shape[1] * 2))
-        return NVFP4Tensor(qdata, scale, weight.block_size, weight.orig_dtype,
-                           per_tensor_scale=weight.per_tensor_scale.clone(),
-                           act_per_tensor_scale=weight.act_per_tensor_scale, is_swizzled_scales=weight.is_swizzled_scales,
-                           use_triton_kernel=weight.use_triton_kernel, act_quant_kwargs=weight.act_quant_kwargs)
-    raise ValueError(f"tensor parallel: {name} is a {type(weight).__name__} of a layout that cannot be sliced here "
-                     f"(per-row Float8Tensor and per-tensor-scaled NVFP4Tensor can)")
+    N, K = weight.shape
+    scale = from_blocked(weight.scale.flatten(), N, K // weight.block_size) if weight.is_swizzled_scales \
+        else weight.scale
+    qdata = narrow_part(weight.qdata, extent, dim, start, length, f"{name} (e2m1 codes)", padded)
+    scale = narrow_part(scale, extent, dim, start, length, f"{name} (NVFP4 block scales)", padded)
+    if dim == 1 and length % weight.block_size:  # K == 16: one block scale is the whole dimension's
+        raise ValueError(f"tensor parallel: {name} (NVFP4) keeps {length} input columns, not a multiple of its "
+                         f"block of {weight.block_size}")
+    if weight.is_swizzled_scales:
+        scale = to_blocked(scale).view(hp_data_dims_to_swizzled_scale_dims_nvfp4(qdata.shape[0],
+                                                                                 qdata.shape[1] * 2))
+    return NVFP4Tensor(qdata, scale, weight.block_size, weight.orig_dtype,
+                       per_tensor_scale=weight.per_tensor_scale.clone(),
+                       act_per_tensor_scale=weight.act_per_tensor_scale, is_swizzled_scales=weight.is_swizzled_scales,
+                       use_triton_kernel=weight.use_triton_kernel, act_quant_kwargs=weight.act_quant_kwargs)
 
 
 def projection(quant: str, weight: torch.Tensor, scales: list[torch.Tensor], shape: tuple[int, int, int]

@@ -88,11 +88,11 @@ def attention_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: in
 def _check_quantized(model: nn.Module) -> None:
     """A quantized model shards when its quantized weights are the layouts `quantized.py` slices (per-row
     `Float8Tensor`, per-tensor-scaled `NVFP4Tensor`, `ExpertProjection`); ValueError naming another."""
-    from .quantized import is_quantized, narrow_tensor
+    from .quantized import check_sliceable, is_quantized
 
     for name, p in model.named_parameters():
         if is_quantized(p.data):
-            narrow_tensor(p.data, 0, 0, p.shape[0], name)  # raises for a layout it cannot slice
+            check_sliceable(p.data, name)
 
 
 def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, source=None,
