@@ -111,7 +111,7 @@ class FileWeights:
                 if scalar and dim == 1:
                     part = self._read_range(key, 1, group, 1)
                 elif scalar and dim == 2:
-                    part = self._read_range(key, 0, 0, E)
+                    part = self._read_range(key, 0, 0, None)
                 else:
                     part = self._read_part(key, proj.shape[dim], dim, start, length, name)
                 keys[role], parts[key] = [key], part
