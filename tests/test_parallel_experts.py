@@ -83,3 +83,37 @@ def test_cli_takes_the_experts_split():
     assert p.parse_args(["serve"]).experts_split == "tensor"
     with pytest.raises(SystemExit):
         p.parse_args(["generate", "--experts-split", "rows", "x"])
+
+
+@pytest.mark.parametrize("quant,split", [("fp8-weight-only", "tensor"), ("nvfp4-w4a16", "tensor"),
+                                         ("fp8-weight-only", "expert"), ("nvfp4-w4a16", "expert"),
+                                         ("fp8", "expert")])
+@pytest.mark.parametrize("impl", ["loop", "gathered"])
+def test_quantized_experts_split_into_partial_sums_of_the_single_process_op(layer_inputs, quant, split, impl):
+    """Quantized experts keep their format on each rank (`parallel/quantized.py`: codes and scales sliced with the
+    rows, columns or experts they cover): the ranks' parts add up to the single-process quantized op. fp8 with
+    dynamic activations only whole experts: the tensor split's down_proj would scale each rank's slice of the
+    intermediate activations on its own (docs/parallel.md, "Quantized weights")."""
+    import copy
+
+    from dgemma_compile.model import Experts
+    from dgemma_compile.quant.schemes import expert_weights
+
+    experts, x, w, idx = layer_inputs
+    q = copy.deepcopy(experts)
+    for proj, parts in ((q.gate_up_proj, 2), (q.down_proj, 1)):
+        proj.set_quantized(quant, *expert_weights(quant, proj.weight.detach(), parts=parts))
+    world = 2
+    with torch.no_grad():
+        want = q(x, w, idx, impl)
+        if split == "tensor":
+            ranks = [TensorParallelExperts(q, r, world, None, "layers.0.experts") for r in range(world)]
+            parts = [Experts.forward(tp, x, w, idx, impl) for tp in ranks]  # the rank's part, before its all-reduce
+        else:
+            ranks = [ExpertParallelExperts(q, r, world, None, "layers.0.experts") for r in range(world)]
+            parts = [ep.partial(x, w, idx, impl) for ep in ranks]
+    assert all(r.quant == quant for r in ranks)
+    got = torch.stack(parts).sum(0)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), (quant, split, impl)
+    assert float((got - parts[0] - want).abs().max()) > 0.1 * float(want.abs().max())
+    assert float((want - experts(x, w, idx, impl)).abs().max()) > 1e-3 * float(want.abs().max())  # quantized indeed
