@@ -139,14 +139,36 @@ def _same(a, b, what: str) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y), what
 
 
+def _skewed(name: str, tmp_path: Path) -> Path:
+    """A copy of NVFP4 fixture `name` whose experts' global scales differ between experts and between gate and up
+    (the fixtures' are equal, so a slice that took another expert's or the other half's would pass unseen); the
+    codes are unchanged, so every dequantized weight changes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = Path(shutil.copytree(FIXTURES / name, tmp_path / name))
+    state = load_file(d / "model.safetensors")
+    for k, v in state.items():
+        if k.endswith("experts.gate_up_proj_global_scale"):  # fused [E, 2]: (gate, up)
+            state[k] = v * torch.tensor([1.0, 2.0]) * torch.arange(1, v.shape[0] + 1, dtype=v.dtype)[:, None]
+        elif ".experts." in k and k.endswith(("gate_proj.weight_global_scale", "up_proj.weight_global_scale")):
+            e = int(k.split(".experts.")[1].split(".")[0])
+            state[k] = v * (e + 1) * (2 if k.endswith(".up_proj.weight_global_scale") else 1)
+    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
 @pytest.mark.parametrize("name", ["demo-fp8-dynamic", "demo-nvfp4a16", "tiny-untied-fp8-dynamic",
-                                  "tiny-untied-fp8-dynamic-fused", "tiny-untied-nvfp4a16",
-                                  "tiny-untied-nvfp4a16-fused"])
-def test_stored_quantized_slices_equal_the_slices_of_the_loaded_model(name):
+                                  "tiny-untied-fp8-dynamic-fused", "tiny-untied-nvfp4a16+skew",
+                                  "tiny-untied-nvfp4a16-fused+skew"])
+def test_stored_quantized_slices_equal_the_slices_of_the_loaded_model(name, tmp_path):
     """`FileWeights` reads each stored part's range (per-expert and fused experts, the untied lm_head) and builds the
-    weight as the loader builds the whole one: every part bitwise the whole model's slice, read without the rest."""
-    whole = dg.load(FIXTURES / name)
-    lazy = dg.load(FIXTURES / name, lazy=is_sharded)
+    weight as the loader builds the whole one: every part bitwise the whole model's slice, read without the rest.
+    "+skew": the experts' global scales made distinct per expert and per gate / up half (`_skewed`)."""
+    path = _skewed(name.removesuffix("+skew"), tmp_path) if name.endswith("+skew") else FIXTURES / name
+    whole = dg.load(path)
+    lazy = dg.load(path, lazy=is_sharded)
     quantized = {n + ".weight" for n in whole.quant_report.quantized}
     assert set(lazy.quantized_sources) == {n for n in quantized if is_sharded(n)}
     assert any(not is_sharded(n) for n in quantized)  # the replicated ones (self-conditioning MLP) are read whole
@@ -162,7 +184,8 @@ def test_stored_quantized_slices_equal_the_slices_of_the_loaded_model(name):
         if isinstance(module, ExpertProjection):
             E, N, K = module.shape
             half = N // 2 if n.endswith("gate_up_proj.weight") else N
-            slices = ((0, E // 2, E // 2), (1, 0, half // 2), (1, N - half // 2, half // 2), (2, K - 16, 16))
+            slices = ((0, E // 2, E // 2), (1, 0, half // 2), (1, N - half // 2, half // 2), (2, K - 16, 16),
+                      (1, half // 2, half // 2))  # the gate half's second part
             read = lambda dim, start, length: files.take_projection(n, meta, dim, start, length)  # noqa: E731
             want = lambda dim, start, length: mine.take_projection(n, module, dim, start, length)  # noqa: E731
         else:
@@ -241,3 +264,31 @@ def test_quantized_logits_and_self_conditioning_product_split_over_the_vocabular
     torch.testing.assert_close(torch.cat(logits, -1)[..., :V], want_logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(product, want_product, rtol=0, atol=1e-5)
     assert want_product.abs().max() > 0.1 and want_logits.abs().max() > 0.1
+
+
+def test_an_nvfp4_block_of_16_inputs_is_refused_from_the_files_too(tmp_path):
+    """A weight of 16 inputs holds one block scale per row, which the parts' shapes alone cannot tell from a shared
+    scale: keeping 8 of its columns would be no NVFP4 layout. Refused naming the tensor, by both sources: the tiny
+    fixture's experts' down_proj (16 inputs) and a stored [32, 16] linear."""
+    from safetensors.torch import save_file
+
+    from dgemma_compile.quant.checkpoint import StoredWeight
+
+    d = _skewed("tiny-untied-nvfp4a16", tmp_path)
+    whole, lazy = dg.load(d), dg.load(d, lazy=is_sharded)
+    name = "layers.0.experts.down_proj.weight"
+    assert whole.get_submodule(name.removesuffix(".weight")).shape[2] == 16
+    for source, model in ((ModelWeights(), whole), (_file_source(lazy), lazy)):
+        with pytest.raises(ValueError, match=r"layers\.0\.experts\.down_proj\.weight.*multiple of 16, got 8"):
+            source.take_projection(name, model.get_submodule(name.removesuffix(".weight")), 2, 0, 8)
+    key = "model.decoder.layers.0.self_attn.k_proj"
+    parts = {f"{key}.weight_packed": torch.randint(0, 255, (32, 8), dtype=torch.uint8),
+             f"{key}.weight_scale": torch.ones(32, 1).to(torch.float8_e4m3fn),
+             f"{key}.weight_global_scale": torch.ones(1)}
+    save_file(parts, tmp_path / "k16.safetensors")
+    stored = StoredWeight(name="layers.0.self_attn.k_proj.weight", module=key, keys={k.rsplit(".", 1)[1]: [k]
+                                                                                     for k in parts}, rows=32)
+    files = FileWeights({}, torch.float32, torch.device("cpu"), quantized={stored.name: stored},
+                        files={k: tmp_path / "k16.safetensors" for k in parts}, scheme="nvfp4-w4a16")
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_proj\.weight \(NVFP4\) keeps 8 input columns"):
+        files.take(stored.name, torch.empty(32, 16, device="meta"), 1, 0, 8)

@@ -77,8 +77,9 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
     stored = {name: (p, k) for name, (p, k) in model.weight_sources.items()}  # float: counted by our name
     stored.update((k, (p, k)) for k, p in model.weight_files.items())  # quantized: by each stored part's key
     full, nbytes = {}, 0
+    sizes = _stored_sizes({p for p, _ in stored.values()})
     for name, (p, k) in stored.items():
-        numel, itemsize = _stored_size(p, k)
+        numel, itemsize = sizes[p, k]
         full[name], nbytes = numel, nbytes + numel * itemsize
     try:
         shard(model, group, source=source, experts=experts)
@@ -95,13 +96,17 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
     return model
 
 
-def _stored_size(path: Path, key: str) -> tuple[int, int]:
-    """(elements, bytes per element) of stored tensor `key`."""
+def _stored_sizes(paths: set[Path]) -> dict[tuple[Path, str], tuple[int, int]]:
+    """(file, key) -> (elements, bytes per element) of every tensor stored in `paths` (each header read once)."""
     from safetensors import safe_open
 
-    with safe_open(path, framework="pt", device="cpu") as fh:
-        sl = fh.get_slice(key)
-        return math.prod(sl.get_shape()), ITEMSIZE[sl.get_dtype()]
+    sizes = {}
+    for path in paths:
+        with safe_open(path, framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                sizes[path, key] = math.prod(sl.get_shape()), ITEMSIZE.get(sl.get_dtype(), 0)  # 0: never sharded
+    return sizes
 
 
 ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "F8_E4M3": 1, "U8": 1}

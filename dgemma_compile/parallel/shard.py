@@ -117,8 +117,9 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
         ValueError: the model is already sharded, or a tensor cannot be split (the message names it: query heads,
             KV heads, or the dense MLP's or the experts' intermediate size not divisible by the rank count, with
             experts="expert" the expert count, or a quantized weight's slice that would cut a scale group: an NVFP4
-            input slice that is not a multiple of 16; the vocabulary is padded, never refused); an unknown `experts`.
-            Nothing is changed when it raises.
+            input slice that is not a multiple of 16, a quantized self-conditioning product's ceil(V / N) columns
+            included; the vocabulary itself is padded, never refused); an unknown `experts`. Nothing is changed
+            when it raises.
         RuntimeError: no process group is initialised.
     """
     if getattr(model, "tensor_parallel", None) is not None:

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..model import ExpertProjection
+from ..ops.moe import NVFP4_BLOCK
 from .quantized import is_quantized, narrow_part, narrow_projection, narrow_tensor, part_group, projection
 
 
@@ -59,7 +60,8 @@ class FileWeights:
         self.sources, self.dtype, self.device = sources, dtype, device
         self.quantized, self.files, self.scheme = quantized or {}, files or {}, scheme
         self.bytes_read = 0
-        self.largest: dict[str, int] = {}  # name -> elements of the largest slice read of it (quantized: its data)
+        self.largest: dict[str, int] = {}  # elements of the largest slice read: by our name (float), by each
+        # stored part's checkpoint key (quantized: codes and scales)
         self._files: dict[Path, object] = {}
         self._like = None
 
@@ -74,6 +76,9 @@ class FileWeights:
             stored = self.quantized[name]
             parts = {key: self._read_part(key, full.shape[dim], dim, start, length, name)
                      for key in stored.all_keys()}
+            if dim == 1 and "weight_packed" in stored.keys and length % NVFP4_BLOCK:  # K == 16: one shared block
+                raise ValueError(f"tensor parallel: {name} (NVFP4) keeps {length} input columns, not a multiple of "
+                                 f"its block of {NVFP4_BLOCK}")
             if self._like is None:
                 self._like = template(self.scheme, self.device, self.dtype)
             return build_linear(stored, parts, self._like, self.dtype, self.device)
@@ -133,7 +138,10 @@ class FileWeights:
         sliced = dataclasses.replace(stored, keys=keys, groups=1 if dim == 1 else stored.groups,
                                      rows=length if dim == 1 else rows)
         weight, scale, global_scale = build_experts(sliced, parts, self.device)
-        return projection(self.scheme, weight, [scale] + ([] if global_scale is None else [global_scale]), shape)
+        try:
+            return projection(self.scheme, weight, [scale] + ([] if global_scale is None else [global_scale]), shape)
+        except ValueError as e:  # the slice is no layout of its format (an NVFP4 input dim of 16 cut)
+            raise ValueError(f"tensor parallel: {name}: {e}") from None
 
     # ----- reading ----------------------------------------------------------------------------------------------
     def _read_part(self, key: str, extent: int, dim: int, start: int, length: int, name: str) -> torch.Tensor:
