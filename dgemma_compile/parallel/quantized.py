@@ -14,9 +14,9 @@ row's scale). Zero rows padded onto a slice (the vocabulary's padding, `vocab.py
 dequantize to 0.
 
 Applied here to the weights a loaded model holds: torchao's `Float8Tensor` and `NVFP4Tensor` (linears; NVFP4's block
-scales unswizzled first and swizzled again, so any multiple of 16 can be cut, not only at torchao's tiles of 128 rows x 64 columns) and
-`model.ExpertProjection`'s plain parts; `source.FileWeights` applies the same rule to a compressed-tensors
-checkpoint's stored parts (`part_group`).
+scales unswizzled first and swizzled again, so any multiple of 16 can be cut, not only at torchao's tiles of 128
+rows x 64 columns) and `model.ExpertProjection`'s plain parts; `source.FileWeights` applies the same rule to a
+compressed-tensors checkpoint's stored parts (`part_group`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from ..model import ExpertProjection
 from ..ops.moe import NVFP4_BLOCK
-from .quantized import is_quantized, narrow_part, narrow_projection, narrow_tensor, part_group, projection
+from .quantized import is_quantized, narrow_projection, narrow_tensor, part_group, projection
 
 
 class ModelWeights:
