@@ -375,6 +375,8 @@ def _load(model_dir, args: argparse.Namespace, ranks):
         return load(model_dir, dtype=dtype)
     from . import parallel
 
+    from .loader import CheckpointError
+
     experts = getattr(args, "experts_split", "tensor")
     try:
         if getattr(args, "quant", None) is None:  # each rank reads only its slices of the sharded tensors
@@ -387,7 +389,9 @@ def _load(model_dir, args: argparse.Namespace, ranks):
         model = parallel.shard(model, experts=experts)
         model.quant_report = report
         return model
-    except ValueError as e:
+    except (CheckpointError, ConfigError):  # the checkpoint's or the scheme's own error, as without ranks
+        raise
+    except ValueError as e:  # a split the shapes refuse (`parallel.shard`)
         raise ConfigError(f"tensor_parallel_size: {e}") from None
 
 

@@ -74,7 +74,7 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
     source = FileWeights(model.weight_sources, model.weight_dtype, torch.device(device),
                          quantized=model.quantized_sources, files=model.weight_files,
                          scheme=getattr(model, "quant_scheme", None))
-    stored = {name: (p, k) for name, (p, k) in model.weight_sources.items()}  # float: counted by our name
+    stored = dict(model.weight_sources)  # float: counted by our name
     stored.update((k, (p, k)) for k, p in model.weight_files.items())  # quantized: by each stored part's key
     full, nbytes = {}, 0
     sizes = _stored_sizes({p for p, _ in stored.values()})
