@@ -158,15 +158,22 @@ def _expected(model, tok, prompt: str, seed: int, max_new_tokens: int = 12) -> d
 
 
 @pytest.mark.slow
-def test_cli_generate_on_2_ranks_equals_one_process(demo):
+@pytest.mark.parametrize("quant", [None, "fp8-weight-only"])
+def test_cli_generate_on_2_ranks_equals_one_process(demo, quant):
     """`dgemma generate --tensor-parallel-size 2 --prompts-file -`: rank 0 reads stdin and shares it, both ranks run
     the batch over the sharded model, rank 0 alone writes; every result equals the single-process eager generator's.
+    With `--quant`: every rank quantizes the whole model, then shards it (rank 0 alone prints the report); the
+    results are the quantized single process's.
     """
     model, tok = demo
+    if quant is not None:
+        model = dg.load(model.checkpoint_dir)
+        dg.quantize(model, quant)
     lines = ["sort 3 1 2 9 5=", '{"prompt": "add 123+045=", "seed": 3}']
     res = _cli("generate", "--prompts-file", "-", "--eager", "--threads", "1", "--max-new-tokens", "12",
-               "--tensor-parallel-size", "2", stdin="\n".join(lines))
+               "--tensor-parallel-size", "2", *(["--quant", quant] if quant else []), stdin="\n".join(lines))
     assert res.returncode == 0, res.stderr
+    assert res.stderr.count(f"quant {quant} (numerics") == (quant is not None)
     results = [json.loads(r) for r in res.stdout.splitlines()]
     prompts = [("sort 3 1 2 9 5=", 0), ("add 123+045=", 3)]
     assert results == [{"line": i, **_expected(model, tok, p, seed)} for i, (p, seed) in enumerate(prompts, 1)]
