@@ -377,18 +377,9 @@ def _load(model_dir, args: argparse.Namespace, ranks):
 
     from .loader import CheckpointError
 
-    experts = getattr(args, "experts_split", "tensor")
-    try:
-        if getattr(args, "quant", None) is None:  # each rank reads only its slices of the sharded tensors
-            return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device, experts=experts)
-        from .quant import quantize
-
-        # a full float copy per rank while quantizing (a pre-quantized checkpoint loads slice by slice instead)
-        model = load(model_dir, dtype=dtype, device=ranks.device)
-        report = quantize(model, args.quant)
-        model = parallel.shard(model, experts=experts)
-        model.quant_report = report
-        return model
+    try:  # each rank reads only its slices; with --quant it quantizes the whole model first, then shards it
+        return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device, quant=getattr(args, "quant", None),
+                                     experts=getattr(args, "experts_split", "tensor"))
     except (CheckpointError, ConfigError):  # the checkpoint's or the scheme's own error, as without ranks
         raise
     except ValueError as e:  # a split the shapes refuse (`parallel.shard`)

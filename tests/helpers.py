@@ -171,3 +171,24 @@ def wait_for_health(proc, port: int, *, timeout_s: float) -> None:
             pass
         assert proc.poll() is None and time.time() < deadline, "dgemma serve did not come up"
         time.sleep(0.2)
+
+
+def assert_same_parts(a, b, what: str) -> None:
+    """Two weights hold the same parts bitwise: plain tensors, torchao tensors (codes, scales and an NVFP4 per-tensor
+    scale) or `ExpertProjection`s (weight and scales); 1-byte parts compared as bytes (fp8 has NaN codes)."""
+    from dgemma_compile.model import ExpertProjection
+    from dgemma_compile.parallel.quantized import is_quantized
+
+    def parts(t):
+        if isinstance(t, ExpertProjection):
+            return [t.quant, t.shape, t.weight] + t.scales()
+        if is_quantized(t):
+            return [type(t), t.shape, t.qdata, t.scale, getattr(t, "per_tensor_scale", None)]
+        return [type(t), t.shape, t]
+
+    for x, y in zip(parts(a), parts(b), strict=True):
+        if isinstance(x, torch.Tensor):
+            x, y = (t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in (x, y))
+            assert x.dtype == y.dtype and torch.equal(x, y), what
+        else:
+            assert x == y, what

@@ -214,7 +214,8 @@ def _quantized_ranks(world: int) -> dict:
     forwards, and their step numerics' names."""
     if world != 2:
         return {}
-    from dgemma_compile.parallel.quantized import is_quantized
+    from helpers import assert_same_parts
+
     from dgemma_compile.sampler import step_scheme
 
     lazy = parallel.load_sharded(QUANT_FIXTURES / "demo-nvfp4a16")
@@ -222,9 +223,7 @@ def _quantized_ranks(world: int) -> dict:
     want, got = whole.state_dict(), lazy.state_dict()
     assert want.keys() == got.keys()
     for k in want:
-        a, b = ((t.qdata, t.scale, t.per_tensor_scale) if is_quantized(t) else (t,) for t in (want[k], got[k]))
-        assert all(torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x,
-                               y.view(torch.uint8) if y.dtype.itemsize == 1 else y) for x, y in zip(a, b)), k
+        assert_same_parts(want[k], got[k], k)
     fp8 = _load_demo()
     dg.quantize(fp8, "fp8")
     fp8 = parallel.shard(fp8)

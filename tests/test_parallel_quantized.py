@@ -18,9 +18,10 @@ from torch import nn
 pytest.importorskip("torchao")
 
 import dgemma_compile as dg  # noqa: E402
+from helpers import assert_same_parts  # noqa: E402
 from dgemma_compile.model import ExpertProjection  # noqa: E402
 from dgemma_compile.parallel.load import is_sharded  # noqa: E402
-from dgemma_compile.parallel.quantized import (cat_projections, is_quantized, narrow_part,  # noqa: E402
+from dgemma_compile.parallel.quantized import (cat_projections, narrow_part,  # noqa: E402
                                                narrow_projection, narrow_tensor, projection)
 from dgemma_compile.parallel.source import FileWeights, ModelWeights  # noqa: E402
 from dgemma_compile.quant.quantize import quiet_torchao  # noqa: E402
@@ -126,19 +127,6 @@ def _file_source(model) -> FileWeights:
                        quantized=model.quantized_sources, files=model.weight_files, scheme=model.quant_scheme)
 
 
-def _same(a, b, what: str) -> None:
-    """Two slices: the same kind, every part bitwise (1-byte parts compared as bytes: fp8 has NaN codes)."""
-    if isinstance(a, ExpertProjection):
-        parts_a, parts_b = [a.weight] + a.scales(), [b.weight] + b.scales()
-        assert a.quant == b.quant and a.shape == b.shape, what
-    else:
-        assert type(a) is type(b) and a.shape == b.shape, what
-        parts_a, parts_b = (([t.qdata, t.scale] if is_quantized(t) else [t]) for t in (a, b))
-    for x, y in zip(parts_a, parts_b, strict=True):
-        x, y = (t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in (x, y))
-        assert x.dtype == y.dtype and torch.equal(x, y), what
-
-
 def _skewed(name: str, tmp_path: Path) -> Path:
     """A copy of NVFP4 fixture `name` whose experts' global scales differ between experts and between gate and up
     (the fixtures' are equal, so a slice that took another expert's or the other half's would pass unseen); the
@@ -195,7 +183,7 @@ def test_stored_quantized_slices_equal_the_slices_of_the_loaded_model(name, tmp_
             want = lambda dim, start, length: mine.take(n, module.weight, dim, start, length)  # noqa: E731
         for dim, start, length in slices:
             before = files.bytes_read
-            _same(read(dim, start, length), want(dim, start, length), f"{n} {dim} {start}")
+            assert_same_parts(read(dim, start, length), want(dim, start, length), f"{n} {dim} {start}")
             # what was read: the range's share of the codes, the scales at most whole
             share = length / ((E, N, K) if isinstance(module, ExpertProjection) else (N, K))[dim]
             assert files.bytes_read - before <= data_bytes * share + (whole_bytes - data_bytes), (n, dim, start)

@@ -35,12 +35,7 @@ def _rank(rank: int, world: int, n: int, offset: int, out_dir: str, cache: str |
     if cache:  # an Inductor cache of the rank's own (see --per-rank-cache)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache, f"rank{rank}"))
     parallel.init("cpu", timeout_s=600)
-    if quant is None:  # the rank's slices from the files (a compressed-tensors checkpoint too)
-        model = parallel.load_sharded(checkpoint)
-    else:  # quantized as one process would, then sharded (`dgemma generate --quant --tensor-parallel-size`)
-        model = dg.load(checkpoint)
-        dg.quantize(model, quant)
-        model = parallel.shard(model)
+    model = parallel.load_sharded(checkpoint, quant=quant)  # the rank's slices (quantized first with --quant)
     tok = dg.load_tokenizer(DEMO_MODEL)
     gen = dg.build(model) if bucket is None else dg.build(model, dg.CompileOptions(batch_buckets=(bucket,)))
     config = model.generation_config
@@ -95,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     differ_ref = [i for i in range(a.n) if ids[i] != ref[i]]
     tok = dg.load_tokenizer(DEMO_MODEL)
     examples = T.make_split("heldout", a.n, 0, offset=a.offset)
-    results = {"world_size": a.world_size, "checkpoint": a.checkpoint, "quant": a.quant, "per_rank_cache": a.per_rank_cache, "batch_bucket": a.batch_bucket, "n": a.n, "offset": a.offset, "reference": a.reference,
+    results = {"world_size": a.world_size, "checkpoint": a.checkpoint, "quant": a.quant,
+               "per_rank_cache": a.per_rank_cache, "batch_bucket": a.batch_bucket, "n": a.n, "offset": a.offset,
+               "reference": a.reference,
                "moe_impl": ranks[0]["moe_impl"], "prompts_differing_between_ranks": differ_ranks,
                "prompts_differing_from_single_process": differ_ref,
                "share_equal_to_single_process": 1 - len(differ_ref) / a.n,

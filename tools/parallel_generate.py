@@ -51,10 +51,7 @@ def _load(checkpoint: str, quant: str | None):
 def _rank(rank: int, world: int, out_dir: str, experts: str = "tensor", checkpoint: str = str(DEMO_MODEL),
           quant: str | None = None) -> None:
     parallel.init("cpu", timeout_s=300)
-    if quant is None:  # each rank reads its slices from the files
-        model = parallel.load_sharded(checkpoint, experts=experts)
-    else:
-        model = parallel.shard(_load(checkpoint, quant), experts=experts)
+    model = parallel.load_sharded(checkpoint, experts=experts, quant=quant)  # its slices (quantized first: --quant)
     t0 = time.monotonic()
     gen = dg.build(model, CompileOptions(batch_buckets=(len(PROMPTS),), max_seq_len=256))
     compiled = gen.generate(_ids(), seed=0)

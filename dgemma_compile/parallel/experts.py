@@ -53,6 +53,6 @@ class TensorParallelExperts(Experts):
 def check_experts(experts: Experts, world_size: int, name: str) -> None:
     """The checks `TensorParallelExperts` makes before reading anything. Raises ValueError naming the tensor: an
     intermediate size (gate and up halves of gate_up_proj, down_proj's columns) that cannot be split."""
-    E, N, K = experts.gate_up_proj.shape
+    N = experts.gate_up_proj.shape[1]
     split(torch.empty(1, N // 2, 1, device="meta"), 1, 0, world_size, f"{name}.gate_up_proj.weight (gate rows)")
     split(torch.empty(1, 1, experts.down_proj.shape[2], device="meta"), 2, 0, world_size, f"{name}.down_proj.weight")

@@ -56,20 +56,33 @@ class LoadReport:
 
 
 def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", experts: str = "tensor") -> "DiffusionGemma":
+                 device: str | torch.device = "cpu", experts: str = "tensor",
+                 quant: str | None = None) -> "DiffusionGemma":
     """Load this rank's shard of a checkpoint, float or compressed-tensors (module docstring): the model
     `shard(load(path))` gives, without reading the full sharded tensors. `model.tensor_parallel_load` is a
     `LoadReport` (a quantized weight's parts counted under their checkpoint keys); a quantized checkpoint's
     `model.quant_report` counts the rank's bytes. `experts`: as `shard`'s
     ("tensor" or "expert": with "expert" a rank reads its E/N whole experts, contiguous rows of the files).
+    `quant`: a `quant.SCHEMES` name: the float checkpoint is loaded whole instead, quantized as one process would
+    (`quant.quantize`) and then sharded, so that the rank holds the one-process quantized weights' slices, at the
+    cost of a full float copy while loading; `model.quant_report` is then the whole model's report.
 
     Raises:
         CheckpointError: as `loader.load`.
+        ConfigError: as `quant.quantize` (a scheme it refuses, a checkpoint already quantized).
         ValueError: a tensor that cannot be split (as `shard`, naming it); the half-built model is then unusable.
         RuntimeError: no process group is initialised.
     """
     if not dist.is_initialized():
         raise RuntimeError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
+    if quant is not None:
+        from ..quant import quantize
+
+        model = load(path, dtype=dtype, device=device)
+        report = quantize(model, quant)
+        shard(model, group, experts=experts)
+        model.quant_report = report
+        return model
     model = load(path, dtype=dtype, device=device, lazy=is_sharded)
     source = FileWeights(model.weight_sources, model.weight_dtype, torch.device(device),
                          quantized=model.quantized_sources, files=model.weight_files,

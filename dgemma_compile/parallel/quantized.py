@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..model import ExpertProjection
+from ..ops.moe import NVFP4_BLOCK
 
 
 def part_group(size: int, extent: int, start: int, length: int, name: str) -> int | None:
@@ -84,6 +85,15 @@ def check_sliceable(weight: torch.Tensor, name: str) -> None:
                      f"(per-row Float8Tensor and per-tensor-scaled NVFP4Tensor can)")
 
 
+def check_nvfp4_columns(dim: int, length: int, name: str) -> None:
+    """ValueError naming `name` when an NVFP4 weight's slice along its input dim (`dim` 1) keeps a number of columns
+    that is not whole blocks. `part_group` alone cannot see it where K is one block (16): the single block scale
+    per row then looks shared by the whole dimension."""
+    if dim == 1 and length % NVFP4_BLOCK:
+        raise ValueError(f"tensor parallel: {name} (NVFP4) keeps {length} input columns, not a multiple of its "
+                         f"block of {NVFP4_BLOCK}")
+
+
 def narrow_tensor(weight: torch.Tensor, dim: int, start: int, length: int, name: str,
                   padded: int | None = None) -> torch.Tensor:
     """Rows (dim 0) or input columns (dim 1) [start, start + length) of a 2-D torchao weight [N, K] (`Float8Tensor`
@@ -113,9 +123,7 @@ def narrow_tensor(weight: torch.Tensor, dim: int, start: int, length: int, name:
         else weight.scale
     qdata = narrow_part(weight.qdata, extent, dim, start, length, f"{name} (e2m1 codes)", padded)
     scale = narrow_part(scale, extent, dim, start, length, f"{name} (NVFP4 block scales)", padded)
-    if dim == 1 and length % weight.block_size:  # K == 16: one block scale is the whole dimension's
-        raise ValueError(f"tensor parallel: {name} (NVFP4) keeps {length} input columns, not a multiple of its "
-                         f"block of {weight.block_size}")
+    check_nvfp4_columns(dim, length, name)
     if weight.is_swizzled_scales:
         scale = to_blocked(scale).view(hp_data_dims_to_swizzled_scale_dims_nvfp4(qdata.shape[0],
                                                                                  qdata.shape[1] * 2))

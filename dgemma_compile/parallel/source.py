@@ -22,8 +22,7 @@ import torch
 from safetensors import safe_open
 
 from ..model import ExpertProjection
-from ..ops.moe import NVFP4_BLOCK
-from .quantized import is_quantized, narrow_projection, narrow_tensor, part_group, projection
+from .quantized import check_nvfp4_columns, is_quantized, narrow_projection, narrow_tensor, part_group, projection
 
 
 class ModelWeights:
@@ -76,9 +75,8 @@ class FileWeights:
             stored = self.quantized[name]
             parts = {key: self._read_part(key, full.shape[dim], dim, start, length, name)
                      for key in stored.all_keys()}
-            if dim == 1 and "weight_packed" in stored.keys and length % NVFP4_BLOCK:  # K == 16: one shared block
-                raise ValueError(f"tensor parallel: {name} (NVFP4) keeps {length} input columns, not a multiple of "
-                                 f"its block of {NVFP4_BLOCK}")
+            if "weight_packed" in stored.keys:
+                check_nvfp4_columns(dim, length, name)
             if self._like is None:
                 self._like = template(self.scheme, self.device, self.dtype)
             return build_linear(stored, parts, self._like, self.dtype, self.device)
