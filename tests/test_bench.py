@@ -302,3 +302,56 @@ def test_quantized_rows_ratios_against_the_baseline_of_the_same_run():
     (alone,) = report.quant_rows(report.with_ratios([report.summarize(raw[1])]))
     assert math.isnan(alone["quant_step"]) and math.isnan(alone["quant_pass_paired"])
     assert "No ratios" in "\n".join(report.quant_markdown(report.with_ratios([report.summarize(raw[1])])))
+
+
+def test_startup_dry_run_plans_every_command_with_its_caches(tmp_path, capsys):
+    """bench/startup.py without running anything: every command in every scenario; empty and warm share each
+    command's two cache directories, the new venv keeps DGEMMA_CACHE_DIR but gets a fresh TORCHINDUCTOR_CACHE_DIR;
+    warm alone starts with untimed warm-up runs; the stats line, ratios and targets are parsed and judged."""
+    from bench import startup
+
+    this, other = startup.Venv("this", Path(sys.prefix)), startup.Venv("new", tmp_path / "venv2")
+    layout = startup.Layout(tmp_path / "root")
+    steps = startup.plan(list(startup.SCENARIOS), layout, this, other, repeats=2, port=8000)
+    by = {(s.scenario, s.round, s.command.key): s for s in steps}
+    assert [s.scenario for s in steps] == ["empty"] * 5 + ["warm"] * 10 + ["new-venv"] * 5
+    assert [s.command.key for s in steps[5:15]] == list(startup.KEYS) * 2  # round-robin
+    for key in startup.KEYS:
+        empty, warm, new = by["empty", 0, key], by["warm", 1, key], by["new-venv", 0, key]
+        assert (empty.dgemma_cache, empty.inductor_cache) == (warm.dgemma_cache, warm.inductor_cache)
+        assert new.dgemma_cache == empty.dgemma_cache and new.inductor_cache != empty.inductor_cache
+        assert Path(new.command.argv[0]).is_relative_to(other.root)
+    assert len({s.dgemma_cache for s in steps}) == 5  # one directory per command
+    assert by["empty", 0, "serve"].command.argv[1:] == ("serve",)  # default port flags
+    assert by["empty", 0, "prompts-file"].command.argv[1:] == ("generate", "--prompts-file",
+                                                                str(layout.prompts_file))
+    env = startup.environment_for(by["new-venv", 0, "generate"])
+    assert env["DGEMMA_CACHE_DIR"] == str(layout.dgemma_cache("generate")) and "PYTHONPATH" not in env
+    warm_only = startup.plan(["warm"], layout, this, None, repeats=1, port=8001, serve=False)
+    assert [(s.timed, s.command.key) for s in warm_only] == \
+        [(False, k) for k in startup.KEYS if k != "serve"] + [(True, k) for k in startup.KEYS if k != "serve"]
+
+    assert startup.main(["--dry-run", "--new-venv", str(tmp_path / "v2"), "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "pip install torch==2.13.0" in out and f"{startup.REPO}[serve]" in out
+    assert out.count("[new-venv r0] DGEMMA_CACHE_DIR=$ROOT/caches/") == 5 and "inductor-new-venv" in out
+    assert not list(tmp_path.glob("v2*"))  # nothing made
+
+    fields = startup.parse_stats("dgemma: compiling...\ntokens=5 mean_steps_per_block=2.00 finish=stop "
+                                 "compile_s=31.4 step=loaded ttfb_s=0.120 threads=1\n")
+    assert fields == {"compile_s": "31.4", "step": "loaded", "ttfb_s": "0.120"}
+    assert startup.parse_stats("tokens=5 mean_steps_per_block=2.00 compile_s=3.0") == {"compile_s": "3.0"}
+
+    def run(key, r, first, exit_s, stderr=""):
+        step = startup.Step("warm", startup.Command(key, key, ("x",)), Path("d"), Path("i"), round=r)
+        return startup.Run(step, first_s=first, exit_s=exit_s, stdout="1 2 3 5 9\n", stderr=stderr,
+                           fields=startup.parse_stats(stderr))
+
+    runs = [run("transformers", 0, 4.0, 4.1), run("generate", 0, 2.0, 2.5, "compile_s=0.5 step=loaded"),
+            run("transformers", 1, 8.0, 8.1), run("generate", 1, 10.0, 10.5), run("help", 0, 0.1, 0.2),
+            run("prompts-file", 0, 5.0, 9.0)]
+    rows = {r["key"]: r for r in startup.summarize(runs, "warm", baseline_file_s=8.0)}
+    assert rows["generate"]["ratio"] == pytest.approx(0.875)  # median of 2/4 and 10/8, paired per round
+    assert rows["generate"]["target"] == "<= 1.0x transformers: met" and rows["generate"]["step"] == "loaded"
+    assert rows["help"]["target"] == "< 0.5 s: met" and rows["prompts-file"]["target"].endswith("missed")
+    assert startup.target(rows["generate"], "empty", None) == "<= 1.5x transformers: met"
