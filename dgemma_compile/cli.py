@@ -26,12 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .demo import DEMO_MODEL
-from .quant.schemes import SCHEMES as QUANT_SCHEMES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# `dgemma --help` imports no torch (tests/test_imports.py): torch and every module that imports it are imported inside
+# the commands, and the parser's choices are plain names, checked equal to their torch-side sources by the tests.
+DTYPES = ("bfloat16", "float16", "float32")  # --dtype: names of torch dtypes
+COMPILE_MODES = ("auto", "always", "never")  # --compile (`_compile_mode`)
+QUANT_SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")  # = quant.schemes.SCHEMES
+DEFAULT_GROUP_TIMEOUT_S = 300.0  # = parallel.ranks.DEFAULT_GROUP_TIMEOUT_S
 DEFAULT_BATCH_SIZE = 8
 MOE_RULE = ("loop = transformers' summation order (eager default, parity tests); grouped = torch._grouped_mm (compiled "
             "bf16 with E/K > 4); gathered = each assignment's expert rows gathered, one fused loop nest (compiled, "
@@ -65,11 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, metavar="S",
                    help="stop string (repeatable): the output ends before its first occurrence, across blocks too")
     g.add_argument("--seed", type=int, default=0, help="seed of the request's random stream (of each line without one)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="weight dtype (default: the checkpoint's)")
+    g.add_argument("--dtype", choices=DTYPES, default=None, help="weight dtype (default: the checkpoint's)")
     g.add_argument("--quant", choices=QUANT_SCHEMES, default=None,
                    help="quantize the weights on load with torchao (the [quant] extra): fp8 (dynamic per-row "
                         "activations, per-row weights), fp8-weight-only, nvfp4-w4a16; nvfp4 (W4A4) needs sm100")
     g.add_argument("--eager", action="store_true", help="run the eager reference generator instead of the compiled one")
+    g.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                   help="auto (default): load the step from the compile cache if it is there, else answer with the "
+                        "eager step, compiling in a background process when the job is larger than one batch "
+                        "(docs/cli.md); always: compile (or load) before answering; never: the eager step only")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op CPU threads (default: OMP_NUM_THREADS if set, else dgemma_compile.threads."
                         "recommended_threads: 1 for small models, else the CPUs free now)")
@@ -127,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
                         "chat's top_logprobs; more get HTTP 400); each denoise step keeps K per position (default "
                         "20, vLLM's; 0: only the returned tokens' own log-probabilities)")
     s.add_argument("--eager", action="store_true", help="eager steps instead of the compiled bucket (no compile)")
+    s.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                   help="auto (default): load the batch sizes the compile cache holds, compile the others in a "
+                        "background process while the eager step serves (GET /health: buckets[].step); always: "
+                        "compile batch 1 before serving, the others on first use; never: the eager step only")
     s.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
                    help="each row's logits bitwise those of its solo run whatever the bucket and batch mates "
                         "(CompileOptions.batch_invariant; auto: on for CPU, free there)")
@@ -137,12 +147,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op CPU threads (as generate)")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     _parallel_flags(s)
+    k = sub.add_parser("cache", help="the compile cache (compiled steps loaded by later runs; docs/cli.md): where it "
+                                     "is, its entries, or empty it")
+    k.add_argument("action", choices=("info", "clear"), help="info: the directory and its entries; clear: remove them")
     return p
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
-    from .parallel.ranks import DEFAULT_GROUP_TIMEOUT_S
-
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="shard the model over N ranks (docs/parallel.md): started here as N processes (gloo on CPU, "
                         "nccl on CUDA), or joined under torchrun (its WORLD_SIZE); rank 0 alone writes the output "
@@ -244,6 +255,8 @@ def parse_prompt_line(number: int, raw: bytes) -> PromptLine:
 def _apply_threads(args: argparse.Namespace, model) -> int:
     """--threads N, else OMP_NUM_THREADS when set, else `recommended_threads(model)`; applied before any compile
     (Inductor's CPU kernels are generated for the thread count in force)."""
+    import torch
+
     from .threads import recommended_threads
 
     if args.threads is not None:
@@ -259,12 +272,30 @@ def _apply_threads(args: argparse.Namespace, model) -> int:
 Run = Callable[..., object]  # (prompts, config, seed=..., on_block=...) -> GenerationOutput
 
 
+def _compile_mode(args: argparse.Namespace, gen, rows: int, config, jobs: int) -> str:
+    """--compile resolved: "always" (compile or load now), "never" (the eager step), or "background" (the eager step
+    answers while a background process compiles). auto: "always" when the compile cache holds the step (a load takes
+    about a second); else "never" for a job of one batch (`jobs` <= `rows`: a single prompt, or a prompts file no
+    longer than --batch-size), which finishes eagerly before any compile would (docs/cli.md); else "background"."""
+    if args.compile != "auto":
+        return args.compile
+    if getattr(args, "tensor_parallel", False):  # every rank must take the same path: today's, compile or load now
+        return "always"
+    if gen.cached(rows, config):
+        return "always"
+    if jobs <= rows or gen.units.store is None:
+        return "never"
+    return "background"
+
+
 def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, first: tuple[list, int],
-            steps: int, images: list | None = None) -> tuple[Run, str]:
-    """The generate function for this invocation and its one-time cost as a stats field: the compiled generator
-    (one bucket of `rows`, a static cache of `slots` committed slots, a temperature table of at least `steps`
-    denoise steps, compiled now: `compile_s`), or the eager one after an untimed run of `first` = (prompts, seeds)
-    with one denoise step per block (`warmup_s`)."""
+            steps: int, images: list | None = None, jobs: int = 1) -> tuple[Run, Callable[[], str]]:
+    """The generate function for this invocation and a function giving its one-time cost and step source as stats
+    fields: the compiled generator (one bucket of `rows`, a static cache of `slots` committed slots, a temperature
+    table of at least `steps` denoise steps) per --compile (`_compile_mode`; `jobs`: the prompts to run): compiled or
+    loaded now (`compile_s`, `load_s`), or eager while a background process compiles (`compile_s` of that process, if
+    it finished); or, with --eager, the eager reference after an untimed run of `first` = (prompts, seeds) with one
+    denoise step per block (`warmup_s`)."""
     from . import generate
 
     max_seq_len = -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING  # the same cache, so eager and compiled agree
@@ -272,16 +303,83 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
         start = time.perf_counter()
         generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1], max_seq_len=max_seq_len,
                  images=images)
-        return ((lambda *a, **kw: generate(model, *a, max_seq_len=max_seq_len, **kw)),
-                f" warmup_s={time.perf_counter() - start:.2f}")
+        warmup = f" warmup_s={time.perf_counter() - start:.2f} step=oracle"
+        return (lambda *a, **kw: generate(model, *a, max_seq_len=max_seq_len, **kw)), lambda: warmup
     from . import CompileOptions, build
 
     gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=max_seq_len,
                                       max_denoising_steps=max(256, steps)))
-    print("dgemma: compiling the step (about 30 s on a 2-core CPU the first time; Inductor's disk cache serves later "
-          "runs)...",
-          file=sys.stderr, flush=True)
-    return gen.generate, f" compile_s={gen.warmup(rows, config):.1f}"
+    mode = _compile_mode(args, gen, rows, config, jobs)
+    name = gen.bucket(config).step_name(rows)
+    compile_s = load_s = 0.0
+    if mode == "never":
+        gen.defer(None)
+    elif mode == "background":
+        gen.defer(_background(args, gen, config, [rows]))
+        print(f"dgemma: compiling {name} in a background process (not in the compile cache yet: "
+              f"{gen.units.store.root}); answering with the eager step meanwhile", file=sys.stderr, flush=True)
+    else:
+        cached = gen.cached(rows, config)
+        verb = "loading" if cached else "compiling"
+        with _Ticker(f"dgemma: {verb} {name}" + ("" if cached else " in the foreground (--compile always)")):
+            took = gen.warmup(rows, config)
+        if cached and gen.units.store.loads:
+            load_s = took
+        else:
+            compile_s = took
+
+    def stats() -> str:
+        bg = gen.background
+        seconds = compile_s if bg is None or bg.seconds is None else bg.seconds
+        where = "" if bg is None else f" compile={bg.state} in background"
+        return f" compile_s={seconds:.1f} load_s={load_s:.2f} step={gen.step_source}{where}"
+
+    return gen.generate, stats
+
+
+def _background(args: argparse.Namespace, gen, config, sizes: list[int], paging: dict | None = None):
+    """A `compile.background.BackgroundCompile` of `gen`'s steps of `sizes` for this invocation's checkpoint, dtype,
+    quantization, thread count and structural `config`, started now."""
+    import torch
+
+    from .compile.background import BackgroundCompile, CompileSpec, options_fields
+
+    spec = CompileSpec(model=str(args.model if args.model is not None else DEMO_MODEL), dtype=getattr(args, "dtype", None),
+                       quant=getattr(args, "quant", None), options=options_fields(gen.options),
+                       config={"stop_early": config.stop_early, "stability_threshold": config.stability_threshold,
+                               "eos_token_ids": config.eos_token_ids},
+                       sizes=list(sizes), threads=torch.get_num_threads(), cache_dir=str(gen.units.store.root),
+                       paging=paging or {})
+    return BackgroundCompile(spec)
+
+
+class _Ticker:
+    """A progress line on stderr while a foreground compile or load runs: its elapsed seconds, redrawn each second
+    on a terminal; elsewhere one line at the start and one at the end."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        import threading
+
+        self.start, self.done = time.perf_counter(), threading.Event()
+        self.tty = sys.stderr.isatty()
+        if self.tty:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+        else:
+            print(f"{self.what}...", file=sys.stderr, flush=True)
+        return self
+
+    def _run(self) -> None:
+        while not self.done.wait(1.0):
+            print(f"\r{self.what}... {time.perf_counter() - self.start:.0f} s", end="", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        took = time.perf_counter() - self.start
+        print(f"{chr(13) if self.tty else ''}{self.what}: {took:.1f} s", file=sys.stderr, flush=True)
 
 
 def _quantize(model, scheme: str | None) -> str | None:
@@ -318,6 +416,7 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"threads: must be a positive integer, got {args.threads}")
     check_stop_strings(args.stop, "--stop")
+    args.tensor_parallel = ranks is not None
     lines, args.pil_images = _shared(ranks, lambda: _read_inputs(args))  # before any loading
     args.constraint = _constraint(args)
 
@@ -367,10 +466,12 @@ def _load(model_dir, args: argparse.Namespace, ranks):
     (`parallel.load_sharded`, on the rank's device; a compressed-tensors checkpoint too), or with --quant loaded
     whole, quantized as one process would and then sharded (`model.quant_report` set), so that every rank holds the
     one-process quantized weights' slices. Raises ConfigError for a split the model's shapes refuse."""
+    import torch
+
     from . import load
     from .config import ConfigError
 
-    dtype = DTYPES[args.dtype] if getattr(args, "dtype", None) else None
+    dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     if ranks is None:
         return load(model_dir, dtype=dtype)
     from . import parallel
@@ -428,7 +529,7 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     if args.constraint is not None:  # its commits are the kept prefixes, not whole canvases
         slots = max(slots, len(ids) + config.max_new_tokens - 1)
     threads = _apply_threads(args, model)
-    run, one_time = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
+    run, costs = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
 
     first_block: list[float] = []
 
@@ -443,11 +544,12 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
               constraint=args.constraint, tokenizer=tokenizer, **({"images": images} if images else {}))
     elapsed = time.perf_counter() - start
     sys.stdout.write(matcher.finish() + "\n")
+    sys.stdout.flush()  # the answer before the stats line
     st = out.stats[0]
     ttfb = (first_block[0] - start) if first_block else elapsed
     print(f"tokens={st.num_tokens} blocks={st.blocks} mean_steps_per_block={st.decoder_passes / max(st.blocks, 1):.2f} "
           f"tokens_per_forward={st.tokens_per_forward:.2f} tok/s={st.num_tokens / elapsed:.1f} "
-          f"finish={st.finish_reason}{one_time} ttfb_s={ttfb:.3f} threads={threads} scheme={out.scheme} "
+          f"finish={st.finish_reason}{costs()} ttfb_s={ttfb:.3f} threads={threads} scheme={out.scheme} "
           f"moe={out.moe_impl} commit={'fused' if out.fuse_commit else 'separate'} quant={args.quant or 'none'}",
           file=sys.stderr)
     return 0
@@ -507,9 +609,9 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
         threads = _apply_threads(args, model)
         rows = min(batch, max(len(c) for c in chunks))
         first = chunks[0]
-        run, one_time = _runner(model, args, rows, slots, first[0].config,
-                                ([ln.ids for ln in first], [ln.seed for ln in first]),
-                                max(ln.config.max_denoising_steps for ln in good))
+        run, costs = _runner(model, args, rows, slots, first[0].config,
+                             ([ln.ids for ln in first], [ln.seed for ln in first]),
+                             max(ln.config.max_denoising_steps for ln in good), jobs=len(good))
         first_block: list[float] = []
         matchers: list[StopStrings] = []
 
@@ -541,7 +643,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
         ttfb = (first_block[0] - start) if first_block else elapsed
         summary = (f" tokens={tokens} blocks={blocks} mean_steps_per_block={passes / max(blocks, 1):.2f} "
                    f"tokens_per_forward={tokens / max(passes, 1):.2f} tok/s={tokens / elapsed:.1f} batch_size={batch}"
-                   f"{one_time} ttfb_s={ttfb:.3f} threads={threads}")
+                   f"{costs()} ttfb_s={ttfb:.3f} threads={threads}")
     flush()
     errors = len(lines) - len(good)
     print(f"prompts={len(lines)} errors={errors}{summary}", file=sys.stderr)
@@ -615,15 +717,18 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
         if server:  # without waiting for open connections: their requests already ended with "error"
             server[0].should_exit = server[0].force_exit = True
 
-    if not args.eager:
-        print("dgemma: compiling the engine's step at batch 1 (about 30 s on a 2-core CPU the first time; larger batch "
-              "sizes compile on first use)...", file=sys.stderr, flush=True)
+    mode = "always" if ranks is not None and args.compile == "auto" else args.compile  # ranks: one path for all
+    if not args.eager and mode == "always":
+        print("dgemma: compiling (or loading from the compile cache) the engine's step at batch 1; larger batch sizes "
+              "compile on first use...", file=sys.stderr, flush=True)
     engine = build_engine(model, max_batch=args.max_batch, max_seq_len=args.max_seq_len, eager=args.eager,
                           tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics, page_size=args.kv_page_size,
                           kv_pages=args.kv_pages, fuse_commit={"auto": None, "on": True, "off": False}[args.fuse_commit],
                           batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant],
                           max_logprobs=args.max_logprobs, channel=None if ranks is None else ranks.channel,
-                          on_fatal=on_fatal)
+                          on_fatal=on_fatal, defer_compile=not args.eager and mode != "always")
+    if engine.generator is not None and mode == "auto":
+        _serve_background(args, engine)
     if ranks is not None and not ranks.leader:
         engine.follow()  # until rank 0 stops; raises RuntimeError when it is lost
         return 0
@@ -632,7 +737,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
                      input_timeout_s=args.input_timeout, image_sources=sources)
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
-          f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else 'compiled'} "
+          f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else f'compiled ({mode})'} "
           f"kv={'static' if engine.memory is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
           f"batch_invariant={'on' if engine.batch_invariant else 'off'} max_logprobs={engine.max_logprobs} "
           f"setup_s={time.perf_counter() - start:.1f} threads={threads}"
@@ -640,7 +745,8 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     for b in engine.bucket_table():
         print(f"dgemma: bucket rows={b['rows']} tokens_per_row={b['tokens_per_row']} "
               f"fuse_commit={'on' if b['fuse_commit'] else 'off'} kv={b['kv']} unit={b['unit']} "
-              f"compiled={'eager' if b['compiled'] is None else b['compiled']}", file=sys.stderr, flush=True)
+              f"compiled={'eager' if b['compiled'] is None else b['compiled']} step={b['step']}", file=sys.stderr,
+              flush=True)
     server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)))
     if fatal:  # lost a rank before the server started
         server[0].should_exit = True
@@ -652,6 +758,52 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
         from .parallel.ranks import ParallelError
 
         raise ParallelError(fatal[0])
+    return 0
+
+
+def _serve_background(args: argparse.Namespace, engine) -> None:
+    """`dgemma serve --compile auto`: load every batch size the compile cache holds now; compile the others in a
+    background process while the eager step serves them (the engine switches between iterations, logged)."""
+    gen, bucket = engine.generator, engine.bucket
+    start = time.perf_counter()
+    loaded = gen.load_cached(bucket)
+    missing = [b for b in bucket.sizes if b not in loaded]
+    if loaded:
+        print(f"dgemma: loaded batch sizes {loaded} from the compile cache in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr, flush=True)
+    if not missing:
+        gen.deferred = False
+        return
+    if gen.units.store is None:
+        print("dgemma: the compile cache is off (DGEMMA_CACHE); batch sizes run eagerly", file=sys.stderr, flush=True)
+        return
+    paging = dict(page_size=args.kv_page_size, kv_pages=args.kv_pages) if args.kv_page_size is not None else {}
+    gen.defer(_background(args, gen, engine.model.generation_config, missing, paging))
+    print(f"dgemma: compiling batch sizes {missing} in a background process; the eager step serves them meanwhile",
+          file=sys.stderr, flush=True)
+
+
+def cache_command(args: argparse.Namespace) -> int:
+    """`dgemma cache info|clear`: the compile cache's directory and entries (unit, bytes, age), or remove them."""
+    from .compile.artifacts import ArtifactStore, cache_root
+
+    store = ArtifactStore.default()
+    if store is None:
+        print(f"compile cache: off (DGEMMA_CACHE={os.environ.get('DGEMMA_CACHE')})")
+        return 0
+    if args.action == "clear":
+        store.clear()
+        print(f"compile cache: cleared {cache_root()}")
+        return 0
+    entries = store.entries()
+    cpp = sum(f.stat().st_size for f in store.cpp.root.rglob("*.bin")) if store.cpp.root.is_dir() else 0
+    print(f"compile cache: {store.root} ({len(entries)} steps, "
+          f"{sum(e['bytes'] for e in entries) / 2**20:.1f} MiB; C++ builds {cpp / 2**20:.1f} MiB)")
+    now = time.time()
+    for e in sorted(entries, key=lambda e: e["created"]):
+        parts = e["parts"]
+        print(f"  {parts['unit']:<28} {e['bytes'] / 2**20:6.1f} MiB  {(now - e['created']) / 3600:7.1f} h old  "
+              f"threads={parts['threads']} torch={parts['torch'].split()[0]} key={e['key'][:12]}")
     return 0
 
 
@@ -686,13 +838,13 @@ def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)  # --help and usage errors exit here, before anything imports torch
     from .config import ConfigError
     from .kv_cache import CacheFullError
     from .loader import CheckpointError
     from .parallel.ranks import ParallelError
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     # AOTAutograd's cache skips graphs holding torchao tensors (Float8Tensor has no stable hash): a known cost of
     # quantized compiles (README), not a user-facing problem
@@ -712,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
             return explain_command(args)
         if args.command == "serve":
             return serve_command(args)
+        if args.command == "cache":
+            return cache_command(args)
     except (CheckpointError, ConfigError, CacheFullError) as e:
         print(f"dgemma: error: {e}", file=sys.stderr)
         return 2

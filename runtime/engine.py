@@ -188,6 +188,8 @@ class Engine:
             requests (a paged cache only; see the module docstring).
         warm: whether a batch size has compiled (`CompiledGenerator.warm(bucket)`): the engine then steps down only
             to compiled sizes; None: every size is ready (eager).
+        poll: called before each iteration (`CompiledGenerator.poll`: switches to the steps a background compile
+            finished, between iterations); None: nothing.
     Raises:
         ConfigError: a prefix cache whose page size is not a multiple of the encoder chunk (hits must start the
             prefill on a chunk boundary).
@@ -195,7 +197,8 @@ class Engine:
 
     def __init__(self, model: DiffusionGemma, bucket: Bucket, *, config: GenerationConfig | None = None,
                  tokenizer=None, max_queue: int = 256, compiles: Callable[[], Counter] | None = None, metrics=None,
-                 prefix_cache: bool = True, warm: Callable[[int], bool] | None = None):
+                 prefix_cache: bool = True, warm: Callable[[int], bool] | None = None,
+                 poll: Callable[[], None] | None = None):
         self.model, self.bucket, self.tokenizer = model, bucket, tokenizer
         self.config = (config or model.generation_config).resolved(model.config)
         self.structural = {f: getattr(self.config, f) for f in STRUCTURAL}
@@ -207,6 +210,8 @@ class Engine:
         self.batch_invariant = False  # whether rows are batch-invariant across buckets (`build_engine` sets it)
         self.C = model.config.canvas_length
         self._warm = warm
+        self._poll = poll
+        self.generator = None  # the compiled generator whose bucket this is (`build_engine` sets it)
         self._queue: deque[Request] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -237,16 +242,24 @@ class Engine:
     def bucket_table(self) -> list[dict]:
         """The engine's batch sizes over its one row table, a row each: rows (the size); tokens per row of a forward
         (C, or 2C with commit fusion); fuse_commit (commits fused with the next block's first denoise step); kv
-        ("static" or "paged"); unit (the step's name) and compiled (whether it has compiled yet; eager: None).
-        `dgemma serve` prints it at startup and `/health` returns it."""
+        ("static" or "paged"); unit (the step's name); compiled (whether it has compiled yet; eager: None); step (what
+        runs it now: "compiled", "loaded" from the compile cache, "eager" -- an eager engine, or a compiled one whose
+        background compile has not finished -- or null: not made or not run yet). `dgemma serve` prints it at startup
+        and `/health` returns it."""
         bk = self.bucket
         out = []
         for size in bk.sizes:
             view = bk.made(size)
             calls = getattr(view.step, "calls", None) if view is not None else None
+            if bk.unit is None:
+                step = "eager"
+            elif view is None:
+                step = None
+            else:
+                step = "eager" if getattr(view.step, "held", False) else getattr(view.step, "source", None)
             out.append(dict(rows=size, tokens_per_row=bk.tokens_per_row, fuse_commit=bk.fuse_commit,
                             kv="paged" if bk.paged else "static", unit=bk.step_name(size),
-                            compiled=None if bk.unit is None else bool(calls)))
+                            compiled=None if bk.unit is None else bool(calls), step=step))
         return out
 
     def check_request(self, prompt: Sequence[int], config: GenerationConfig, seed: int,
@@ -380,7 +393,12 @@ class Engine:
         while True:
             with self._wake:
                 while not self._stop and self.idle():
-                    self._wake.wait()
+                    # idle with a background compile running: wake each second to switch to its steps when it ends
+                    waiting = self._poll is not None and getattr(self.generator, "deferred", False) and \
+                        self.generator.background is not None
+                    self._wake.wait(1.0 if waiting else None)
+                    if waiting:
+                        self._poll()
                 if self._stop:
                     return
             try:
@@ -397,6 +415,8 @@ class Engine:
     def step(self) -> None:
         """One iteration (see the module docstring). Runs on the engine thread only."""
         self.stats.iterations += 1
+        if self._poll is not None:
+            self._poll()
         self._admit()
         busy = [b for b, r in enumerate(self.rows) if r.phase != Phase.FREE]
         if not busy:
@@ -405,8 +425,9 @@ class Engine:
         size = bk.size_for(busy[-1] + 1, self._warm)
         view = bk.view(size)
         if self._dirty or size != self._size:
-            if self._warm is not None and not self._warm(size):
-                log.info("engine: batch size %d compiles now (first use)", size)
+            if self._warm is not None and not self._warm(size) and not getattr(view.step, "held", False):
+                log.info("engine: batch size %d is used for the first time (compiles now, or loads from the "
+                         "compile cache)", size)
             t0 = time.perf_counter()
             view.refresh()
             st.refresh_s += time.perf_counter() - t0
@@ -626,7 +647,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
                  prefix_cache: bool = True, batch_invariant: bool | None = None, fuse_commit: bool | None = None,
                  batch_sizes: Sequence[int] | None = None, max_logprobs: int = 20, channel=None,
-                 on_fatal: Callable[[str], None] | None = None) -> Engine:
+                 on_fatal: Callable[[str], None] | None = None, defer_compile: bool = False) -> Engine:
     """An engine over one bucket of `max_batch` rows, stepping at batch sizes `batch_sizes` (default: the powers of
     two below `max_batch`, and `max_batch`) over them: compiled (a generator whose `CompileOptions.batch_buckets` are
     those sizes, a cache of `max_seq_len` committed slots -- default the model's context, at most
@@ -644,6 +665,10 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     not started (`Engine.start`). `channel` (a `parallel.HostChannel`; the model sharded by `parallel.shard`): a
     `runtime.parallel.TensorParallelEngine`, every rank building it the same way, rank 0 serving and the others
     `follow()`ing its schedule; `on_fatal` receives the message when its ranks can no longer step together.
+    `defer_compile`: compile nothing here; every size runs the eager step until `engine.generator.poll()` (called
+    before each iteration) finds the background compile given to `engine.generator.defer(...)` finished, or
+    `engine.generator.release()` is called (`dgemma serve --compile auto`). `engine.generator`: the compiled generator
+    (None for an eager engine).
 
     Raises:
         ConfigError: `batch_invariant=True` where it cannot hold (`compile.check_batch_invariant`); `fuse_commit`
@@ -682,12 +707,16 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     gen = generator or build(model, CompileOptions(batch_buckets=batch_sizes, max_seq_len=max_seq_len,
                                                    max_denoising_steps=max_denoising_steps, fuse_commit=fuse,
                                                    batch_invariant=batch_invariant, max_logprobs=max_logprobs))
-    gen.warmup(1, config, **paging)  # the smallest size: a lone first request never waits for a compile
+    if defer_compile:
+        gen.defer(None)
+    else:
+        gen.warmup(1, config, **paging)  # the smallest size: a lone first request never waits for a compile
     engine = _engine_class(channel)(model, gen.bucket(config, **paging), config=config, tokenizer=tokenizer,
                                     max_queue=max_queue, compiles=lambda: gen.compiles, metrics=metrics,
                                     prefix_cache=prefix_cache, warm=gen.warm(gen.bucket(config, **paging)),
-                                    **_parallel_kw(channel, on_fatal))
+                                    poll=gen.poll, **_parallel_kw(channel, on_fatal))
     engine.batch_invariant = gen.batch_invariant
+    engine.generator = gen
     return engine
 
 

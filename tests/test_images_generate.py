@@ -57,7 +57,7 @@ def test_compiled_generator_with_images_equals_eager_without_recompiling(tmp_pat
     prompts = [[2] + placeholders(4) + [5, 6, 7], text, [2, 3] + placeholders(9) + [8] + placeholders(4) + [13]]
     imgs = [[image(6, 1)], None, [image(9, 2), image(6, 3)]]
     out = gen.generate(prompts, cfg, seed=[1, 1, 2], images=imgs)  # 3 requests over 2 rows: a row is reused
-    assert dict(gen.compiles) == {"step[B2_P1_stop]": 1}
+    assert dict(gen.ready) == {"step[B2_P1_stop]": 1}
     eager = dg.generate(model, prompts, cfg, seed=[1, 1, 2], images=imgs, moe_impl=gen.moe_impl, max_seq_len=128)
     assert out.sequences == eager.sequences
     assert out.sequences[1] == first.sequences[0]  # the text request's tokens, whatever its batch mates

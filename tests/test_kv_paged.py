@@ -285,4 +285,4 @@ def test_compiled_paged_engine(demo):
     for r in reqs:
         assert r.sequence == _solo(model, r, gen.moe_impl).sequences[0], r.prompt
     tag = engine.bucket.tag
-    assert dict(gen.compiles) == {f"step[B1_{tag}]": 1, f"step[B2_{tag}]": 1}
+    assert dict(gen.ready) == {f"step[B1_{tag}]": 1, f"step[B2_{tag}]": 1}

@@ -404,7 +404,7 @@ def demo_serve(demo):
     with ServerThread(engine, tok, metrics) as srv:
         yield srv, gen, refs
     assert engine.recompiles() == {}
-    assert dict(gen.compiles) == {"step[B1_P1_stop]": 1, "step[B8_P1_stop]": 1}
+    assert dict(gen.ready) == {"step[B1_P1_stop]": 1, "step[B8_P1_stop]": 1}
     # one forward per iteration, at batch 1 while a lone request runs and at 8 under concurrency
     assert 0 < engine.stats.forwards <= engine.stats.iterations and set(engine.stats.forwards_by_size) == {1, 8}
 

@@ -22,6 +22,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,10 @@ from ..ops.moe import resolve_moe_impl
 from ..phases import Phase, RowMirror
 from ..sampler import step_scheme
 from .options import CompileOptions, check_batch_invariant
+from .artifacts import ArtifactStore
+
+if TYPE_CHECKING:
+    from .background import BackgroundCompile
 from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 log = logging.getLogger("dgemma_compile")
@@ -60,9 +65,13 @@ class CompiledGenerator:
     options: CompileOptions
     graphs: CudaGraphs | None = None  # a CUDA-graph seam for tests; default: real CUDA graphs on CUDA devices
     _buckets: dict = field(default_factory=dict)
+    deferred: bool = False  # steps run eagerly until released (`defer`)
+    background: "BackgroundCompile | None" = None
 
     def __post_init__(self) -> None:
-        self.units = UnitFactory(self.options, self.model.device, self.graphs)
+        # the compile cache (`artifacts.ArtifactStore`: steps compiled once load in later processes), unless off
+        store = ArtifactStore.default() if self.options.artifact_cache else None
+        self.units = UnitFactory(self.options, self.model.device, self.graphs, store=store)
         # what every unit of every bucket assumes of the model; checked once per generate/warmup call
         self.fingerprint = ModelFingerprint.of(self.model)
         cfg = self.model.config
@@ -87,6 +96,16 @@ class CompiledGenerator:
     def compiles(self) -> Counter:
         """Inductor compiles per unit name "step[B{b}_{tag}]" (above one: a recompile)."""
         return self.units.compiles
+
+    @property
+    def loads(self) -> Counter:
+        """Steps loaded from the compile cache per unit name (each instead of a compile)."""
+        return self.units.loads
+
+    @property
+    def ready(self) -> Counter:
+        """Per unit name, how many times its step was made: compiled or loaded (above one: a recompile)."""
+        return self.units.compiles + self.units.loads
 
     @property
     def compile_seconds(self) -> float:
@@ -115,8 +134,15 @@ class CompiledGenerator:
         if key not in self._buckets:
             model = self.model
 
+            # what decides a step's graph besides the options and the model: the compile cache's key holds it
+            structure = {"bucket": [depth, cfg.stop_early, sorted(cfg.eos_token_ids), page_size, kv_pages],
+                         "moe_impl": self.moe_impl, "fuse_commit": self.fuse_commit,
+                         "batch_invariant": self.batch_invariant}
+
             def unit(name: str, fn: Callable[[], None], tensors: list[torch.Tensor]) -> CompiledUnit:
-                return self.units.unit(name, fn, owners=(model, *tensors))
+                made = self.units.unit(name, fn, owners=(model, *tensors), structure=structure)
+                made.held = self.deferred
+                return made
 
             o = self.options
             self._buckets[key] = Bucket(model, o.batch_buckets, max_seq_len=o.max_seq_len,
@@ -125,6 +151,84 @@ class CompiledGenerator:
                                         kv_pages=kv_pages, kernel_options=o.attention_kernels(), unit=unit,
                                         max_logprobs=o.max_logprobs)
         return self._buckets[key]
+
+    def units_made(self) -> list[CompiledUnit]:
+        """Every compiled unit of every bucket made so far."""
+        return [v.step for bk in self._buckets.values() for v in bk.views() if isinstance(v.step, CompiledUnit)]
+
+    def cached(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> bool:
+        """Whether the compile cache holds the step that serves `batch_size` requests (then `warmup` loads it in about
+        a second instead of compiling). Makes the bucket and its view, compiles nothing."""
+        bucket = self.bucket(config, **paging)
+        unit = bucket.view(bucket.size_for(self.bucket_for(batch_size))).step
+        return isinstance(unit, CompiledUnit) and (unit.strategy is not None or (
+            unit.artifact is not None and unit.artifact.store.has(unit.artifact.key)))
+
+    def load_cached(self, bucket: Bucket) -> list[int]:
+        """Load (no compile) every size of `bucket` whose step the compile cache holds, now; returns those sizes.
+        Call with no busy rows (before an engine starts): each load makes one idle call (`CompiledUnit.prepare`)."""
+        loaded = []
+        for size in bucket.sizes:
+            view = bucket.view(size)
+            unit = view.step
+            if not isinstance(unit, CompiledUnit):
+                continue
+            slot = unit.artifact
+            if unit.strategy is None and slot is not None and slot.store.has(slot.key):
+                unit.held = False
+                view.refresh()
+                unit.prepare()
+            if unit.source == "loaded":
+                loaded.append(size)
+        return loaded
+
+    def defer(self, background: "BackgroundCompile | None" = None) -> None:
+        """Run every step eagerly (the one step, `steps.mixed_step`, uncompiled: the tokens of the compiled step) until
+        `background` (a `background.BackgroundCompile` filling the compile cache with these steps) finishes; `poll`,
+        called between iterations by the driver and the engine, then switches each step whose artifact is cached to
+        it. None: eager until `release()`."""
+        self.deferred, self.background = True, background
+        for unit in self.units_made():
+            unit.held = unit.strategy is None
+
+    def release(self) -> list[str]:
+        """Stop deferring: each held step with a cached artifact loads it now (no compile; `CompiledUnit.preload`) and
+        runs it from its next call; one without stays eager, logged. Returns the names of the steps switched."""
+        self.deferred = False
+        switched = []
+        for unit in self.units_made():
+            if not unit.held:
+                continue
+            slot = unit.artifact
+            if slot is not None and slot.store.has(slot.key):
+                unit.held = False
+                unit.preload()  # loaded now, between iterations: ready at its next call
+                switched.append(unit.name)
+            else:
+                log.warning("%s: no compile-cache entry after the background compile; it stays eager", unit.name)
+        return switched
+
+    def poll(self) -> None:
+        """Between iterations: if the background compile has ended, switch to its steps (done) or log why not
+        (failed), once. Cheap while it runs (a non-blocking process poll)."""
+        bg = self.background
+        if bg is None or not self.deferred:
+            return
+        state = bg.poll()
+        if state == "done":
+            switched = self.release()
+            log.warning("background compile finished in %.1f s; switching %s to the compiled step",
+                        bg.seconds, ", ".join(switched) or "nothing")
+        elif state == "failed":
+            self.deferred = False
+            log.warning("background compile failed (%s); the steps stay eager", bg.error)
+
+    @property
+    def step_source(self) -> str:
+        """Where the steps that ran came from: "loaded" (the compile cache), "compiled" (this process), "eager"
+        (held while a background compile ran, or never compiled), or a "+"-joined mix in that order."""
+        seen = {u.source or "eager" for u in self.units_made() if u.calls or u.held or u.source}
+        return "+".join(x for x in ("eager", "compiled", "loaded") if x in seen) or "none"
 
     def reset(self) -> None:
         """Drop every bucket (after `torch._dynamo.reset()`; the next call recompiles)."""
@@ -223,6 +327,7 @@ class _Driver:
         size, dirty = 0, True
         bucket.clear()
         while True:
+            self.gen.poll()  # a background compile that finished: its steps from this iteration on
             dirty |= self._admit()
             busy = [b for b, r in enumerate(self.rows) if r is not None]
             if not busy:

@@ -107,6 +107,12 @@ class CompileOptions:
     # over these defaults ({query kind: {layer type: {option: value}}}, option names as `FlexKernelOptions`'s); a canvas
     # entry may not unpin (FORCE_USE_FLEX_ATTENTION=False). None = the defaults.
     attention_kernel_options: dict | None = None
+    # Keep each compiled step in the user-level compile cache (`artifacts.ArtifactStore`: `$DGEMMA_CACHE_DIR`, else
+    # `$XDG_CACHE_HOME/dgemma_compile`) and load it there in later processes: no Dynamo trace, no Inductor compile,
+    # no g++ (its C++ builds are kept too, keyed without the venv's paths). The demo's step: 108 s cold, 11 s warm in
+    # Inductor's own caches, ~2 s loaded (bench/results/startup_cpu_*.md). Needs `direct_calls` (a loaded step is
+    # called directly). Off, or `DGEMMA_CACHE=off`: every process compiles. Not part of the artifact's key.
+    artifact_cache: bool = True
 
     def __post_init__(self) -> None:
         b = self.batch_buckets
@@ -124,6 +130,8 @@ class CompileOptions:
             raise ConfigError(f"fuse_commit: must be None, True or False, got {self.fuse_commit!r}")
         if not (self.batch_invariant is None or isinstance(self.batch_invariant, bool)):
             raise ConfigError(f"batch_invariant: must be None, True or False, got {self.batch_invariant!r}")
+        if not isinstance(self.artifact_cache, bool):
+            raise ConfigError(f"artifact_cache: must be a bool, got {self.artifact_cache!r}")
         if not isinstance(self.direct_calls, bool):
             raise ConfigError(f"direct_calls: must be a bool, got {self.direct_calls!r}")
         if not (self.cpp_wrapper is None or isinstance(self.cpp_wrapper, bool)):
@@ -239,6 +247,9 @@ def check_batch_invariant(canvas_length: int, dtype: torch.dtype, moe_impl: str)
 @contextlib.contextmanager
 def applied(options: CompileOptions):
     """Apply `options` to Dynamo and Inductor for the duration of the block (compilation happens at first call)."""
+    import torch._dynamo.config  # here, not at module level: `build` imports neither until something compiles
+    import torch._inductor.config
+
     with torch._dynamo.config.patch(recompile_limit=options.recompile_limit, cache_size_limit=options.recompile_limit,
                                     fail_on_recompile_limit_hit=True, automatic_dynamic_shapes=options.dynamic), \
             torch._inductor.config.patch({"max_autotune": options.max_autotune,

@@ -23,11 +23,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-import torch._dynamo.eval_frame
 
 from .options import CompileOptions, applied
+
+if TYPE_CHECKING:
+    from .artifacts import ArtifactStore
 
 log = logging.getLogger("dgemma_compile")
 
@@ -41,6 +44,8 @@ def guards_skipped():
     """Dynamo's `skip_guard_eval_unsafe` for the duration of the block, keeping the current stance (e.g. a caller's
     "fail_on_recompile") and restoring it on exit. The stance is process-global and torch 2.13 has no public getter,
     so the current one is read from the private `torch._dynamo.eval_frame._stance` (a `DynamoStance`)."""
+    import torch._dynamo.eval_frame  # here, not at module level: `build` imports no Dynamo until something compiles
+
     prior = torch._dynamo.eval_frame._stance
     with torch.compiler.set_stance(prior.stance, skip_guard_eval_unsafe=True, force_backend=prior.backend):
         yield
@@ -198,7 +203,7 @@ class CompiledUnit:
 
     def __init__(self, name: str, fn: Callable[[], None], options: CompileOptions, *, backend="inductor",
                  graphs: CudaGraphs | None = None, graph_pool=None, compiled_graphs: list[CompiledGraph] | None = None,
-                 owners: tuple = ()):
+                 owners: tuple = (), artifact: "ArtifactSlot | None" = None):
         self.name, self.fn, self.options = name, fn, options
         self.compiled = torch.compile(fn, fullgraph=options.fullgraph, dynamic=options.dynamic, backend=backend,
                                       isolate_recompiles=True)
@@ -215,8 +220,20 @@ class CompiledUnit:
         self.direct_refused: str | None = None  # why the unit's calls go through Dynamo (None: direct, or not tried)
         self.strategy: str | None = None
         """How calls run, decided once after the first call: "cuda graph", "direct" or "dynamo"."""
+        self.artifact = artifact
+        self.held = False
+        self._preloaded = False  # `preload` made the direct call; the first call captures it (CUDA graphs)
+        """Run `fn` eagerly, neither compiling nor loading, until released (`CompiledGenerator.defer`: the eager step
+        answers while a background process compiles); not counted in `calls`."""
+        self.source: str | None = None
+        """Where the step came from, decided with `strategy`: "loaded" (an artifact of the compile cache: no trace,
+        no compile) or "compiled" (Dynamo and Inductor ran, or Inductor's own caches served them)."""
 
     def __call__(self) -> None:
+        if self.held:
+            with torch.no_grad():
+                self.fn()
+            return
         self.calls += 1
         if self.strategy is None:
             self._first_call()
@@ -236,9 +253,14 @@ class CompiledUnit:
         """Compile and decide the strategy at warm-up, with a call whose effect does not matter (the caller's buffers
         hold no live work, e.g. every row of a bucket idle): on CUDA that call runs on a side stream and the graph is
         captured here, never inside a real request. No-op once decided. Counts as a call."""
-        if self.strategy is not None:
+        if self.strategy is not None or self.held:
             return
         self.calls += 1
+        if self._load():
+            if self.graphs is not None:
+                self.graphs.warm_up(self.direct.call)
+            self._decide_loaded()
+            return
         if self.graphs is not None:
             def run() -> None:
                 with applied(self.options):
@@ -250,13 +272,67 @@ class CompiledUnit:
 
     def _first_call(self) -> None:
         """The first call (compiles, and takes effect), then the strategy decision. A capture after it records the
-        kernels without running them, so the step is not applied twice."""
+        kernels without running them, so the step is not applied twice. With a compile-cache artifact for the
+        unit, that is loaded and called instead (no Dynamo, no compile)."""
+        if self._preloaded or self._load():
+            with torch.no_grad():
+                self.direct.call()
+            self._decide_loaded()
+            return
         with applied(self.options):
             self.compiled()
         self._decide()
 
+    def preload(self) -> bool:
+        """Load the unit's compile-cache artifact now, without calling it (rows may be busy: an engine between
+        iterations). Without CUDA graphs the unit is then ready ("direct"); with them, its first call captures. False:
+        no artifact (nothing changes, a first call compiles)."""
+        if self.strategy is not None or self.held or not self._load():
+            return self.source == "loaded"
+        if self.graphs is None:
+            self.warm, self.strategy = True, "direct"
+        else:  # the first call runs it and captures (`_first_call` finds the direct call made)
+            self._preloaded = True
+        return True
+
+    def _load(self) -> bool:
+        """Load the unit's compile-cache artifact (`artifacts.ArtifactStore`) and make its direct call over the
+        owners' tensors now; False when there is none (a miss, logged by the store) or the unit has no slot."""
+        slot, self.artifact = self.artifact, None  # tried once: a miss compiles, and the compile saves
+        if slot is None:
+            return False
+        from .artifacts import resolve_inputs
+
+        loaded = slot.store.load(slot.key, slot.parts)
+        if loaded is None:
+            return False
+        inputs = resolve_inputs(loaded.names, slot.model, slot.tensors)
+        self.direct = DirectCall(call=functools.partial(loaded.fn, *inputs), buffer_ids=self._buffer_ids())
+        self.source = "loaded"
+        slot.loads[self.name] += 1
+        counts = loaded.meta.get("pass_matches")
+        slot.matches[self.name] = PassMatches(counts, "compile cache") if counts is not None else \
+            PassMatches(None, "unknown")
+        log.info("%s: loaded from the compile cache (%s)", self.name, slot.store.root)
+        return True
+
+    def _decide_loaded(self) -> None:
+        """After a loaded artifact's first call: capture it as a CUDA graph where graphs are used, else call it
+        directly."""
+        self.warm = True
+        if self.graphs is not None:
+            try:
+                self.graph = self.graphs.capture(self.direct.call, self.graph_pool)
+                self.strategy = "cuda graph"
+                return
+            except Exception as e:  # noqa: BLE001 - any capture failure falls back, loudly
+                self.graph_error = f"{type(e).__name__}: {e}"
+                log.warning("CUDA graph capture failed for %s (%s); calling it directly", self.name, self.graph_error)
+        self.strategy = "direct"
+
     def _decide(self) -> None:
         self.warm = True
+        self.source = "compiled"
         if self.graphs is not None:
             self._capture()
             if self.graph is not None:
@@ -343,6 +419,21 @@ class CompiledUnit:
                         self.name, self.graph_error)
 
 
+@dataclass
+class ArtifactSlot:
+    """A unit's place in the compile cache: the store, the key and its readable parts (`artifacts.step_key_parts`),
+    the model and the bucket's tensors its graph inputs are named by; `matches`: where a loaded unit reports the pass
+    matches recorded with its entry."""
+
+    store: "ArtifactStore"
+    key: str
+    parts: dict
+    model: torch.nn.Module
+    tensors: list
+    matches: dict = field(default_factory=dict)  # the factory's `pass_matches`, filled for a loaded unit
+    loads: Counter = field(default_factory=Counter)  # the factory's `loads`, counted for a loaded unit
+
+
 @dataclass(frozen=True)
 class PassMatches:
     """The graph passes' matches in one unit's latest compile: `counts` {pass name: matches} (None: unknown), and
@@ -367,22 +458,28 @@ class UnitFactory:
     tests).
     """
 
-    def __init__(self, options: CompileOptions, device: torch.device | str, graphs: CudaGraphs | None = None):
+    def __init__(self, options: CompileOptions, device: torch.device | str, graphs: CudaGraphs | None = None,
+                 store: "ArtifactStore | None" = None):
         self.options = options
+        self.store = store
+        """The compile cache (`artifacts.ArtifactStore`) units with a structure load from and save to; None: off."""
         self.device = torch.device(device)
         use = graphs is not None or (options.cuda_graphs and torch.device(device).type == "cuda")
         self.graphs = (graphs or CudaGraphs()) if use else None
         self.graph_pool = self.graphs.pool() if self.graphs is not None else None
         self.compiles: Counter = Counter()
+        self.loads: Counter = Counter()  # per unit name, steps loaded from the compile cache (no compile)
         self.compile_seconds = 0.0
         self.pass_matches: dict[str, PassMatches] = {}  # per unit name, its latest compile
 
-    def backend(self, name: str, sink: list[CompiledGraph] | None = None):
+    def backend(self, name: str, sink: list[CompiledGraph] | None = None, slot: ArtifactSlot | None = None):
         """Inductor with our decompositions (`ops.moe.moe_decompositions`: a "grouped", "dense" or "gathered"
         `dgemma::moe_experts` is traced into the graph), our graph passes (`passes`, minus
         `CompileOptions.disabled_passes`) and `CompileOptions.inductor_config` for the factory's device, counting
         compiles of unit `name` and their seconds and the passes' matches (`pass_matches`); each compiled graph is
-        appended to `sink` if given."""
+        appended to `sink` if given. With a compile-cache `slot`, the graph is compiled by `standalone_compile(...,
+        aot=True)` (the same Inductor compile, made saveable), its C++ built through the cache's C++ store, and saved
+        as the unit's artifact."""
         from torch._inductor.compile_fx import compile_fx
 
         from .. import passes
@@ -394,10 +491,16 @@ class UnitFactory:
             self.compiles[name] += 1
             pass_config = passes.inductor_config(self.options.disabled_passes, self.options.pass_settings())
             config = {**self.options.inductor_config(self.device.type), **pass_config}
+            store = slot.store.cpp_builds() if slot is not None else contextlib.nullcontext()
             with moe_cache_key(), passes.cache_key(pass_config), torch._inductor.config.patch(config), \
-                    passes.recording() as counts:
+                    passes.recording() as counts, store:
                 key = records.record_key(gm, example_inputs, pass_config)  # before compile_fx changes gm
-                out = compile_fx(gm, example_inputs, decompositions=moe_decompositions(gm))
+                if slot is None:
+                    out = compile_fx(gm, example_inputs, decompositions=moe_decompositions(gm))
+                else:
+                    out = torch._inductor.standalone_compile(
+                        gm, example_inputs, dynamic_shapes="from_example_inputs", aot=True,
+                        options={"decompositions": moe_decompositions(gm)})
             if not pass_config:
                 self.pass_matches[name] = PassMatches({}, "no pass enabled")
             elif counts:  # the passes ran: Inductor compiled this graph
@@ -407,6 +510,8 @@ class UnitFactory:
                 saved = records.load(key)
                 self.pass_matches[name] = PassMatches(saved, "cache record" if saved is not None else "unknown")
             self.compile_seconds += time.perf_counter() - start
+            if slot is not None:
+                self._save(slot, gm, out, example_inputs)
             if sink is not None:
                 (output,) = gm.graph.find_nodes(op="output")
                 result = output.args[0]
@@ -416,10 +521,46 @@ class UnitFactory:
 
         return backend
 
-    def unit(self, name: str, fn: Callable[[], None], owners: Iterable = ()) -> CompiledUnit:
+    def _save(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, out, example_inputs) -> None:
+        """Save a compiled graph as `slot`'s artifact when it is what a direct call runs: one graph (the unit's first
+        compile), no outputs, every input a tensor of the model or the bucket; else log why not."""
+        from .artifacts import input_names
+
+        (output,) = gm.graph.find_nodes(op="output")
+        result = output.args[0]
+        names = input_names(list(example_inputs), slot.model, slot.tensors)
+        if self.compiles[slot.parts["unit"]] > 1 or (isinstance(result, (tuple, list)) and len(result)) or names is None:
+            log.info("%s: not saved to the compile cache (a recompile, an output, or an input outside the model and "
+                     "bucket)", slot.parts["unit"])
+            return
+        counts = self.pass_matches.get(slot.parts["unit"])
+        slot.store.save(slot.key, slot.parts, out, names,
+                        extra={"pass_matches": counts.counts if counts is not None else None})
+
+    def slot(self, name: str, owners: tuple, structure: dict | None) -> ArtifactSlot | None:
+        """The compile-cache slot of a unit whose owners are (model, *bucket tensors), or None: no store, no
+        `structure`, `options.artifact_cache` or `options.direct_calls` off (a loaded step is only ever called
+        directly)."""
+        if self.store is None or structure is None or not self.options.artifact_cache or \
+                not self.options.direct_calls or not owners or not isinstance(owners[0], torch.nn.Module):
+            return None
+        from .artifacts import step_key, step_key_parts
+
+        model, tensors = owners[0], list(owners[1:])
+        parts = step_key_parts(options=self.options, model=model, unit=name, structure=structure, tensors=tensors)
+        return ArtifactSlot(store=self.store, key=step_key(parts), parts=parts, model=model, tensors=tensors,
+                            matches=self.pass_matches, loads=self.loads)
+
+    def unit(self, name: str, fn: Callable[[], None], owners: Iterable = (), structure: dict | None = None
+             ) -> CompiledUnit:
         """A compiled unit named `name` running `fn` (zero arguments, over static buffers). `owners`: the objects
         holding every tensor `fn` reads (the model, the bucket's buffers); with them, and `options.direct_calls`, the
-        unit calls its compiled graph directly after the first call (`CompiledUnit._go_direct`)."""
+        unit calls its compiled graph directly after the first call (`CompiledUnit._go_direct`). `structure`: what
+        else decides the unit's graph (its bucket's structural config); with it, and a `store`, the unit loads its
+        step from the compile cache or saves it there (owners = (model, *bucket tensors))."""
         sink: list[CompiledGraph] = []
-        return CompiledUnit(name, fn, self.options, backend=self.backend(name, sink), graphs=self.graphs,
-                            graph_pool=self.graph_pool, compiled_graphs=sink if owners else None, owners=tuple(owners))
+        owners = tuple(owners)
+        slot = self.slot(name, owners, structure)
+        return CompiledUnit(name, fn, self.options, backend=self.backend(name, sink, slot), graphs=self.graphs,
+                            graph_pool=self.graph_pool, compiled_graphs=sink if owners else None, owners=owners,
+                            artifact=slot)

@@ -1,0 +1,225 @@
+"""The compile cache (`compile/artifacts.py`, `compile/cpp_store.py`): what its keys hold and do not hold, damaged and
+concurrent entries, and end to end: a step compiled once is loaded by a later process at another venv path with an
+empty Inductor cache, with no compile and no g++ build, and gives the same tokens."""
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import dgemma_compile as dg
+from dgemma_compile.compile import artifacts as A
+from dgemma_compile.compile import cpp_store as S
+from dgemma_compile.compile.options import CompileOptions
+
+PACKAGE = Path(A.__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir):
+    return dg.load(tiny_dir)
+
+
+def _parts(model, options=None, unit="step[B1_x]", structure=None, tensors=None):
+    return A.step_key_parts(options=options or CompileOptions(), model=model, unit=unit,
+                            structure=structure or {"bucket": [1, True]}, tensors=tensors or [torch.zeros(2, 3)])
+
+
+def test_the_key_changes_with_what_the_step_depends_on(tiny_model, tmp_path):
+    """Each input of the key, changed alone, changes it; the same inputs give the same key."""
+    base = A.step_key(_parts(tiny_model))
+    assert A.step_key(_parts(tiny_model)) == base
+    changed = {
+        "options": _parts(tiny_model, CompileOptions(max_seq_len=768)),
+        "disabled pass": _parts(tiny_model, CompileOptions(disabled_passes=("sample_step_fusion",))),
+        "unit": _parts(tiny_model, unit="step[B2_x]"),
+        "structure": _parts(tiny_model, structure={"bucket": [0, False]}),
+        "buffers": _parts(tiny_model, tensors=[torch.zeros(2, 4)]),
+        "dtype": _parts(dg.load(tiny_model.checkpoint_dir, dtype=torch.bfloat16)),
+    }
+    for what, parts in changed.items():
+        assert A.step_key(parts) != base, what
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert A.step_key(_parts(tiny_model)) != base, "threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_changed_source_file_is_a_miss(tmp_path):
+    """The sources digest covers every .py file of the package: one changed byte in a copy changes it (mutation)."""
+    digest = A.sources_digest.__wrapped__  # uncached: the copy is read again after the edit
+    copy = tmp_path / "pkg"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "model"))
+    assert digest(str(copy)) == digest(str(PACKAGE))
+    target = copy / "passes" / "pipeline.py"
+    target.write_text(target.read_text() + "\n# edited\n")
+    assert digest(str(copy)) != digest(str(PACKAGE))
+
+
+def test_the_key_names_no_install_path(tiny_model):
+    """Nothing of this venv's location reaches the key: a venv elsewhere computes the same key."""
+    text = json.dumps(_parts(tiny_model))
+    for path in (sys.prefix, os.path.dirname(torch.__file__), str(PACKAGE)):
+        assert path not in text
+
+
+def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("DGEMMA_CACHE_DIR", raising=False)
+    monkeypatch.delenv("DGEMMA_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert A.cache_root() == tmp_path / "xdg" / "dgemma_compile"
+    monkeypatch.setenv("DGEMMA_CACHE_DIR", str(tmp_path / "mine"))
+    assert A.cache_root() == tmp_path / "mine"
+    monkeypatch.setenv("DGEMMA_CACHE", "off")
+    assert A.cache_root() is None and A.ArtifactStore.default() is None
+
+
+class _Builder:
+    """What `CppStore.key` reads of a `CppBuilder`."""
+
+    def __init__(self, command: str, sources: list[str], out: str, compiler: str = "g++"):
+        self._command, self._sources_args, self._output_dir, self._compiler = command, " ".join(sources), out, compiler
+
+    def get_command_line(self) -> str:
+        return self._command
+
+
+def test_the_cpp_key_ignores_install_paths_but_not_flags_or_sources(tmp_path, monkeypatch):
+    """Two venvs: the same command line but for torch's -I/-L paths and the build directories -> one key. Another
+    flag, or another source byte -> another key."""
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "k.cpp").write_text("int f() { return 1; }")
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+
+    def builder(d: str, venv_torch: str, flags: str = "-O3") -> _Builder:
+        src = str(tmp_path / d / "k.cpp")
+        return _Builder(f"g++ {src} {flags} -I{venv_torch}/include -o {tmp_path / d}/k.so -L{venv_torch}/lib",
+                        [src], str(tmp_path / d))
+
+    store = S.CppStore(tmp_path / "store")
+    here = store.key(builder("a", torch_dir))
+    other_venv = "/elsewhere/venv/lib/python3.11/site-packages/torch"
+    monkeypatch.setattr(S, "install_paths", lambda: [(other_venv, "<torch>")])
+    assert store.key(builder("b", other_venv)) == here
+    assert store.key(builder("b", other_venv, "-O2")) != here
+    (tmp_path / "b" / "k.cpp").write_text("int f() { return 2; }")
+    assert store.key(builder("b", other_venv)) != here
+
+
+def test_a_damaged_cpp_entry_is_removed_and_never_served(tmp_path):
+    store = S.CppStore(tmp_path / "store")
+    built = tmp_path / "k.so"
+    built.write_bytes(b"\x7fELF good bytes")
+    store.put("ab" * 32, str(built))
+    assert store.fetch("ab" * 32, str(tmp_path / "copy.so")) and (tmp_path / "copy.so").read_bytes() == built.read_bytes()
+    blob, _ = store._entry("ab" * 32)
+    blob.write_bytes(b"\x7fELF truncat")
+    assert not store.fetch("ab" * 32, str(tmp_path / "again.so"))
+    assert store.corrupt == 1 and not blob.exists() and not (tmp_path / "again.so").exists()
+
+
+class _FakeArtifact:
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def save(self, *, path: str, format: str) -> None:
+        Path(path).write_bytes(self.payload)
+
+
+def _save_many(root: str, key: str, payload: bytes, n: int) -> None:
+    store = A.ArtifactStore(Path(root))
+    for _ in range(n):
+        store.save(key, {"unit": "u"}, _FakeArtifact(payload), ["param:w"])
+        S.CppStore(Path(root) / "cpp").put(key, _write(Path(root) / f"{os.getpid()}.so", payload))
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_two_processes_filling_one_entry_leave_one_whole_entry(tmp_path):
+    """Concurrent writers of the same step and C++ entries: whatever interleaving, every entry's bytes match its
+    recorded sha256 (one writer's whole entry, never a mix)."""
+    key = "cd" * 32
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_save_many, args=(str(tmp_path), key, bytes([i]) * 200_000, 20)) for i in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    entry = tmp_path / "steps" / key[:2] / key
+    meta = json.loads((entry / A.META).read_text())
+    assert hashlib.sha256((entry / A.ARTIFACT).read_bytes()).hexdigest() == meta["sha256"]
+    assert not list(entry.parent.glob(".*"))  # no temporary directory left behind
+    store = S.CppStore(tmp_path / "cpp")
+    assert store.fetch(key, str(tmp_path / "out.so")) and store.corrupt == 0
+
+
+def test_a_damaged_step_entry_is_removed_and_reported_as_a_miss(tmp_path):
+    store = A.ArtifactStore(tmp_path)
+    key = "ef" * 32
+    store.save(key, {"unit": "u"}, _FakeArtifact(b"not an artifact"), ["param:w"])
+    assert store.has(key)
+    (store._dir(key) / A.ARTIFACT).write_bytes(b"changed")
+    assert store.load(key, {"unit": "u"}) is None
+    assert store.corrupt == 1 and not store.has(key)
+
+
+_RUN = textwrap.dedent("""
+    import json, logging, sys, torch
+    logging.basicConfig(level=logging.INFO)
+    torch.set_num_threads(1)
+    import dgemma_compile as dg
+    from dgemma_compile.compile import CompileOptions, build
+    from dgemma_compile.demo import DEMO_MODEL
+    model = dg.load(DEMO_MODEL)
+    gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256))
+    out = gen.generate([[2, 10, 11, 12], [2, 13]], seed=[3, 4])
+    store = gen.units.store
+    print(json.dumps({"sequences": out.sequences, "compiles": sum(gen.compiles.values()),
+                      "loads": sum(gen.loads.values()), "source": gen.step_source,
+                      "cpp_builds": store.cpp.builds, "cpp_hits": store.cpp.hits}))
+""")
+
+
+@pytest.mark.slow
+def test_a_second_venv_at_another_path_loads_the_step_and_compiles_nothing(tmp_path):
+    """Process 1 (this venv, empty caches) compiles the demo's step and saves it. Process 2 runs from a copy of this
+    venv at another path (so torch's include paths differ, as in a new clone's .venv) with an EMPTY Inductor cache
+    and the same compile cache: it loads the step -- no Dynamo trace, no Inductor compile, no g++ build -- and gives
+    the same tokens."""
+    venv2 = tmp_path / "venv-elsewhere"
+    shutil.copytree(sys.prefix, venv2, symlinks=True, copy_function=os.link)  # hard links: seconds, no space
+    python2 = venv2 / "bin" / "python"
+    cache = tmp_path / "dgemma-cache"
+    runs = []
+    for python, inductor in ((sys.executable, tmp_path / "inductor-1"), (str(python2), tmp_path / "inductor-2")):
+        env = {**os.environ, "DGEMMA_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
+               "OMP_NUM_THREADS": "1"}
+        env.pop("PYTHONPATH", None)
+        done = subprocess.run([python, "-c", _RUN], env=env, capture_output=True, text=True, timeout=900,
+                              cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs[-1]["log"] = [ln for ln in done.stderr.splitlines() if "compile cache" in ln]
+    first, second = runs
+    check = subprocess.run([str(python2), "-c", "import torch; print(torch.__file__)"], capture_output=True,
+                           text=True, check=True)
+    assert check.stdout.startswith(str(venv2))  # the second process's torch really is elsewhere
+    assert first["compiles"] == 1 and first["source"] == "compiled"
+    assert (second["compiles"], second["loads"], second["source"]) == (0, 1, "loaded"), second["log"]
+    assert second["cpp_builds"] == 0 and second["cpp_hits"] >= 1
+    assert second["sequences"] == first["sequences"]
