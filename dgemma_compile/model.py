@@ -19,6 +19,8 @@ V vocab, E experts, K experts per token, N flattened tokens (B*T).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -304,7 +306,11 @@ class DiffusionGemma(nn.Module):
         self.attention = attention
         self.moe_impl = moe_impl
         self.generation_config = GenerationConfig()  # the loader sets the checkpoint's
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # nn.Embedding's N(0, 1) init, except under the loader's `torch.device("meta")`: there is nothing to fill,
+        # and torch's meta `normal_` is a decomposition that imports Dynamo and Inductor (about 2 s `load` need not pay)
+        meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size) if meta else None)
         self.layers = nn.ModuleList(Layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_conditioning = SelfConditioning(config)
@@ -319,10 +325,15 @@ class DiffusionGemma(nn.Module):
         """(Re)compute the non-persistent buffers (embedding scale, RoPE frequencies) on `device`; used after
         building the model on the meta device."""
         cfg = self.config
+        # on the meta device (the loader's build, redone on the real device after loading) the frequencies are computed
+        # on the CPU: arithmetic on meta tensors runs torch's decompositions, which import Dynamo (about 2 s)
+        meta = torch.device(device).type == "meta"
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, device=device), persistent=False)
         for lt in sorted(set(cfg.layer_types)):
             head_dim, _ = cfg.layer_kind(lt)
-            self.register_buffer(f"inv_freq_{lt}", rope_inv_freq(cfg.rope[lt], head_dim).to(device), persistent=False)
+            with torch.device("cpu") if meta else contextlib.nullcontext():
+                inv_freq = rope_inv_freq(cfg.rope[lt], head_dim)
+            self.register_buffer(f"inv_freq_{lt}", inv_freq.to(device), persistent=False)
         if self.vision is not None:
             self.vision.init_buffers(device)
 

@@ -26,7 +26,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import sample_step_fusion
 
@@ -63,10 +62,22 @@ def sources_hash() -> str:
     return h.hexdigest()
 
 
-class PassPipeline(CustomGraphPass):
-    """The enabled passes of one stage, run in `PASSES` order on the graph Inductor hands over."""
+@functools.cache
+def _register() -> None:
+    """Make `PassPipeline` an Inductor `CustomGraphPass` (a virtual subclass: Inductor's cache keys take a custom pass's
+    `uuid()` only from an instance of it). Done when the first pipeline is made, not at import: importing
+    `torch._inductor` imports Dynamo too (about 2 s), which `import dgemma_compile` and `build` should not pay."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    CustomGraphPass.register(PassPipeline)
+
+
+class PassPipeline:
+    """The enabled passes of one stage, run in `PASSES` order on the graph Inductor hands over: an Inductor
+    `CustomGraphPass` (`_register`)."""
 
     def __init__(self, stage: str, names: tuple[str, ...], settings: dict | None = None):
+        _register()
         self.stage, self.names = stage, names
         self.settings = {name: dict((settings or {}).get(name, {})) for name in names}
 
