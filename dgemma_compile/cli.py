@@ -283,9 +283,11 @@ def _compile_mode(args: argparse.Namespace, gen, rows: int, config, jobs: int) -
         return "always"
     if gen.cached(rows, config):
         return "always"
-    if jobs <= rows or gen.units.store is None:
+    if jobs <= rows:
         return "never"
-    return "background"
+    # a larger job: compiled in the background into the cache; where the cache cannot hold the step (off, or a
+    # quantized model), compiled here first, as before
+    return "background" if gen.cacheable(rows, config) else "always"
 
 
 def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, first: tuple[list, int],
@@ -766,6 +768,16 @@ def _serve_background(args: argparse.Namespace, engine) -> None:
     background process while the eager step serves them (the engine switches between iterations, logged)."""
     gen, bucket = engine.generator, engine.bucket
     start = time.perf_counter()
+    first = bucket.view(bucket.sizes[0])
+    if not first.step.cacheable:  # the cache is off, or cannot hold this model's steps: compile batch 1 now
+        print("dgemma: the compile cache cannot hold this model's steps (off, or quantized weights); compiling batch "
+              f"{bucket.sizes[0]} now, the others on first use", file=sys.stderr, flush=True)
+        for unit in gen.units_made():
+            unit.held = False
+        gen.deferred = False
+        first.refresh()
+        first.step.prepare()
+        return
     loaded = gen.load_cached(bucket)
     missing = [b for b in bucket.sizes if b not in loaded]
     if loaded:
@@ -773,9 +785,6 @@ def _serve_background(args: argparse.Namespace, engine) -> None:
               file=sys.stderr, flush=True)
     if not missing:
         gen.deferred = False
-        return
-    if gen.units.store is None:
-        print("dgemma: the compile cache is off (DGEMMA_CACHE); batch sizes run eagerly", file=sys.stderr, flush=True)
         return
     paging = dict(page_size=args.kv_page_size, kv_pages=args.kv_pages) if args.kv_page_size is not None else {}
     gen.defer(_background(args, gen, engine.model.generation_config, missing, paging))

@@ -149,6 +149,7 @@ def _write(path: Path, data: bytes) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # two fresh interpreters importing torch: ~10 s
 def test_two_processes_filling_one_entry_leave_one_whole_entry(tmp_path):
     """Concurrent writers of the same step and C++ entries: whatever interleaving, every entry's bytes match its
     recorded sha256 (one writer's whole entry, never a mix)."""

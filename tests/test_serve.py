@@ -274,7 +274,8 @@ def test_openai_client_errors_and_routes(eager_server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(eager_server.url + "/health").json()
     assert health["status"] == "ok" and health["buckets"] == [
-        dict(rows=b, tokens_per_row=16, fuse_commit=False, kv="static", unit=f"step[B{b}_P1_stop]", compiled=None)
+        dict(rows=b, tokens_per_row=16, fuse_commit=False, kv="static", unit=f"step[B{b}_P1_stop]", compiled=None,
+             step="eager")
         for b in (1, 2, 4)]
     out = client.completions.create(model=MODEL, prompt="sort 3 1 2 9 5=", max_tokens=16, seed=0)
     assert out.choices[0].text == "1 2 3 5 9" and out.choices[0].finish_reason == "stop"

@@ -30,7 +30,7 @@ class UnitReport:
     break_reasons: list[dict]
     ops_per_graph: list[int]
     guard_count: int
-    compiles_in_workload: int = 0
+    compiles_in_workload: int = 0  # compiled, or loaded from the compile cache (`CompiledGenerator.ready`)
     recompiles_in_workload: int = 0
     moe_impl: str = ""
     pass_matches: dict[str, int] | None = None
@@ -73,11 +73,11 @@ def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationCon
             moe_impl=gen.moe_impl, attention_kernel_options=gen.options.attention_kernels()["canvas"]))
     gen.reset()  # explain reset Dynamo; start from fresh compiled units
     gen.units.pass_matches.clear()  # report only what the workload's compiles matched
-    before = Counter(gen.compiles)
+    before = Counter(gen.ready)  # a step loaded from the compile cache counts as its unit's compile
     (workload or default_workload)(gen)
     for r in reports:
         kind = r.unit.split("[")[0]
-        seen = {name: n - before[name] for name, n in gen.compiles.items() if name.startswith(kind + "[")}
+        seen = {name: n - before[name] for name, n in gen.ready.items() if name.startswith(kind + "[")}
         r.compiles_in_workload = sum(seen.values())
         r.recompiles_in_workload = sum(max(0, n - 1) for n in seen.values())
         matches = gen.units.pass_matches.get(r.unit)

@@ -164,6 +164,13 @@ class CompiledGenerator:
         return isinstance(unit, CompiledUnit) and (unit.strategy is not None or (
             unit.artifact is not None and unit.artifact.store.has(unit.artifact.key)))
 
+    def cacheable(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> bool:
+        """Whether the compile cache can hold the step that serves `batch_size` requests (it is on, and the model's
+        weights are plain tensors: `UnitFactory.slot`)."""
+        bucket = self.bucket(config, **paging)
+        unit = bucket.view(bucket.size_for(self.bucket_for(batch_size))).step
+        return isinstance(unit, CompiledUnit) and unit.cacheable
+
     def load_cached(self, bucket: Bucket) -> list[int]:
         """Load (no compile) every size of `bucket` whose step the compile cache holds, now; returns those sizes.
         Call with no busy rows (before an engine starts): each load makes one idle call (`CompiledUnit.prepare`)."""

@@ -221,6 +221,7 @@ class CompiledUnit:
         self.strategy: str | None = None
         """How calls run, decided once after the first call: "cuda graph", "direct" or "dynamo"."""
         self.artifact = artifact
+        self.cacheable = artifact is not None  # the compile cache can hold this unit's step
         self.held = False
         self._preloaded = False  # `preload` made the direct call; the first call captures it (CUDA graphs)
         """Run `fn` eagerly, neither compiling nor loading, until released (`CompiledGenerator.defer`: the eager step
@@ -543,6 +544,12 @@ class UnitFactory:
         directly)."""
         if self.store is None or structure is None or not self.options.artifact_cache or \
                 not self.options.direct_calls or not owners or not isinstance(owners[0], torch.nn.Module):
+            return None
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        if any(is_traceable_wrapper_subclass(p) for p in owners[0].parameters()):
+            log.info("%s: not in the compile cache (tensor-subclass weights, e.g. torchao's quantized ones: "
+                     "AOTAutograd cannot serialize their graphs); compiled in this process", name)
             return None
         from .artifacts import step_key, step_key_parts
 
