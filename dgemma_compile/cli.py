@@ -272,22 +272,25 @@ def _apply_threads(args: argparse.Namespace, model) -> int:
 Run = Callable[..., object]  # (prompts, config, seed=..., on_block=...) -> GenerationOutput
 
 
-def _compile_mode(args: argparse.Namespace, gen, rows: int, config, jobs: int) -> str:
-    """--compile resolved: "always" (compile or load now), "never" (the eager step), or "background" (the eager step
-    answers while a background process compiles). auto: "always" when the compile cache holds the step (a load takes
-    about a second); else "never" for a job of one batch (`jobs` <= `rows`: a single prompt, or a prompts file no
-    longer than --batch-size), which finishes eagerly before any compile would (docs/cli.md); else "background"."""
+def _compile_mode(args: argparse.Namespace, gen, rows: int, config, jobs: int) -> tuple[str, str]:
+    """--compile resolved, with the reason: "always" (compile, or load, before answering), "load" (from the compile
+    cache, never compiling), "never" (the eager step), or "background" (the eager step answers while a background
+    process compiles). auto (docs/cli.md): "load" when the compile cache holds the step; "never" where the cache
+    cannot hold it (off, unusable, quantized weights: a background compile could not hand it over) or for a job of
+    one batch (`jobs` <= `rows`: one prompt, or a prompts file no longer than --batch-size), which ends eagerly
+    before a compile would; else "background"."""
     if args.compile != "auto":
-        return args.compile
-    if getattr(args, "tensor_parallel", False):  # every rank must take the same path: today's, compile or load now
-        return "always"
+        return args.compile, f"--compile {args.compile}"
+    if getattr(args, "tensor_parallel", False):  # every rank must take the same path: compile or load now
+        return "always", "tensor parallel: every rank compiles or loads before answering"
     if gen.cached(rows, config):
-        return "always"
+        return "load", "in the compile cache"
+    if not gen.cacheable(rows, config):
+        return "never", ("the compile cache cannot hold this step (DGEMMA_CACHE off, an unusable directory, or "
+                         "quantized weights); --compile always compiles it before answering")
     if jobs <= rows:
-        return "never"
-    # a larger job: compiled in the background into the cache; where the cache cannot hold the step (off, or a
-    # quantized model), compiled here first, as before
-    return "background" if gen.cacheable(rows, config) else "always"
+        return "never", "a job of one batch ends before a compile would; --compile always compiles first"
+    return "background", "not in the compile cache yet"
 
 
 def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, first: tuple[list, int],
@@ -305,36 +308,48 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
         start = time.perf_counter()
         generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1], max_seq_len=max_seq_len,
                  images=images)
-        warmup = f" warmup_s={time.perf_counter() - start:.2f} step=oracle"
+        warmup = f" model_load_s={args.model_load_s:.2f} warmup_s={time.perf_counter() - start:.2f} step=oracle"
         return (lambda *a, **kw: generate(model, *a, max_seq_len=max_seq_len, **kw)), lambda: warmup
     from . import CompileOptions, build
 
     gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=max_seq_len,
                                       max_denoising_steps=max(256, steps)))
-    mode = _compile_mode(args, gen, rows, config, jobs)
-    name = gen.bucket(config).step_name(rows)
-    compile_s = load_s = 0.0
+    mode, why = _compile_mode(args, gen, rows, config, jobs)
+    bucket = gen.bucket(config)
+    name = bucket.step_name(rows)
+    compile_s = step_load_s = 0.0
+    if mode == "load":
+        start = time.perf_counter()
+        if rows in gen.load_cached(bucket):
+            step_load_s = time.perf_counter() - start
+            print(f"dgemma: loaded {name} from the compile cache in {step_load_s:.2f} s", file=sys.stderr, flush=True)
+        else:  # a damaged entry (logged, removed): as if it had not been there
+            mode, why = ("never", "its cache entry was damaged") if jobs <= rows else \
+                ("background", "its cache entry was damaged")
     if mode == "never":
         gen.defer(None)
+        print(f"dgemma: answering with the eager step ({why})", file=sys.stderr, flush=True)
     elif mode == "background":
         gen.defer(_background(args, gen, config, [rows]))
-        print(f"dgemma: compiling {name} in a background process (not in the compile cache yet: "
-              f"{gen.units.store.root}); answering with the eager step meanwhile", file=sys.stderr, flush=True)
-    else:
+        print(f"dgemma: compiling {name} in a background process ({why}: {gen.units.store.root}); answering with "
+              "the eager step meanwhile", file=sys.stderr, flush=True)
+    elif mode == "always":
         cached = gen.cached(rows, config)
         verb = "loading" if cached else "compiling"
-        with _Ticker(f"dgemma: {verb} {name}" + ("" if cached else " in the foreground (--compile always)")):
+        with _Ticker(f"dgemma: {verb} {name}" + (" from the compile cache" if cached else f" before answering ({why})")):
             took = gen.warmup(rows, config)
-        if cached and gen.units.store.loads:
-            load_s = took
+        if cached and gen.units.store is not None and gen.units.store.loads:
+            step_load_s = took
         else:
             compile_s = took
 
     def stats() -> str:
         bg = gen.background
-        seconds = compile_s if bg is None or bg.seconds is None else bg.seconds
+        seconds = compile_s if bg is None else bg.seconds if bg.seconds is not None else \
+            time.perf_counter() - bg.started  # still running: its seconds so far
         where = "" if bg is None else f" compile={bg.state} in background"
-        return f" compile_s={seconds:.1f} load_s={load_s:.2f} step={gen.step_source}{where}"
+        return (f" model_load_s={args.model_load_s:.2f} compile_s={seconds:.1f} step_load_s={step_load_s:.2f} "
+                f"step={gen.step_source}{where}")
 
     return gen.generate, stats
 
@@ -423,8 +438,10 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
     args.constraint = _constraint(args)
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
+    start = time.perf_counter()
     model = _load(model_dir, args, ranks)
     args.quant = _quantize(model, args.quant if ranks is None else None)  # ranks: quantized before sharding (_load)
+    args.model_load_s = time.perf_counter() - start
     tokenizer = load_tokenizer(model_dir)
     if args.constraint is not None:  # compiled against this tokenizer now: a bad one fails before any model work
         from .constraint import row_grammars
@@ -739,7 +756,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
                      input_timeout_s=args.input_timeout, image_sources=sources)
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
-          f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else f'compiled ({mode})'} "
+          f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else f'--compile {mode}'} "
           f"kv={'static' if engine.memory is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
           f"batch_invariant={'on' if engine.batch_invariant else 'off'} max_logprobs={engine.max_logprobs} "
           f"setup_s={time.perf_counter() - start:.1f} threads={threads}"
@@ -769,14 +786,10 @@ def _serve_background(args: argparse.Namespace, engine) -> None:
     gen, bucket = engine.generator, engine.bucket
     start = time.perf_counter()
     first = bucket.view(bucket.sizes[0])
-    if not first.step.cacheable:  # the cache is off, or cannot hold this model's steps: compile batch 1 now
-        print("dgemma: the compile cache cannot hold this model's steps (off, or quantized weights); compiling batch "
-              f"{bucket.sizes[0]} now, the others on first use", file=sys.stderr, flush=True)
-        for unit in gen.units_made():
-            unit.held = False
-        gen.deferred = False
-        first.refresh()
-        first.step.prepare()
+    if not first.step.cacheable:  # a background compile could not hand its steps over: the eager step serves
+        print("dgemma: the compile cache cannot hold this model's steps (DGEMMA_CACHE off, an unusable directory, or "
+              "quantized weights): serving with the eager step; --compile always compiles batch 1 before serving",
+              file=sys.stderr, flush=True)
         return
     loaded = gen.load_cached(bucket)
     missing = [b for b in bucket.sizes if b not in loaded]
@@ -795,14 +808,19 @@ def _serve_background(args: argparse.Namespace, engine) -> None:
 def cache_command(args: argparse.Namespace) -> int:
     """`dgemma cache info|clear`: the compile cache's directory and entries (unit, bytes, age), or remove them."""
     from .compile.artifacts import ArtifactStore, cache_root
+    from .config import ConfigError
 
-    store = ArtifactStore.default()
-    if store is None:
+    if cache_root() is None:
         print(f"compile cache: off (DGEMMA_CACHE={os.environ.get('DGEMMA_CACHE')})")
         return 0
+    store = ArtifactStore.default()
+    if store is None:
+        raise ConfigError(f"cache: {cache_root()} is not a usable directory (DGEMMA_CACHE_DIR, XDG_CACHE_HOME)")
     if args.action == "clear":
-        store.clear()
-        print(f"compile cache: cleared {cache_root()}")
+        failed = store.clear()
+        if failed:
+            raise ConfigError(f"cache: could not remove {len(failed)} path(s) under {store.root}: {failed[0]}")
+        print(f"compile cache: cleared {store.root}")
         return 0
     entries = store.entries()
     cpp = sum(f.stat().st_size for f in store.cpp.root.rglob("*.bin")) if store.cpp.root.is_dir() else 0

@@ -257,10 +257,21 @@ class Engine:
                 step = None
             else:
                 step = "eager" if getattr(view.step, "held", False) else getattr(view.step, "source", None)
+            ready = getattr(view.step, "strategy", None) is not None if view is not None else False
             out.append(dict(rows=size, tokens_per_row=bk.tokens_per_row, fuse_commit=bk.fuse_commit,
                             kv="paged" if bk.paged else "static", unit=bk.step_name(size),
-                            compiled=None if bk.unit is None else bool(calls), step=step))
+                            compiled=None if bk.unit is None else bool(calls) or ready, step=step))
         return out
+
+    def compile_state(self) -> dict | None:
+        """The background compile of a compiled engine's steps (`dgemma serve --compile auto`): its state
+        ("running", "done", "failed"; None: none started) and, when it failed, why; None for an eager engine.
+        `/health` returns it."""
+        gen = self.generator
+        if gen is None:
+            return None
+        bg = gen.background
+        return {"background": None if bg is None else bg.state, "error": None if bg is None else bg.error}
 
     def check_request(self, prompt: Sequence[int], config: GenerationConfig, seed: int,
                       images: ImagePrompt | None = None) -> GenerationConfig:

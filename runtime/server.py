@@ -162,7 +162,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "running": engine.running, "queued": engine.queue_depth,
-                "buckets": engine.bucket_table()}
+                "buckets": engine.bucket_table(), "compile": engine.compile_state()}
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "dgemma_compile",

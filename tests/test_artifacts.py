@@ -140,7 +140,7 @@ class _FakeArtifact:
 def _save_many(root: str, key: str, payload: bytes, n: int) -> None:
     store = A.ArtifactStore(Path(root))
     for _ in range(n):
-        store.save(key, {"unit": "u"}, _FakeArtifact(payload), ["param:w"])
+        store.save(key, {"unit": "u"}, _FakeArtifact(payload), ["bucket:0"], [torch.zeros(3)])
         S.CppStore(Path(root) / "cpp").put(key, _write(Path(root) / f"{os.getpid()}.so", payload))
 
 
@@ -169,14 +169,65 @@ def test_two_processes_filling_one_entry_leave_one_whole_entry(tmp_path):
     assert store.fetch(key, str(tmp_path / "out.so")) and store.corrupt == 0
 
 
-def test_a_damaged_step_entry_is_removed_and_reported_as_a_miss(tmp_path):
+@pytest.mark.parametrize("damage", ["artifact", "inputs swapped", "meta"])
+def test_a_damaged_step_entry_is_removed_and_reported_as_a_miss(tmp_path, tiny_model, damage):
+    """Any file of an entry changed after it was written: never loaded, removed, counted, logged."""
     store = A.ArtifactStore(tmp_path)
     key = "ef" * 32
-    store.save(key, {"unit": "u"}, _FakeArtifact(b"not an artifact"), ["param:w"])
+    tensors = [torch.zeros(3), torch.ones(3)]
+    store.save(key, {"unit": "u"}, _FakeArtifact(b"not an artifact"), ["bucket:0", "bucket:1"], tensors)
     assert store.has(key)
-    (store._dir(key) / A.ARTIFACT).write_bytes(b"changed")
-    assert store.load(key, {"unit": "u"}) is None
+    d = store._dir(key)
+    if damage == "artifact":
+        (d / A.ARTIFACT).write_bytes(b"changed")
+    elif damage == "inputs swapped":  # same dtypes and shapes: only the recorded sha256 can tell
+        recorded = json.loads((d / A.INPUTS).read_text())
+        recorded["names"].reverse()
+        (d / A.INPUTS).write_text(json.dumps(recorded))
+    else:
+        (d / A.META).write_text("{not json")
+    assert store.load(key, {"unit": "u"}, tiny_model, tensors) is None
     assert store.corrupt == 1 and not store.has(key)
+
+
+def test_inputs_resolve_only_to_tensors_of_the_recorded_layout(tiny_model):
+    name, param = next(iter(tiny_model.named_parameters()))
+    tensors = [torch.zeros(2, 3)]
+    meta = [A.tensor_meta(param), A.tensor_meta(tensors[0])]
+    assert A.resolve_inputs([f"param:{name}", "bucket:0"], meta, tiny_model, tensors) == [param, tensors[0]]
+    for names, recorded, message in (
+            ([f"param:{name}", "bucket:1"], meta, "denotes no tensor"),
+            ([f"param:{name}", "param:nope"], meta, "denotes no tensor"),
+            ([f"param:{name}", "bucket:0"], [meta[0], A.tensor_meta(torch.zeros(3, 2))], "recorded"),
+            ([f"param:{name}"], meta, "recorded inputs")):
+        with pytest.raises(ValueError, match=message):
+            A.resolve_inputs(names, recorded, tiny_model, tensors)
+
+
+def test_changed_compiler_settings_are_a_miss_and_calling_options_are_not(tiny_model, monkeypatch):
+    """A caller's Inductor setting or TORCHINDUCTOR_ variable changes the key; how a step is called (direct calls,
+    guards, recompile limit) does not."""
+    import torch._inductor.config as inductor_config
+
+    base = A.step_key(_parts(tiny_model))
+    with inductor_config.patch(fallback_random=True):
+        assert A.step_key(_parts(tiny_model)) != base
+    monkeypatch.setenv("TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "1")
+    assert A.step_key(_parts(tiny_model)) != base
+    monkeypatch.delenv("TORCHINDUCTOR_EMULATE_PRECISION_CASTS")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")  # where Inductor caches, not what it makes
+    assert A.step_key(_parts(tiny_model)) == base
+    for calling in (dict(direct_calls=False), dict(skip_guards=False), dict(recompile_limit=64)):
+        assert A.step_key(_parts(tiny_model, CompileOptions(**calling))) == base, calling
+
+
+def test_an_unusable_cache_directory_turns_the_cache_off_with_a_warning(tmp_path, monkeypatch, caplog):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("DGEMMA_CACHE_DIR", str(afile))
+    with caplog.at_level("WARNING", logger="dgemma_compile"):
+        assert A.ArtifactStore.default() is None
+    assert str(afile) in caplog.text
 
 
 _RUN = textwrap.dedent("""

@@ -27,8 +27,8 @@ STATS = (r"tokens=\d+ blocks=\d+ mean_steps_per_block=[\d.]+ tokens_per_forward=
          r"commit=(fused|separate) quant=[\w-]+")
 
 
-ORACLE = r"warmup_s=[\d.]+ step=oracle"  # --eager: the reference generator after its untimed warm-up
-COMPILED = r"compile_s=[\d.]+ load_s=[\d.]+ step=[a-z+]+( compile=\w+ in background)?"  # docs/cli.md
+ORACLE = r"model_load_s=[\d.]+ warmup_s=[\d.]+ step=oracle"  # --eager: the reference generator after its untimed warm-up
+COMPILED = r"model_load_s=[\d.]+ compile_s=[\d.]+ step_load_s=[\d.]+ step=[a-z+]+( compile=\w+ in background)?"  # docs/cli.md
 
 
 def run_cli(*args, timeout=300, stdin=None, env=None, text=True):
@@ -273,7 +273,7 @@ def test_prompts_file_results_in_order_with_bad_lines_in_place(tiny_dir, tmp_pat
         sorted(LINE_ERRORS)
     summary = res.stderr.strip().splitlines()[-1]
     assert summary.startswith(f"prompts={len(PROMPT_LINES) - 1} errors={len(LINE_ERRORS)} tokens="), summary
-    assert re.search(r" batch_size=2 warmup_s=[\d.]+ step=oracle ttfb_s=[\d.]+ threads=1$", summary), summary
+    assert re.search(r" batch_size=2 " + ORACLE + r" ttfb_s=[\d.]+ threads=1$", summary), summary
 
 
 @pytest.mark.slow

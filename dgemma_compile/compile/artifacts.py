@@ -12,7 +12,9 @@ as torch.compile alone would); `dgemma cache info | clear` shows and empties it.
 
 The key (`step_key`) is what the artifact depends on, and nothing else: the format version; torch's version and
 Python's; the device (and for a CPU, its ISA as the compiler sees it); the intra-op thread count (Inductor's CPU
-kernels are generated for it); every `CompileOptions` field that reaches the graph; the model's structure (per
+kernels are generated for it); every `CompileOptions` field that reaches the graph; the Dynamo / Inductor /
+AOTAutograd settings a caller changed from their defaults, and the `TORCHINDUCTOR_*` / `TORCHDYNAMO_*` environment
+variables (what torch's own caches hash too); the model's structure (per
 parameter and buffer its name, dtype, device, shape and stride; the plain constants of its modules; not its values,
 which are inputs); the unit's name and structural config and its buffers' dtypes, shapes and strides; and the
 sha256 of every source file of the `dgemma_compile` package (our passes and decompositions included). A changed
@@ -20,7 +22,8 @@ source or option is therefore a miss, never a stale load (tests/test_artifacts.p
 
 A miss is logged with its reason (no entry, or the differing parts of the nearest entry of the same unit); an entry
 is written under a temporary name and renamed into place (two processes filling one entry keep one whole entry); an
-entry whose bytes do not match their recorded sha256, or that fails to load, is logged, removed and rebuilt.
+entry whose files do not match their recorded sha256, whose inputs do not resolve to tensors of the recorded dtypes
+and shapes, or that fails to load, is logged, removed and rebuilt.
 """
 
 from __future__ import annotations
@@ -47,12 +50,18 @@ log = logging.getLogger("dgemma_compile")
 
 FORMAT = "dgemma-step-artifact/1"
 ARTIFACT, INPUTS, META = "artifact.bin", "inputs.json", "meta.json"
-NOT_IN_KEY = ("artifact_cache",)
-"""`CompileOptions` fields that cannot change a compiled graph (they decide only whether this store is used)."""
+NOT_IN_KEY = ("artifact_cache", "direct_calls", "skip_guards", "recompile_limit", "cuda_graphs")
+"""`CompileOptions` fields that cannot change a compiled graph: whether this store is used, how a step is called
+(directly, through Dynamo with or without guards, replayed as a CUDA graph: decided after the graph exists) and how
+many recompiles Dynamo allows."""
+CONFIG_MODULES = ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config")
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_")
+ENV_IGNORED = ("TORCHINDUCTOR_CACHE_DIR",)  # where Inductor caches, not what it makes
 
 
 def cache_root() -> Path | None:
-    """The user-level cache directory, or None when `DGEMMA_CACHE` is off (0, off, false, no)."""
+    """The user-level cache directory (it may not exist yet), or None when `DGEMMA_CACHE` is off (0, off, false,
+    no)."""
     if os.environ.get("DGEMMA_CACHE", "").strip().lower() in ("0", "off", "false", "no"):
         return None
     if os.environ.get("DGEMMA_CACHE_DIR", "").strip():
@@ -83,11 +92,38 @@ def _plain(value):
 
 
 def device_identity(device: torch.device) -> str:
+    """What compiled code is specific to: a GPU's index (generated code names it), name and capability; a CPU's
+    model name and ISA flags (`cpp_store.cpu_identity`)."""
     if device.type == "cuda":
-        return f"cuda {torch.cuda.get_device_name(device)} sm{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        cap = "".join(map(str, torch.cuda.get_device_capability(device)))
+        return f"{device} {torch.cuda.get_device_name(device)} sm{cap}"
     if device.type == "cpu":
         return f"cpu {cpu_identity()}"
     return device.type
+
+
+def ambient_config() -> dict:
+    """The compiler settings a caller changed: per config module already imported, its values that differ from the
+    defaults (a module not imported yet holds only defaults), and the compiler's environment variables."""
+    out = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED}
+    for name in CONFIG_MODULES:
+        mod = sys.modules.get(name)
+        if mod is None:
+            continue
+        # values compared with their defaults (torch's `_is_default` also counts a patch that was undone, as our own
+        # `options.applied` patches are, which would make every key after a first compile differ)
+        changed = {k: v for k, v in mod.get_config_copy().items()
+                   if k in mod._config and not _same(v, mod._config[k].default)}
+        if changed:
+            out[name] = _plain(changed)
+    return out
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values without a plain equality compare by identity
+        return a is b
 
 
 def model_structure(model: torch.nn.Module) -> list:
@@ -116,6 +152,7 @@ def step_key_parts(*, options, model: torch.nn.Module, unit: str, structure: dic
         "device": device_identity(model.device),
         "threads": torch.get_num_threads(),
         "options": {f.name: _plain(getattr(options, f.name)) for f in fields(options) if f.name not in NOT_IN_KEY},
+        "compiler_config": ambient_config(),
         "model": hashlib.sha256(json.dumps(model_structure(model)).encode()).hexdigest(),
         "model_config": _plain(vars(model.config)) if hasattr(model, "config") else None,
         "unit": unit,
@@ -126,7 +163,12 @@ def step_key_parts(*, options, model: torch.nn.Module, unit: str, structure: dic
 
 
 def step_key(parts: dict) -> str:
+    """sha256 hex of `step_key_parts`'s dict."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def tensor_meta(t: torch.Tensor) -> list:
+    return [str(t.dtype), list(t.shape), list(t.stride())]
 
 
 def input_names(graph_inputs: list, model: torch.nn.Module, tensors: list[torch.Tensor]) -> list[str] | None:
@@ -143,22 +185,34 @@ def input_names(graph_inputs: list, model: torch.nn.Module, tensors: list[torch.
     return None if None in out else out
 
 
-def resolve_inputs(names: list[str], model: torch.nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors `names` (`input_names`) denote now. Raises KeyError for a name that denotes nothing."""
+def resolve_inputs(names: list[str], meta: list, model: torch.nn.Module, tensors: list[torch.Tensor]
+                   ) -> list[torch.Tensor]:
+    """The tensors `names` (`input_names`) denote now, each checked against its recorded `tensor_meta`.
+
+    Raises:
+        ValueError: a name that denotes nothing, or a tensor whose dtype, shape or stride is not the recorded one."""
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    if len(names) != len(meta):
+        raise ValueError(f"{len(names)} input names for {len(meta)} recorded inputs")
     out = []
-    for n in names:
+    for n, want in zip(names, meta):
         kind, _, rest = n.partition(":")
-        out.append(tensors[int(rest)] if kind == "bucket" else params[rest] if kind == "param" else buffers[rest])
+        try:
+            t = tensors[int(rest)] if kind == "bucket" else params[rest] if kind == "param" else buffers[rest]
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"input {n!r} denotes no tensor of the model or the bucket") from None
+        if tensor_meta(t) != want:
+            raise ValueError(f"input {n!r} is {tensor_meta(t)}, recorded {want}")
+        out.append(t)
     return out
 
 
 @dataclass
 class Loaded:
-    """A loaded artifact: its callable, the names of its inputs and its record (meta.json)."""
+    """A loaded artifact: its callable, its inputs (resolved) and its record (meta.json)."""
 
     fn: object
-    names: list[str]
+    inputs: list
     meta: dict
 
 
@@ -180,9 +234,20 @@ class ArtifactStore:
 
     @classmethod
     def default(cls) -> "ArtifactStore | None":
-        """The store at `cache_root()`, or None when the cache is off."""
+        """The store at `cache_root()`, or None when the cache is off or unusable (a path that is not a directory,
+        or a directory that cannot be created or written: logged once, naming it)."""
         root = cache_root()
-        return None if root is None else cls(root)
+        if root is None:
+            return None
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=root, prefix=".probe-")
+            probe.close()
+        except OSError as e:
+            _warn_once(f"compile cache: {root} is not usable ({type(e).__name__}: {e}); steps compile in each process "
+                       "(set DGEMMA_CACHE_DIR to a writable directory, or DGEMMA_CACHE=off)")
+            return None
+        return cls(root)
 
     def _dir(self, key: str) -> Path:
         return self.root / "steps" / key[:2] / key
@@ -191,21 +256,24 @@ class ArtifactStore:
         """Whether an entry for `key` is in place (`load` still checks it whole)."""
         return (self._dir(key) / META).is_file()
 
-    def load(self, key: str, parts: dict) -> Loaded | None:
-        """The artifact of `key`, or None (a miss: logged with its reason; a damaged entry removed)."""
+    def load(self, key: str, parts: dict, model: torch.nn.Module, tensors: list[torch.Tensor]) -> Loaded | None:
+        """The artifact of `key` with its inputs resolved over `model` and `tensors` (`resolve_inputs`), or None: a
+        miss (logged with its reason), or a damaged entry (logged and removed): files whose sha256 differs from the
+        recorded one, inputs that do not resolve, or an artifact torch cannot load."""
         d = self._dir(key)
         if not (d / META).is_file():
             self._miss(parts)
             return None
         try:
             meta = json.loads((d / META).read_text())
-            names = json.loads((d / INPUTS).read_text())
-            data = (d / ARTIFACT).read_bytes()
-            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            digest = hashlib.sha256((d / ARTIFACT).read_bytes() + (d / INPUTS).read_bytes()).hexdigest()
+            if digest != meta["sha256"] or meta.get("key") != key:
                 raise ValueError("sha256 mismatch")
+            recorded = json.loads((d / INPUTS).read_text())
+            inputs = resolve_inputs(recorded["names"], recorded["meta"], model, tensors)
             from torch._inductor import CompiledArtifact
 
-            with self.cpp_builds():
+            with self.cpp_builds(model.device):
                 fn = CompiledArtifact.load(path=str(d / ARTIFACT), format="binary")
         except Exception as e:  # noqa: BLE001 - any damage: remove, log, compile instead
             self.corrupt += 1
@@ -215,35 +283,39 @@ class ArtifactStore:
             self.misses += 1
             return None
         self.loads += 1
-        return Loaded(fn=fn, names=names, meta=meta)
+        return Loaded(fn=fn, inputs=inputs, meta=meta)
 
-    def save(self, key: str, parts: dict, artifact, names: list[str], extra: dict | None = None) -> None:
-        """Write the entry under a temporary name, then rename it into place (a concurrent writer's entry, if it got
-        there first, is kept). A failure to write is logged, never raised: the compiled step still runs."""
+    def save(self, key: str, parts: dict, artifact, names: list[str], inputs: list[torch.Tensor],
+             extra: dict | None = None) -> None:
+        """Write the entry (the artifact, its inputs' names and `tensor_meta`, the record) under a temporary name,
+        then rename it into place; a concurrent writer's entry, if it got there first, is kept, and counts as saved.
+        A failure to write is logged, never raised: the compiled step still runs."""
         final = self._dir(key)
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{key[:16]}."))
             artifact.save(path=str(tmp / ARTIFACT), format="binary")
-            digest = hashlib.sha256((tmp / ARTIFACT).read_bytes()).hexdigest()
-            (tmp / INPUTS).write_text(json.dumps(names))
+            (tmp / INPUTS).write_text(json.dumps({"names": names, "meta": [tensor_meta(t) for t in inputs]}))
+            digest = hashlib.sha256((tmp / ARTIFACT).read_bytes() + (tmp / INPUTS).read_bytes()).hexdigest()
             meta = {"key": key, "parts": parts, "sha256": digest, "created": time.time(), **(extra or {})}
             (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700: other users sharing the cache may read it
             try:
                 os.rename(tmp, final)
-                self.saves += 1
-            except OSError:  # another process filled the entry first: keep its
+            except OSError:  # another process filled the entry first: keep its (it is whole: renamed into place)
                 shutil.rmtree(tmp, ignore_errors=True)
+            if self.has(key):
+                self.saves += 1
         except Exception as e:  # noqa: BLE001 - the cache is an optimisation: log and go on
             log.warning("compile cache: could not save %s (%s: %s)", parts.get("unit"), type(e).__name__, e)
             with contextlib.suppress(NameError):
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def cpp_builds(self):
-        """`cpp_store.building_from(self.cpp)`: Inductor's C++ builds through this store."""
+    def cpp_builds(self, device: torch.device):
+        """`cpp_store.building_from(self.cpp, device)`: Inductor's C++ builds through this store."""
         from .cpp_store import building_from
 
-        return building_from(self.cpp)
+        return building_from(self.cpp, device)
 
     def _miss(self, parts: dict) -> None:
         self.misses += 1
@@ -277,7 +349,20 @@ class ArtifactStore:
                 out.append(m)
         return out
 
-    def clear(self) -> None:
-        """Remove every entry (steps and C++ builds)."""
-        shutil.rmtree(self.root / "steps", ignore_errors=True)
-        shutil.rmtree(self.root / "cpp", ignore_errors=True)
+    def clear(self) -> list[str]:
+        """Remove every entry (steps, C++ builds, background compile logs and locks); returns what could not be
+        removed (empty: all of it)."""
+        failed: list[str] = []
+        for sub in ("steps", "cpp", "logs", "locks"):
+            if (self.root / sub).exists():
+                shutil.rmtree(self.root / sub, onerror=lambda _f, path, exc: failed.append(f"{path}: {exc[1]}"))
+        return failed
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)

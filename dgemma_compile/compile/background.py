@@ -15,11 +15,14 @@ warm path. The cost: the process loads the model again (the demo's: 0.1 s; a rel
 A job that ends before its background compile does leaves the process running in its own session: it finishes
 filling the compile cache, so the next run loads the step (the job started the compile because it judged the step
 worth compiling; stopping it would make every such run eager). Its log is kept under the cache's `logs/` only when it
-fails.
+fails. Processes compiling the same step take turns: each holds the step key's lock (`locks/KEY.lock`, `fcntl.flock`)
+while it compiles, and one that gets the lock after another finished loads the entry instead of compiling again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -77,9 +80,14 @@ class BackgroundCompile:
         self.seconds: float | None = None
         self.state = "running"
         self.error: str | None = None
-        logs = Path(spec.cache_dir) / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(dir=logs, prefix="background-", suffix=".log")
+        try:
+            logs = Path(spec.cache_dir) / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            fd, path = tempfile.mkstemp(dir=logs, prefix="background-", suffix=".log")
+        except OSError as e:  # a cache that cannot hold a log cannot hold the step either: never started
+            self.proc, self.state, self.seconds = None, "failed", 0.0
+            self.error = f"cannot start it in {spec.cache_dir}: {type(e).__name__}: {e}"
+            return
         self.log_path = Path(path)
         env = {**os.environ, "DGEMMA_CACHE_DIR": spec.cache_dir, "OMP_NUM_THREADS": str(spec.threads),
                "DGEMMA_BACKGROUND_LOG": path}
@@ -90,7 +98,7 @@ class BackgroundCompile:
 
     def poll(self) -> str:
         """The process's state now, without waiting."""
-        if self.state == "running" and self.proc.poll() is not None:
+        if self.state == "running" and self.proc is not None and self.proc.poll() is not None:
             self.seconds = time.perf_counter() - self.started
             if self.proc.returncode == 0:
                 self.state = "done"
@@ -105,7 +113,7 @@ class BackgroundCompile:
 
     def stop(self) -> None:
         """Stop a running process and wait for it (tests; a job that ends first leaves it running)."""
-        if self.state == "running" and self.proc.poll() is None:
+        if self.state == "running" and self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
@@ -135,15 +143,36 @@ def main(argv: list[str]) -> int:
     if gen.units.store is None:
         print("background compile: the compile cache is off", file=sys.stderr)
         return 2
-    for size in spec.sizes:
-        gen.warmup(size, config, **spec.paging)
     store = gen.units.store
+    bucket = gen.bucket(config, **spec.paging)
+    keys = []
+    for size in spec.sizes:
+        unit = bucket.view(bucket.size_for(gen.bucket_for(size))).step
+        keys.append(unit.key)
+        with key_lock(store.root, unit.key):  # another process compiling it: wait, then load its entry
+            gen.warmup(size, config, **spec.paging)
     print(f"background compile: sizes {spec.sizes} saved={store.saves} loaded={store.loads}", file=sys.stderr)
-    if store.saves + store.loads < len(spec.sizes):
+    if not all(key is not None and store.has(key) for key in keys):
         return 3
     if os.environ.get("DGEMMA_BACKGROUND_LOG"):  # success: no log kept
         Path(os.environ["DGEMMA_BACKGROUND_LOG"]).unlink(missing_ok=True)
     return 0
+
+
+@contextlib.contextmanager
+def key_lock(root: Path, key: str | None):
+    """Hold `root/locks/KEY.lock` exclusively for the block (blocking until another holder releases it)."""
+    if key is None:
+        yield
+        return
+    path = Path(root) / "locks" / f"{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 if __name__ == "__main__":

@@ -179,11 +179,12 @@ _active: list[CppStore] = []
 
 
 @contextlib.contextmanager
-def building_from(store: CppStore | None):
-    """Route Inductor's C++ builds through `store` for the duration of the block (None: no change). Also keeps
-    Inductor's CPU kernel builds in this process (`compile_threads=1`; with the C++ wrapper, the CPU default, a graph
-    is one C++ file anyway), so that every build passes through the store. Nests; the patch is removed when the
-    outermost block exits."""
+def building_from(store: CppStore | None, device=None):
+    """Route Inductor's C++ builds through `store` for the duration of the block (None: no change). For a CPU
+    `device`, also keeps Inductor's kernel builds in this process (`compile_threads=1`: with the C++ wrapper, the CPU
+    default, a graph is one C++ file anyway), so that every build passes through the store; other devices keep
+    their parallel (Triton) compiles, whose binaries the step artifact carries itself. Nests; the patch is removed
+    when the outermost block exits."""
     if store is None:
         yield
         return
@@ -199,8 +200,9 @@ def building_from(store: CppStore | None):
 
         CppBuilder.build = build
     _active.append(store)
+    cpu = device is None or getattr(device, "type", device) == "cpu"
     try:
-        with inductor_config.patch(compile_threads=1):
+        with inductor_config.patch(compile_threads=1) if cpu else contextlib.nullcontext():
             yield
     finally:
         _active.pop()

@@ -172,19 +172,23 @@ class CompiledGenerator:
         return isinstance(unit, CompiledUnit) and unit.cacheable
 
     def load_cached(self, bucket: Bucket) -> list[int]:
-        """Load (no compile) every size of `bucket` whose step the compile cache holds, now; returns those sizes.
-        Call with no busy rows (before an engine starts): each load makes one idle call (`CompiledUnit.prepare`)."""
+        """Load (never compile) every size of `bucket` whose step the compile cache holds, now; returns the sizes
+        loaded (a damaged entry is logged and removed, and its size left uncompiled). Call with no busy rows (before
+        an engine starts): on CUDA each load captures its graph with one idle call (`CompiledUnit.prepare`)."""
         loaded = []
         for size in bucket.sizes:
             view = bucket.view(size)
             unit = view.step
             if not isinstance(unit, CompiledUnit):
                 continue
-            slot = unit.artifact
-            if unit.strategy is None and slot is not None and slot.store.has(slot.key):
-                unit.held = False
-                view.refresh()
-                unit.prepare()
+            if unit.strategy is None and unit.key is not None and self.units.store.has(unit.key):
+                held, unit.held = unit.held, False
+                if unit.preload():  # a damaged entry is removed and logged: the size stays as it was, uncompiled
+                    if unit.graphs is not None:
+                        view.refresh()
+                        unit.prepare()  # CUDA: captured now, with every row idle
+                else:
+                    unit.held = held
             if unit.source == "loaded":
                 loaded.append(size)
         return loaded

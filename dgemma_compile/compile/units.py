@@ -205,8 +205,8 @@ class CompiledUnit:
                  graphs: CudaGraphs | None = None, graph_pool=None, compiled_graphs: list[CompiledGraph] | None = None,
                  owners: tuple = (), artifact: "ArtifactSlot | None" = None):
         self.name, self.fn, self.options = name, fn, options
-        self.compiled = torch.compile(fn, fullgraph=options.fullgraph, dynamic=options.dynamic, backend=backend,
-                                      isolate_recompiles=True)
+        self._backend = backend
+        self._compiled = None  # `compiled`, made on first use: a loaded or held unit never imports Dynamo
         self.graphs, self.graph_pool = graphs, graph_pool
         self.calls = 0
         self.warm = False  # a call completed: the unit's cache entry exists, so guards may be skipped
@@ -222,6 +222,7 @@ class CompiledUnit:
         """How calls run, decided once after the first call: "cuda graph", "direct" or "dynamo"."""
         self.artifact = artifact
         self.cacheable = artifact is not None  # the compile cache can hold this unit's step
+        self.key = artifact.key if artifact is not None else None  # its compile-cache key
         self.held = False
         self._preloaded = False  # `preload` made the direct call; the first call captures it (CUDA graphs)
         """Run `fn` eagerly, neither compiling nor loading, until released (`CompiledGenerator.defer`: the eager step
@@ -229,6 +230,15 @@ class CompiledUnit:
         self.source: str | None = None
         """Where the step came from, decided with `strategy`: "loaded" (an artifact of the compile cache: no trace,
         no compile) or "compiled" (Dynamo and Inductor ran, or Inductor's own caches served them)."""
+
+    @property
+    def compiled(self) -> Callable[[], None]:
+        """`torch.compile(fn, ...)` under the unit's options and backend, made on first use."""
+        if self._compiled is None:
+            o = self.options
+            self._compiled = torch.compile(self.fn, fullgraph=o.fullgraph, dynamic=o.dynamic, backend=self._backend,
+                                           isolate_recompiles=True)
+        return self._compiled
 
     def __call__(self) -> None:
         if self.held:
@@ -257,7 +267,7 @@ class CompiledUnit:
         if self.strategy is not None or self.held:
             return
         self.calls += 1
-        if self._load():
+        if self._preloaded or self._load():
             if self.graphs is not None:
                 self.graphs.warm_up(self.direct.call)
             self._decide_loaded()
@@ -302,13 +312,10 @@ class CompiledUnit:
         slot, self.artifact = self.artifact, None  # tried once: a miss compiles, and the compile saves
         if slot is None:
             return False
-        from .artifacts import resolve_inputs
-
-        loaded = slot.store.load(slot.key, slot.parts)
+        loaded = slot.store.load(slot.key, slot.parts, slot.model, slot.tensors)
         if loaded is None:
             return False
-        inputs = resolve_inputs(loaded.names, slot.model, slot.tensors)
-        self.direct = DirectCall(call=functools.partial(loaded.fn, *inputs), buffer_ids=self._buffer_ids())
+        self.direct = DirectCall(call=functools.partial(loaded.fn, *loaded.inputs), buffer_ids=self._buffer_ids())
         self.source = "loaded"
         slot.loads[self.name] += 1
         counts = loaded.meta.get("pass_matches")
@@ -492,7 +499,7 @@ class UnitFactory:
             self.compiles[name] += 1
             pass_config = passes.inductor_config(self.options.disabled_passes, self.options.pass_settings())
             config = {**self.options.inductor_config(self.device.type), **pass_config}
-            store = slot.store.cpp_builds() if slot is not None else contextlib.nullcontext()
+            store = slot.store.cpp_builds(self.device) if slot is not None else contextlib.nullcontext()
             with moe_cache_key(), passes.cache_key(pass_config), torch._inductor.config.patch(config), \
                     passes.recording() as counts, store:
                 key = records.record_key(gm, example_inputs, pass_config)  # before compile_fx changes gm
@@ -535,7 +542,7 @@ class UnitFactory:
                      "bucket)", slot.parts["unit"])
             return
         counts = self.pass_matches.get(slot.parts["unit"])
-        slot.store.save(slot.key, slot.parts, out, names,
+        slot.store.save(slot.key, slot.parts, out, names, list(example_inputs),
                         extra={"pass_matches": counts.counts if counts is not None else None})
 
     def slot(self, name: str, owners: tuple, structure: dict | None) -> ArtifactSlot | None:
