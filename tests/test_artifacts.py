@@ -87,11 +87,15 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
 class _Builder:
     """What `CppStore.key` reads of a `CppBuilder`."""
 
-    def __init__(self, command: str, sources: list[str], out: str, compiler: str = "g++"):
+    def __init__(self, command: str, sources: list[str], out: str, target: str, compiler: str = "g++"):
         self._command, self._sources_args, self._output_dir, self._compiler = command, " ".join(sources), out, compiler
+        self._target = target
 
     def get_command_line(self) -> str:
         return self._command
+
+    def get_target_file_path(self) -> str:
+        return self._target
 
 
 def test_the_cpp_key_ignores_install_paths_but_not_flags_or_sources(tmp_path, monkeypatch):
@@ -103,9 +107,10 @@ def test_the_cpp_key_ignores_install_paths_but_not_flags_or_sources(tmp_path, mo
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
 
     def builder(d: str, venv_torch: str, flags: str = "-O3") -> _Builder:
-        src = str(tmp_path / d / "k.cpp")
-        return _Builder(f"g++ {src} {flags} -I{venv_torch}/include -o {tmp_path / d}/k.so -L{venv_torch}/lib",
-                        [src], str(tmp_path / d))
+        (tmp_path / d / f"{d}-key.cpp").write_text((tmp_path / d / "k.cpp").read_text())
+        src = str(tmp_path / d / f"{d}-key.cpp")  # Inductor names files by keys that differ between venvs
+        return _Builder(f"g++ {src} {flags} -I{venv_torch}/include -o {tmp_path / d}/{d}-key.so -L{venv_torch}/lib",
+                        [src], str(tmp_path / d), target=f"{tmp_path / d}/{d}-key.so")
 
     store = S.CppStore(tmp_path / "store")
     here = store.key(builder("a", torch_dir))
@@ -113,7 +118,7 @@ def test_the_cpp_key_ignores_install_paths_but_not_flags_or_sources(tmp_path, mo
     monkeypatch.setattr(S, "install_paths", lambda: [(other_venv, "<torch>")])
     assert store.key(builder("b", other_venv)) == here
     assert store.key(builder("b", other_venv, "-O2")) != here
-    (tmp_path / "b" / "k.cpp").write_text("int f() { return 2; }")
+    (tmp_path / "b" / "k.cpp").write_text("int f() { return 2; }")  # builder() copies it to the keyed name
     assert store.key(builder("b", other_venv)) != here
 
 
@@ -163,7 +168,8 @@ def test_two_processes_filling_one_entry_leave_one_whole_entry(tmp_path):
         assert p.exitcode == 0
     entry = tmp_path / "steps" / key[:2] / key
     meta = json.loads((entry / A.META).read_text())
-    assert hashlib.sha256((entry / A.ARTIFACT).read_bytes()).hexdigest() == meta["sha256"]
+    assert hashlib.sha256((entry / A.ARTIFACT).read_bytes() + (entry / A.INPUTS).read_bytes()).hexdigest() == \
+        meta["sha256"]
     assert not list(entry.parent.glob(".*"))  # no temporary directory left behind
     store = S.CppStore(tmp_path / "cpp")
     assert store.fetch(key, str(tmp_path / "out.so")) and store.corrupt == 0

@@ -14,7 +14,8 @@ stored output to the path Inductor expects (so Inductor's own checks then find i
 output. The portable key hashes: this store's format version, the compiler's identity (`g++ -dumpfullversion
 -dumpmachine`), the CPU (`-march=native` builds for the host: its model name and flags), torch's version, the
 command line with the paths that differ between installs replaced by placeholders (torch's package directory,
-Python's prefixes, the build's own source and output directories), and the content of every source file. A changed
+Python's prefixes, the files the build reads and writes, whose names are Inductor's venv-dependent keys, and its
+output directory), and the content of every file it reads (sources, a precompiled header it `-include`s). A changed
 source, flag, compiler, CPU or torch is a miss; the venv's path is not.
 
 Entries are written to a temporary name and renamed into place (two processes filling one entry leave one whole
@@ -96,9 +97,12 @@ class CppStore:
         import torch
 
         command = builder.get_command_line()
-        sources = [s for s in re.split(r"\s+", builder._sources_args or "") if s and os.path.isfile(s)]
-        replace = [(builder._output_dir, "<out>")] if builder._output_dir else []
-        replace += [(os.path.dirname(s), "<src>") for s in sources] + install_paths()
+        target = builder.get_target_file_path()
+        # the files the command reads (sources, a forced `-include` of a precompiled header): their names are
+        # Inductor's own keys, which hash the venv's paths, so they are named by position and hashed by content
+        sources = list(dict.fromkeys(t for t in re.split(r"\s+", command) if t and t != target and os.path.isfile(t)))
+        replace = [(target, "<target>")] + [(s, f"<file{i}>") for i, s in enumerate(sources)]
+        replace += ([(builder._output_dir, "<out>")] if builder._output_dir else []) + install_paths()
         for path, mark in sorted(replace, key=lambda kv: -len(kv[0])):
             if path and path != os.sep:
                 command = command.replace(path, mark)
