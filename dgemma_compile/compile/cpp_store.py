@@ -186,7 +186,9 @@ _active: list[CppStore] = []
 def building_from(store: CppStore | None, device=None):
     """Route Inductor's C++ builds through `store` for the duration of the block (None: no change). For a CPU
     `device`, also keeps Inductor's kernel builds in this process (`compile_threads=1`: with the C++ wrapper, the CPU
-    default, a graph is one C++ file anyway), so that every build passes through the store; other devices keep
+    default, a graph is one C++ file anyway), so that every build passes through the store, and builds without
+    Inductor's precompiled headers (`cpp_cache_precompile_headers=False`: they live in a fixed directory under names
+    that hash the venv's paths, outside the store, so a new venv would rebuild one on every load); other devices keep
     their parallel (Triton) compiles, whose binaries the step artifact carries itself. Nests; the patch is removed
     when the outermost block exits."""
     if store is None:
@@ -206,7 +208,8 @@ def building_from(store: CppStore | None, device=None):
     _active.append(store)
     cpu = device is None or getattr(device, "type", device) == "cpu"
     try:
-        with inductor_config.patch(compile_threads=1) if cpu else contextlib.nullcontext():
+        with inductor_config.patch(compile_threads=1, cpp_cache_precompile_headers=False) if cpu else \
+                contextlib.nullcontext():
             yield
     finally:
         _active.pop()
