@@ -143,7 +143,7 @@ def test_compiled_rows_are_bitwise_invariant_across_buckets(demo):
     seeds = [rng.randrange(1, 2**32) for _ in range(8)]
     for prompts, seeds in ((prompts, seeds), (prompts[3:], seeds[3:])):
         _assert_invariant(run, prompts, seeds)
-    assert {name.split("[")[1][:2] for name in gen.compiles} == {"B1", "B8"}
+    assert {name.split("[")[1][:2] for name in gen.ready} == {"B1", "B8"}
 
 
 def released_width_model(num_experts: int = 8, top_k: int = 2, vocab_size: int = 16_384) -> dg.DiffusionGemma:
