@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=None,
                    help=f"comma list of {', '.join(systems.SYSTEMS)} (default: all that apply; no transformers "
                         "systems for models without a checkpoint)")
+    p.add_argument("--base", default=report.BASE, help="the system every speedup ratio is against (default "
+                   f"{report.BASE}; e.g. hf-eager for ours-step-eager against transformers' eager path)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(systems.DTYPES),
                    help="weights dtype (default: the checkpoint's; bfloat16 for full/full-tiny, and for every system "
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         ok = [r for r in raw if r.get("status") == "ok"]
         dtypes |= {r["dtype"] for r in ok}
         roof = _roofline(spec, work, ok[0]["dtype"], peaks) if ok else None
-        sec = report.section(f"workload `{kind}`", work.describe(), raw, roof)
+        sec = report.section(f"workload `{kind}`", work.describe(), raw, roof, args.base)
         sections.append(sec)
         csv_sections.append((wspec.to_dict(), sec))
 

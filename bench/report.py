@@ -78,8 +78,9 @@ def is_quantized(row: dict) -> bool:
     return row["system"] in QUANT_SYSTEMS or row.get("quant_scheme", "none") != "none"
 
 
-def with_ratios(rows: list[dict]) -> list[dict]:
-    base = next((r for r in rows if r["system"] == BASE and r["status"] == "ok"), None)
+def with_ratios(rows: list[dict], base_system: str = BASE) -> list[dict]:
+    """Each row's `speedup_*` ratios against `base_system`'s row (`RATIOS`; NaN where either failed)."""
+    base = next((r for r in rows if r["system"] == base_system and r["status"] == "ok"), None)
     for r in rows:
         for key, _ in RATIOS:
             if base is None or r["status"] != "ok":
@@ -190,13 +191,15 @@ class Section:
     rows: list[dict]
     raw: list[dict]
     roof: rl.Roofline | None
+    base: str = BASE
 
 
-def section(title: str, description: str, raw: list[dict], roof: rl.Roofline | None) -> Section:
-    rows = with_ratios([summarize(r) for r in raw])
+def section(title: str, description: str, raw: list[dict], roof: rl.Roofline | None, base: str = BASE) -> Section:
+    """One workload's section; its speedup table is against `base` (`--base`; default ours-compiled)."""
+    rows = with_ratios([summarize(r) for r in raw], base)
     if roof is not None:
         rows = with_roofline(rows, roof)
-    return Section(title=title, description=description, rows=rows, raw=raw, roof=roof)
+    return Section(title=title, description=description, rows=rows, raw=raw, roof=roof, base=base)
 
 
 LEGEND = (
@@ -233,11 +236,12 @@ def markdown(meta: dict, sections: list[Section]) -> str:
         for r in sec.rows:
             if r["status"] == "ok":
                 out.append(f"| {r['system']} | " + " | ".join(_fmt(r[k]) for k, _ in SPREAD) + " |")
-        out += ["", f"Speedup of {BASE} (other time / {BASE} time; tok/s: {BASE} / other; pass, paired: median over "
-                f"rounds of other pass / {BASE} pass of the same round; > 1: {BASE} faster):", "",
+        b = sec.base
+        out += ["", f"Speedup of {b} (other time / {b} time; tok/s: {b} / other; pass, paired: median over "
+                f"rounds of other pass / {b} pass of the same round; > 1: {b} faster):", "",
                 "| system | " + " | ".join(h for _, h in RATIOS) + " |", "|---" + "|---:" * len(RATIOS) + "|"]
         for r in sec.rows:
-            if r["status"] == "ok" and r["system"] != BASE:
+            if r["status"] == "ok" and r["system"] != b:
                 out.append(f"| {r['system']} | " + " | ".join(_ratio(r[f"speedup_{k}"]) for k, _ in RATIOS) + " |")
         out += quant_markdown(sec.rows)
         if sec.roof is not None:

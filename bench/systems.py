@@ -7,6 +7,10 @@
   ends are marked from `generate`'s public `on_block` callback (the first call of each block index).
 - ours-eager: `dg.generate(model, ...)`, the eager reference loop; steps from the same `Observer.on_step` (denoise
   steps only: its prefill and commits are not step spans).
+- ours-step-eager: ours-compiled's generator with its steps deferred (`gen.defer()`, never released), so every step
+  is the one step (`steps.mixed_step`) run uncompiled: the step `dgemma generate` answers with while the compiled
+  step compiles in the background (the same tokens). Timed as ours-compiled (`on_step`: one iteration; `on_unit`:
+  the step alone).
 - hf-eager: transformers `DiffusionGemmaForBlockDiffusion.generate` (dynamic cache); timed at its
   `_denoising_step` (decoder forward + sampling + acceptance + stop check, like ours).
 - hf-compiled: the same with `cache_implementation="static"`, which makes transformers torch.compile its decoder
@@ -37,8 +41,8 @@ QUANT_SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")
 """`dgemma_compile.quant.SCHEMES` (kept literal so that listing the systems imports no quantization code); `nvfp4`
 (W4A4) is refused by `dg.quantize` on every device we have, so its row reads "n/a (ConfigError ...)"."""
 QUANT_SYSTEMS = tuple(f"ours-compiled-{s}" for s in QUANT_SCHEMES)
-SYSTEMS = ("ours-compiled", "ours-compiled-fused", "ours-compiled-unfused", "ours-eager", "hf-eager", "hf-compiled",
-           "ar-compiled") + QUANT_SYSTEMS
+SYSTEMS = ("ours-compiled", "ours-compiled-fused", "ours-compiled-unfused", "ours-eager", "ours-step-eager", "hf-eager",
+           "hf-compiled", "ar-compiled") + QUANT_SYSTEMS
 """`ours-compiled-fused` / `-unfused`: ours-compiled with commit fusion forced on / off (`CompileOptions.fuse_commit`;
 ours-compiled takes the device's default). `ours-compiled-<scheme>`: ours-compiled on the model quantized to
 `scheme` (`QUANT_SYSTEMS`)."""
@@ -160,7 +164,8 @@ class OursCompiled(_Ours):
               f"Observer.on_unit; block ends: generate's on_block callback")
     marks_blocks = False  # the compiled driver delivers its spans and `on_block_end` at the end of the call
 
-    def __init__(self, ctx: Context, fuse_commit: bool | None = None, quant: str | None = None):
+    def __init__(self, ctx: Context, fuse_commit: bool | None = None, quant: str | None = None,
+                 eager: bool = False):
         import dgemma_compile as dg
         from dgemma_compile.compile import CompileOptions
 
@@ -169,7 +174,12 @@ class OursCompiled(_Ours):
         B = ctx.batch
         self.gen = dg.build(ctx.model, CompileOptions(batch_buckets=(B,), max_seq_len=self.max_seq_len,
                                                       fuse_commit=fuse_commit))
-        self.compile_s = self.gen.warmup(B, ctx.cfg)
+        self.eager = eager
+        if eager:  # every step held uncompiled (never released): the eager one step
+            self.gen.defer()
+            self.timing = self.timing.replace("the compiled step", "the step run uncompiled (gen.defer())", 1)
+        else:
+            self.compile_s = self.gen.warmup(B, ctx.cfg)
         self.bucket = self.gen.bucket(ctx.cfg)
 
     def _on_block(self):
@@ -191,10 +201,13 @@ class OursCompiled(_Ours):
         from dgemma_compile.sampler import SCHEME
 
         ctx.notes.append(f"finished blocks: one [b] event flag read per iteration, sampling {SCHEME}, "
-                         f"moe_impl {self.gen.moe_impl}, commit fusion {'on' if self.gen.fuse_commit else 'off'}")
+                         f"moe_impl {self.gen.moe_impl}, commit fusion {'on' if self.gen.fuse_commit else 'off'}"
+                         + (f", steps run uncompiled (step source: {self.gen.step_source})" if self.eager else ""))
         ctx.extra.update(unit_step_s=self.observer.units, compile_units=dict(self.gen.compiles),
                          inductor_s=self.gen.compile_seconds)
-        ctx.notes.append(f"compile s = gen.warmup({ctx.batch}) wall time (Inductor {self.gen.compile_seconds:.1f} s of it)")
+        if not self.eager:
+            ctx.notes.append(f"compile s = gen.warmup({ctx.batch}) wall time (Inductor {self.gen.compile_seconds:.1f} s "
+                             "of it)")
         _graph_notes(ctx, [v.step for v in self.bucket.views()])
 
 
@@ -332,6 +345,8 @@ def make(system: str, ctx: Context) -> System:
                             quant=quant_scheme(system))
     if system == "ours-eager":
         return OursEager(ctx)
+    if system == "ours-step-eager":
+        return OursCompiled(ctx, eager=True)
     if system in ("hf-eager", "hf-compiled"):
         return Transformers(ctx, compiled=system == "hf-compiled")
     return Autoregressive(ctx)

@@ -9,7 +9,10 @@ every live row (`size_for`), as vLLM's persistent batch does: a lone request run
 
 The step of a view is `steps.mixed_step` over it: eager by default, or whatever `unit` makes of it (the compiled
 generator passes `UnitFactory.unit`, which compiles one unit per size, captured as one CUDA graph on CUDA); `unit`
-gets the step's name, function and every tensor it reads (`BucketView.tensors`), given explicitly.
+gets the step's name, function and every tensor it reads (`BucketView.tensors`), given explicitly. Run uncompiled
+(no unit, or a unit holding its step eagerly: `CompiledGenerator.defer`), the step runs in inference mode and its
+attention on dense masks (`plan.PlanBuffers.eager_plan`); a bucket without a unit keeps dense masks in its plans
+from the start (`PlanBuffers(dense_masks=True)`: no block sparsity to refill).
 
 Host-side changes to rows (`admit`, `retire`) write the shared buffers; a driver then refreshes the plan of the
 size it runs next (`BucketView.refresh`), which the step itself keeps filled between iterations of one size.
@@ -83,7 +86,7 @@ class Bucket:
         page_size, kv_pages: a `kv_cache.PagedKVCache` of `kv_pages` pages of `page_size` slots (default: the
             static cache's memory); None: a static cache.
         kernel_options: FlexAttention kernel options of the plans (`plan.build_plan`; the compiled generator's).
-        unit: makes each size's step (`UnitMaker`); None: eager.
+        unit: makes each size's step (`UnitMaker`); None: eager (plans with dense masks).
         max_logprobs: K, the most likely ids whose log-probabilities each step keeps per position (`steps.logprobs`;
             0: only the committed tokens'; None: no logprobs, none computed); part of the compiled step's shapes.
         tag: the name of the bucket's steps, "step[B{b}_{tag}]" (default from the structural config).
@@ -159,11 +162,19 @@ class Bucket:
             rows = self.row_state if full else self.row_state.view(size)
             T = self.tokens_per_row
             plan = PlanBuffers(self.model, cache, T, mixed=True, kernel_options=self.kernel_options,
-                               sparsity_in_place=True, canvas=self.model.config.canvas_length)
+                               sparsity_in_place=True, canvas=self.model.config.canvas_length,
+                               dense_masks=self.unit is None)
             model, cfg, moe = self.model, self.config, self.moe_impl
 
             def step() -> None:
-                mixed_step(model, cache, state, inputs, rows, plan, stop_early=cfg.stop_early, moe_impl=moe)
+                if torch.compiler.is_compiling():
+                    mixed_step(model, cache, state, inputs, rows, plan, stop_early=cfg.stop_early, moe_impl=moe)
+                    return
+                # run uncompiled (an eager bucket, or a compiled one's step held while it compiles): in inference mode,
+                # whose ops skip autograd's bookkeeping (~18% of a small op's cost on this CPU); the step only writes
+                # the buffers in place, so no inference tensor outlives it
+                with torch.inference_mode():
+                    mixed_step(model, cache, state, inputs, rows, plan, stop_early=cfg.stop_early, moe_impl=moe)
 
             name = self.step_name(size)
             view = BucketView(rows=size, name=name, cache=cache, state=state, inputs=inputs, row_state=rows,

@@ -361,13 +361,16 @@ def block_sparsity(mask_mod, B: int, q_len: int, kv_len: int, block_size: tuple[
         full_kv_indices int32 [B, 1, Qb, Kb]) with Qb = ceil(q_len / block_size[0]), Kb = ceil(kv_len /
         block_size[1]); tests/test_masks.py checks them equal to create_block_mask's.
     """
+    return sparsity_of(_evaluate(mask_mod, B, q_len, kv_len, device), block_size)
+
+
+def sparsity_of(visible: torch.Tensor, block_size: tuple[int, int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`block_sparsity` of a dense bool mask `visible` [B, q_len, kv_len] (the mask_mod already evaluated: the
+    eager plan fill keeps it as the step's dense mask, `plan.PlanBuffers.eager_plan`)."""
+    B, q_len, kv_len = visible.shape
     bq, bk = block_size
     Qb, Kb = -(-q_len // bq), -(-kv_len // bk)
-    b = torch.arange(B, device=device)[:, None, None]
-    q = torch.arange(q_len, device=device)[None, :, None]
-    kv = torch.arange(kv_len, device=device)[None, None, :]
-    h = torch.zeros((), dtype=torch.long, device=device)
-    visible = torch.broadcast_to(mask_mod(b, h, q, kv), (B, q_len, kv_len))
     padded = torch.nn.functional.pad(visible, (0, Kb * bk - kv_len, 0, Qb * bq - q_len))
     count = padded.view(B, Qb, bq, Kb, bk).sum((2, 4), dtype=torch.int32)  # visible elements per block
     full, partial = count == bq * bk, (count > 0) & (count < bq * bk)
@@ -378,6 +381,30 @@ def block_sparsity(mask_mod, B: int, q_len: int, kv_len: int, block_size: tuple[
         return num[:, None], idx[:, None]
 
     return (*ordered(partial), *ordered(full))
+
+
+def dense_mask(block_mask: BlockMask) -> torch.Tensor:
+    """The dense bool mask [B, Q_LEN, KV_LEN] a block mask of this module stands for: its mask_mod evaluated once
+    over broadcast index tensors (as `block_sparsity` does; h = 0, every mask here is the same for all heads). Equal
+    to what FlexAttention sees through the block mask whenever its sparsity was computed from the same mask_mod and
+    captured tensors (`make_block_mask`, `block_sparsity`): a key block it skips is one with nothing visible, and a
+    full block one with everything visible (FlexAttention's eager path itself evaluates the mask_mod everywhere).
+    For the eager step (`steps.mixed_step` run uncompiled), whose attention then runs FlexAttention's eager math on
+    the dense mask (`model.eager_attention`, bitwise) instead of FlexAttention's eager path, which vmaps the mask_mod
+    and costs ~9 ms a call at the demo's sizes on this CPU. A few dozen small tensor ops, no host synchronisation."""
+    q_len, kv_len = block_mask.seq_lengths
+    return _evaluate(block_mask.mask_mod, block_mask.kv_num_blocks.shape[0], q_len, kv_len,
+                     block_mask.kv_num_blocks.device)
+
+
+def _evaluate(mask_mod, B: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """`mask_mod` over every (b, q, kv) at once, bool [B, q_len, kv_len] (b [B, 1, 1], q [1, Q, 1], kv [1, 1, K]
+    index tensors; h = 0)."""
+    b = torch.arange(B, device=device)[:, None, None]
+    q = torch.arange(q_len, device=device)[None, :, None]
+    kv = torch.arange(kv_len, device=device)[None, None, :]
+    h = torch.zeros((), dtype=torch.long, device=device)
+    return torch.broadcast_to(mask_mod(b, h, q, kv), (B, q_len, kv_len))
 
 
 def flex_block_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, block_mask: BlockMask,

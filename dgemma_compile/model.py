@@ -30,11 +30,22 @@ from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
 from .masks import flex_block_attention
 from .ops import MOE_IMPLS
+from .ops.moe import run_eager
 from .plan import ForwardPlan
 from .uniform import denoise_block, encode_block
 from .vision import VisionConfig, VisionEncoder
 
 ATTENTION_BACKENDS = ("flex", "dense")
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-0.5 in float32: an RMSNorm before its weight and its cast back (`RMSNorm.scale`), so
+    that norms of one input share it. Eagerly in float32, torch's `rms_norm` kernel: the same bits (checked over
+    shapes, tests/test_eager_step.py) in one call instead of five ops."""
+    if x.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return F.rms_norm(x, (x.shape[-1],), None, eps)
+    xf = x.float()
+    return xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
 
 
 class RMSNorm(nn.Module):
@@ -46,10 +57,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            out = out * self.weight.float()
+        if x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            # eagerly, torch's own kernel: the same bits in float32 (tests/test_eager_step.py) in one call
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.scale(rms_normalize(x, self.eps), x)
+
+    def scale(self, normalized: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """This norm of `x` from `normalized` = `rms_normalize(x, self.eps)` (shared by several norms of x): times the
+        weight in float32, cast back to x's dtype. Equal to `self(x)` bit for bit."""
+        if x.dtype == torch.float32 and (self.weight is None or self.weight.dtype == torch.float32):
+            return normalized if self.weight is None else normalized * self.weight  # (the casts would be no-ops)
+        out = normalized if self.weight is None else normalized * self.weight.float()
         return out.type_as(x)
 
 
@@ -89,6 +107,25 @@ def dense_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Te
     return probs @ v
 
 
+def eager_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, mask_BTS: torch.Tensor
+                    ) -> torch.Tensor:
+    """FlexAttention's own eager math (torch's `math_attention`: GQA by repeating kv heads, scores in float32, masked
+    to -inf, softmax, probabilities in the input dtype times V) on the dense mask of a block mask
+    (`masks.dense_mask`): bitwise what `masks.flex_block_attention` computes uncompiled, without its vmap over the
+    mask_mod (~9 ms a call at the demo's sizes; this, ~0.1 ms). What a flex model's uncompiled step runs
+    (`plan.PlanBuffers.eager_plan`). Scale 1.0. Every query sees at least one key in these masks (its own slot), so
+    softmax never meets a fully masked row (FlexAttention's `_safe_softmax` would zero it)."""
+    G = q_BHTD.shape[1] // k_BHSD.shape[1]
+    k, v = k_BHSD.repeat_interleave(G, dim=1), v_BHSD.repeat_interleave(G, dim=1)
+    dtype = q_BHTD.dtype
+    if dtype in (torch.float32, torch.float64):  # (the casts would be no-ops)
+        scores = q_BHTD @ k.transpose(-2, -1)
+        return torch.softmax(torch.where(mask_BTS[:, None], scores, -float("inf")), dim=-1) @ v
+    scores = q_BHTD.float() @ k.float().transpose(-2, -1)
+    probs = torch.softmax(torch.where(mask_BTS[:, None], scores, -float("inf")), dim=-1)
+    return probs.to(dtype) @ v
+
+
 class Attention(nn.Module):
     """Gemma4 attention: q/k RMSNorm with weight, v RMSNorm without, RoPE after the norms, scaling 1.0.
     Full-attention layers have no v_proj: V is the k_proj output (before k_norm and RoPE)."""
@@ -107,17 +144,28 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, with_scale=False)
 
-    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask, slots_BT, kernel_options=None):
+    def forward(self, x_BTD, cos, sin, cache: KVCache, layer: int, mask, slots_BT, kernel_options=None,
+                flex: bool = False):
+        """`flex`: the model attends with FlexAttention, so a dense mask is an uncompiled step's, run with
+        FlexAttention's eager math (`eager_attention`, bitwise); else the dense reference (`dense_attention`)."""
         B, T, _ = x_BTD.shape
-        q = apply_rope(self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim)), cos, sin)
+        q = self.q_norm(self.q_proj(x_BTD).view(B, T, -1, self.head_dim))
         k_raw = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
-        v_raw = self.v_proj(x_BTD).view(B, T, -1, self.head_dim) if self.v_proj is not None else k_raw
-        k = apply_rope(self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(v_raw)
+        if self.v_proj is not None:
+            k, v = self.k_norm(k_raw), self.v_norm(self.v_proj(x_BTD).view(B, T, -1, self.head_dim))
+        else:  # V is k_raw: k_norm and v_norm share its normalization (v_norm has no weight)
+            normalized = rms_normalize(k_raw, self.k_norm.eps)
+            k, v = self.k_norm.scale(normalized, k_raw), self.v_norm.scale(normalized, k_raw)
+        if torch.compiler.is_compiling():
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # uncompiled, one rotation over q's and k's heads together: elementwise, the same bits in half the ops
+            H = q.shape[2]
+            qk = apply_rope(torch.cat([q, k], dim=2), cos, sin)
+            q, k = qk[:, :, :H], qk[:, :, H:]
         cache.write_block(layer, k.transpose(1, 2), v.transpose(1, 2), slots_BT)
         keys, values = cache.layer_kv(layer, T)  # [B, Hkv, S+T, Dh]: the static or paged cache's view
-        if isinstance(mask, torch.Tensor):  # dense reference mask [B, T, S+T]
-            out = dense_attention(q.transpose(1, 2), keys, values, mask)
+        if isinstance(mask, torch.Tensor):  # dense mask [B, T, S+T]: the reference's, or an eager step's
+            out = (eager_attention if flex else dense_attention)(q.transpose(1, 2), keys, values, mask)
         else:  # FlexAttention BlockMask
             out = flex_block_attention(q.transpose(1, 2).contiguous(), keys, values, mask,
                                        kernel_options=kernel_options)
@@ -148,8 +196,11 @@ class Router(nn.Module):
         self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
 
-    def forward(self, h_ND):
-        probs = torch.softmax(self.proj(self.norm(h_ND) * self.scale * self.root), dim=-1, dtype=torch.float32)
+    def forward(self, h_ND, normalized: torch.Tensor | None = None):
+        """`normalized`: `rms_normalize(h_ND, self.norm.eps)` when the caller has it (the layer's other norms of h
+        share it), else computed here."""
+        normed = self.norm(h_ND) if normalized is None else self.norm.scale(normalized, h_ND)
+        probs = torch.softmax(self.proj(normed * self.scale * self.root), dim=-1, dtype=torch.float32)
         w_NK, idx_NK = torch.topk(probs, k=self.top_k, dim=-1)
         w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
         return w_NK * self.per_expert_scale[idx_NK], idx_NK
@@ -228,8 +279,11 @@ class Experts(nn.Module):
 
     def forward(self, x_ND, w_NK, idx_NK, impl: str):
         gu, down = self.gate_up_proj, self.down_proj
-        return torch.ops.dgemma.moe_experts(x_ND, w_NK, idx_NK, gu.weight, gu.scales(), down.weight, down.scales(),
-                                            impl, self.quant)
+        # uncompiled on CPU, the op's own function without the custom op's dispatch (`ops.moe.run_eager`); compiled,
+        # the op (decomposed or kept opaque, `ops.moe.moe_decompositions`)
+        run = run_eager if x_ND.device.type == "cpu" and not torch.compiler.is_compiling() else \
+            torch.ops.dgemma.moe_experts
+        return run(x_ND, w_NK, idx_NK, gu.weight, gu.scales(), down.weight, down.scales(), impl, self.quant)
 
 
 class Layer(nn.Module):
@@ -253,14 +307,16 @@ class Layer(nn.Module):
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
         self.register_buffer("decoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x_BTD, cos, sin, cache, mask_BTS, plan: ForwardPlan, moe_impl: str):
+    def forward(self, x_BTD, cos, sin, cache, mask_BTS, plan: ForwardPlan, moe_impl: str, flex: bool = False):
         attn = self.self_attn(self.input_layernorm(x_BTD), cos, sin, cache, self.layer, mask_BTS, plan.slots,
-                              plan.kernel_options.get(self.layer_type))
+                              plan.kernel_options.get(self.layer_type), flex)
         h = x_BTD + self.post_attention_layernorm(attn)
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
-        h_ND = h.reshape(-1, h.shape[-1])
-        w_NK, idx_NK = self.router(h_ND)
-        moe = self.experts(self.pre_feedforward_layernorm_2(h_ND), w_NK, idx_NK, moe_impl).reshape(h.shape)
+        # the three norms of h (the dense MLP's, the router's and the experts') share one normalization
+        normalized = rms_normalize(h, self.router.norm.eps)
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm.scale(normalized, h)))
+        h_ND, n_ND = h.reshape(-1, h.shape[-1]), normalized.reshape(-1, h.shape[-1])
+        w_NK, idx_NK = self.router(h_ND, n_ND)
+        moe = self.experts(self.pre_feedforward_layernorm_2.scale(n_ND, h_ND), w_NK, idx_NK, moe_impl).reshape(h.shape)
         h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
         enc = plan.encoder_tokens
         if isinstance(enc, bool):
@@ -540,9 +596,12 @@ class DiffusionGemma(nn.Module):
         """The layers over one block under `plan` (its RoPE tables, masks and cache slots), then the final norm;
         advances `cache.lengths` by `plan.commit`. `moe_impl` None means `self.moe_impl`."""
         moe_impl = self.moe_impl if moe_impl is None else moe_impl
+        # a flex model's dense masks are an uncompiled step's (`plan.PlanBuffers.eager_plan`, an eager bucket's plans):
+        # FlexAttention's eager math runs them (`eager_attention`); a dense-attention model's are the reference's
+        flex = self.attention != "dense"
         for layer in self.layers:
             cos, sin = plan.rope[layer.layer_type]
-            x_BTD = layer(x_BTD, cos, sin, cache, plan.masks[layer.layer_type], plan, moe_impl)
+            x_BTD = layer(x_BTD, cos, sin, cache, plan.masks[layer.layer_type], plan, moe_impl, flex)
         if plan.commit is not None:
             cache.lengths.add_(plan.commit)  # in place: the compiled units read this very tensor on every call
         return self.norm(x_BTD)

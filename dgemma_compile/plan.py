@@ -42,7 +42,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from .config import SLIDING
 from .kv_cache import KVCache, commit_slots
 from .masks import (block_mask_mod, commit_denoise_mask_mod, dense_block_mask, dense_commit_denoise_mask,
-                    make_block_mask, select_mask_mod, block_sparsity)
+                    dense_mask, make_block_mask, select_mask_mod, block_sparsity, sparsity_of)
 from .ops.moe import materialize_many
 from .phases import COMMIT_DENOISE, ENCODER, IDLE  # the forward modes (`phases.Mode`)
 from .phases import DENOISE_MODE as DENOISE
@@ -109,7 +109,7 @@ def query_kind(mode: str | torch.Tensor) -> str:
 def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
                self_conditioning: torch.Tensor | None = None, check_values: bool = True,
                kernel_options: dict | None = None, block_masks: bool = True, canvas: int | None = None,
-               groups: torch.Tensor | None = None) -> ForwardPlan:
+               groups: torch.Tensor | None = None, dense_masks: bool = False) -> ForwardPlan:
     """The plan of one forward of T block tokens per row over `cache` (its current `lengths`).
 
     Args:
@@ -135,6 +135,10 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         groups: int64 [B, T], the image group of each block token (-1: text) for mode "encoder": the encoder's
             bidirectional image-group overlay in every layer type's mask (`masks.block_mask_mod`); a group must lie
             whole in this block (`images.py` encodes each group in one forward). None: none.
+        dense_masks: dense bool masks [B, T, S+T] (`masks.dense_block_mask`, the same visibility as the block
+            masks' mask_mods) for a flex model too, so that its attention runs FlexAttention's eager math on them
+            (`model.eager_attention`, bitwise) without FlexAttention's vmapped eager path (~9 ms a call at the
+            demo's sizes): what an uncompiled step wants. A model with `attention == "dense"` always gets them.
     Returns:
         A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
         a uniform plan.
@@ -226,17 +230,18 @@ def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new
         self_conditioning = self_conditioning & denoise_rows
         mask_args = (real, encoder_rows)
     rope, masks = {}, {}
+    dense = dense_masks or model.attention == "dense"
     for lt in sorted(set(model.config.layer_types)):
         rope[lt] = model.rope_tables(lt, positions)
         window = dict(sliding_window=model.config.sliding_window if lt == SLIDING else None,
                       window_kind=model.window_kind)
         if mask_args is None:  # commit fusion
-            if model.attention == "dense":
+            if dense:
                 masks[lt] = dense_commit_denoise_mask(lengths, n_new, canvas=T // 2, cache_slots=S, **window)
             else:
                 mask_mod = commit_denoise_mask_mod(lengths, n_new, canvas=T // 2, cache_slots=S, **window)
                 masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
-        elif model.attention == "dense":
+        elif dense:
             masks[lt] = dense_block_mask(lengths, *mask_args, block_len=T, cache_slots=S, **window, **group_kw)
             if fused:
                 cd = dense_commit_denoise_mask(lengths, n_B, canvas=C, cache_slots=S, **window)
@@ -271,23 +276,31 @@ class PlanBuffers:
       the uniform unit's create_block_mask masks). The masks' `q_num_blocks` / `q_indices` (read by the backward
       only) are left as built.
 
+    - `dense_masks=True` (an eager bucket's plans; always for a dense-attention model): dense bool masks refilled
+      with the rest (`build_plan(dense_masks=True)`), no block sparsity. A plan of block masks gives a step run
+      uncompiled its dense masks through `eager_plan`, and, run uncompiled on CPU, `fill` leaves the buffers as they
+      are when they already hold the plan it would build (`_holds`).
+
     `plan` is a `ForwardPlan` over the buffers: each block mask's sparsity tensors are static (its mask_mod reads
     `cache.lengths` and the plan's own per-row tensors, as `build_plan`'s). `tensors` lists every buffer once, for the
     compiled step's explicit owners (`bucket.BucketView.tensors`).
     """
 
     def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None,
-                 sparsity_in_place: bool = False, canvas: int | None = None):
+                 sparsity_in_place: bool = False, canvas: int | None = None, dense_masks: bool = False):
         self.model, self.cache, self.T, self.canvas = model, cache, T, canvas
         self.kernel_options = kernel_options
+        self.dense_masks = dense_masks or model.attention == "dense"
+        """Dense bool masks instead of block masks (`build_plan(dense_masks=True)`): the plan of an eager step."""
         B, dev = cache.batch_size, cache.lengths.device
         self.mixed = mixed
         if mixed:
             self.mode = torch.full((B,), IDLE, dtype=torch.long, device=dev)
             self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
             self.self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
+        self._dense: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None  # `eager_plan`'s masks, their key
         self.plan = self._build()  # fresh tensors: these become the buffers
-        self.sparsity_in_place = sparsity_in_place and mixed and model.attention != "dense"
+        self.sparsity_in_place = sparsity_in_place and mixed and not self.dense_masks
         if self.sparsity_in_place:
             self.plan.masks = {lt: _with_full_blocks(m) for lt, m in self.plan.masks.items()}
             self._fill_sparsity()
@@ -298,8 +311,9 @@ class PlanBuffers:
         if self.mixed:
             return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new, check_values=False,
                               self_conditioning=self.self_conditioning, kernel_options=self.kernel_options,
-                              block_masks=block_masks, canvas=self.canvas)
-        return build_plan(self.model, self.cache, self.T, mode="denoise", kernel_options=self.kernel_options)
+                              block_masks=block_masks, canvas=self.canvas, dense_masks=self.dense_masks)
+        return build_plan(self.model, self.cache, self.T, mode="denoise", kernel_options=self.kernel_options,
+                          dense_masks=self.dense_masks)
 
     def fill(self, mode: torch.Tensor | None = None, n_new: torch.Tensor | None = None,
              self_conditioning: torch.Tensor | None = None) -> None:
@@ -312,6 +326,8 @@ class PlanBuffers:
         """
         if not self.mixed and (mode is not None or n_new is not None or self_conditioning is not None):
             raise ValueError("fill: per-row inputs (mode, n_new, self_conditioning) need PlanBuffers(..., mixed=True)")
+        if self._holds(mode, n_new, self_conditioning):
+            return
         for buf, value in ((getattr(self, "mode", None), mode), (getattr(self, "n_new", None), n_new),
                            (getattr(self, "self_conditioning", None), self_conditioning)):
             if value is not None:
@@ -322,25 +338,77 @@ class PlanBuffers:
         if self.sparsity_in_place:
             self._fill_sparsity()
 
+    def _holds(self, mode: torch.Tensor | None, n_new: torch.Tensor | None,
+               self_conditioning: torch.Tensor | None) -> bool:
+        """Whether the buffers already hold the plan `fill` would build (run uncompiled, on CPU, a mixed plan given
+        all three per-row inputs): the plan is a function of those inputs and the cache's lengths, and the buffers
+        record the ones they were last filled from, whoever filled them (the inputs' own buffers, and the lengths as
+        every row's first position). An eager step refills an unchanged plan in most iterations (every denoise step
+        of a block after its first two); one comparison instead of rebuilding it. Compiled, never (a static graph
+        fills every time); on other devices, never (it would read the device)."""
+        if (not self.mixed or mode is None or n_new is None or self_conditioning is None
+                or torch.compiler.is_compiling() or self.cache.lengths.device.type != "cpu"):
+            return False
+        return (torch.equal(mode, self.mode) and torch.equal(n_new, self.n_new)
+                and torch.equal(self_conditioning, self.self_conditioning)
+                and torch.equal(self.cache.lengths, self.plan.positions[:, 0]))
+
+    def _mask_inputs(self) -> list[torch.Tensor]:
+        """The per-row tensors the masks' mask_mods capture, each once."""
+        return list({id(t): t for t in (self.cache.lengths, self.plan.real, *self.plan.mask_rows,
+                                        getattr(self, "n_new", None), self.plan.groups)
+                     if isinstance(t, torch.Tensor)}.values())
+
     def _fill_sparsity(self) -> None:
         """Each mask's block sparsity from its mask_mod over the current buffers (`masks.block_sparsity`), into
         the mask's own tensors.
 
-        The per-row tensors the mask_mods read are first rewritten from one opaque copy of themselves
-        (`ops.moe.materialize_many`): compiled, `fill` has just computed them from the rows' phases, and Inductor
-        would otherwise inline that whole computation into the B x T x (S + T) mask evaluation, once per element
-        (measured on the demo's B=8 step: 4.1 ms for that loop nest, a step's worth of work)."""
-        rows = {id(t): t for t in (self.cache.lengths, self.plan.real, *self.plan.mask_rows,
-                                   getattr(self, "n_new", None), self.plan.groups) if isinstance(t, torch.Tensor)}
-        for t, fresh in zip(rows.values(), materialize_many(list(rows.values())), strict=True):
-            t.copy_(fresh)
-        for mask in self.plan.masks.values():
-            B, _, Q, K = mask.kv_indices.shape
+        Compiled, the per-row tensors the mask_mods read are first rewritten from one opaque copy of themselves
+        (`ops.moe.materialize_many`): `fill` has just computed them from the rows' phases, and Inductor would
+        otherwise inline that whole computation into the B x T x (S + T) mask evaluation, once per element
+        (measured on the demo's B=8 step: 4.1 ms for that loop nest, a step's worth of work). Eagerly the evaluated
+        masks are kept, with the values they were evaluated from, as the next eager step's dense masks
+        (`eager_plan`)."""
+        rows = self._mask_inputs()
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            for t, fresh in zip(rows, materialize_many(rows), strict=True):
+                t.copy_(fresh)
+        dense = {}
+        for lt, mask in self.plan.masks.items():
+            B = mask.kv_indices.shape[0]
             q_len, kv_len = mask.seq_lengths
+            if compiling:
+                sparsity = block_sparsity(mask.mask_mod, B, q_len, kv_len, mask.BLOCK_SIZE, mask.kv_indices.device)
+            else:
+                dense[lt] = dense_mask(mask)
+                sparsity = sparsity_of(dense[lt], mask.BLOCK_SIZE)
             for buf, t in zip((mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices),
-                              block_sparsity(mask.mask_mod, B, q_len, kv_len, mask.BLOCK_SIZE, mask.kv_indices.device),
-                              strict=True):
+                              sparsity, strict=True):
                 buf.copy_(t)
+        if not compiling and self.cache.lengths.device.type == "cpu":
+            self._dense = (dense, self._mask_key(rows))
+
+    @staticmethod
+    def _mask_key(rows: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in rows])  # (bool rows promote to int64)
+
+    def eager_plan(self) -> ForwardPlan:
+        """The plan for a step run uncompiled (`steps.mixed_step`): `plan` with each FlexAttention block mask replaced
+        by the dense bool mask it stands for (`masks.dense_mask`), so that attention runs FlexAttention's eager math
+        on it (`model.eager_attention`: the same bits) without FlexAttention's vmap over the mask_mod (~9 ms a call
+        at the demo's sizes on this CPU).
+        The block masks stay as they are: a compiled step reads them next (a held step switched to its compiled
+        twin). On CPU the masks the latest eager `fill` evaluated are reused when the values they were evaluated
+        from are unchanged (one comparison, instead of evaluating every mask_mod again); else, and on other devices
+        (no host synchronisation there), evaluated now. A plan without block masks is returned as it is."""
+        if not any(isinstance(m, BlockMask) for m in self.plan.masks.values()):
+            return self.plan
+        if self._dense is not None and torch.equal(self._dense[1], self._mask_key(self._mask_inputs())):
+            masks = self._dense[0]
+        else:
+            masks = {lt: dense_mask(m) if isinstance(m, BlockMask) else m for lt, m in self.plan.masks.items()}
+        return dataclasses.replace(self.plan, masks=masks)
 
 
 def _with_full_blocks(mask: BlockMask) -> BlockMask:

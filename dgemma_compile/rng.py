@@ -31,6 +31,8 @@ Stream layout (THE table; one Philox4x32-10 call per counter, output words w0..w
 | LANE_VOCAB_BASE + (v >> 2)    | N .. 1 | reserved for a chunked sampler: the uniform of | to_uniform(w[v & 3])            |
 |   (LANE_VOCAB_BASE = 16)      |        | vocabulary id v at this position (4 ids/call)  |                                 |
 
+`step_streams` draws the start canvas and a step's two lanes in one Philox call (what `steps.mixed_step` draws;
+uncompiled on CPU from NumPy's exact uint64 products, the same words).
 Words w1..w3 of lanes 0..15 are unused. The vocabulary lanes give every (position, vocabulary id) its own word
 whatever chunk size a kernel tiles the vocabulary with: a chunk [v0, v0 + K) with 4 | v0 and 4 | K reads
 lanes LANE_VOCAB_BASE + v0/4 .. LANE_VOCAB_BASE + (v0 + K)/4 - 1. No function here draws them yet.
@@ -62,14 +64,6 @@ MAX_VOCAB = 2**31  # (2**32 - 1) * 2**31 < 2**63: the multiply-shift never overf
 _MASK32 = 0xFFFFFFFF
 
 
-def _mulhilo(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit words of x * m for x in [0, 2**32) and a 32-bit constant m, without overflow."""
-    lo_part = (x & 0xFFFF) * m  # < 2**48
-    hi_part = (x >> 16) * m  # < 2**48; x * m = hi_part * 2**16 + lo_part
-    t = ((hi_part & 0xFFFF) << 16) + lo_part  # < 2**49; x * m = (hi_part >> 16) * 2**32 + t
-    return (hi_part >> 16) + (t >> 32), t & _MASK32
-
-
 def _check_int64(x: object, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dtype != torch.int64:
         raise ValueError(f"{name}: expected an int64 tensor, got {type(x).__name__}"
@@ -91,16 +85,30 @@ def philox4x32(counter: torch.Tensor, key: torch.Tensor, rounds: int = PHILOX_RO
         raise ValueError(f"counter/key: expected last dims 4 and 2, got {tuple(counter.shape)}, {tuple(key.shape)}")
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds: expected an int >= 1, got {rounds!r}")
-    c0, c1, c2, c3 = (counter[..., i] & _MASK32 for i in range(4))
-    k0, k1 = key[..., 0] & _MASK32, key[..., 1] & _MASK32
+    even, odd = _rounds(counter, key, rounds)
+    return torch.stack(torch.broadcast_tensors(even[..., 0], odd[..., 0], even[..., 1], odd[..., 1]), dim=-1)
+
+
+def _rounds(counter: torch.Tensor, key: torch.Tensor, rounds: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`philox4x32`'s rounds on checked inputs: its output words as (w0, w2) and (w1, w3), [..., 2] each."""
+    dev = counter.device
+    c = counter & _MASK32
+    # the two words each round multiplies, as (c2, c0), and the other two, as (c1, c3): one tensor op then serves
+    # both halves of the round (a few dozen tensor ops per call instead of a few hundred: what an eager step pays)
+    mul = c.flip(-1)[..., 1::2]
+    odd = c[..., 1::2]
+    m = torch.tensor((PHILOX_M[1], PHILOX_M[0]), dtype=torch.int64, device=dev)
+    m_hi, m_lo = m >> 16, m & 0xFFFF  # each product as two 32x16-bit products (< 2**48): no int64 overflows
+    bumps = torch.arange(rounds, dtype=torch.int64, device=dev)[:, None] * torch.tensor(PHILOX_W, device=dev)
+    keys = (((key & _MASK32).unsqueeze(-2) + bumps) & _MASK32).unbind(-2)  # per round, (k0, k1) [..., 2]
     for r in range(rounds):
         if r:
-            k0 = (k0 + PHILOX_W[0]) & _MASK32
-            k1 = (k1 + PHILOX_W[1]) & _MASK32
-        hi0, lo0 = _mulhilo(c0, PHILOX_M[0])
-        hi1, lo1 = _mulhilo(c2, PHILOX_M[1])
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return torch.stack(torch.broadcast_tensors(c0, c1, c2, c3), dim=-1)
+            mul = even.flip(-1)
+        hi_part, lo_part = mul * m_hi, mul * m_lo  # mul * m = hi_part * 2**16 + lo_part
+        t = ((hi_part & 0xFFFF) << 16) + lo_part  # < 2**49; mul * m = (hi_part >> 16) * 2**32 + t
+        even = ((hi_part >> 16) + (t >> 32)) ^ odd ^ keys[r]  # (hi(c2) ^ c1 ^ k0, hi(c0) ^ c3 ^ k1): c0', c2'
+        odd = t & _MASK32  # (lo(c2), lo(c0)): c1', c3'
+    return even, odd
 
 
 def to_uniform(words: torch.Tensor) -> torch.Tensor:
@@ -123,9 +131,13 @@ def to_token(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     two (V = 262144 = 2**18 included). Supported V: 1 .. MAX_VOCAB = 2**31, where w * V < 2**63 fits int64.
     Raises ValueError for V outside that range or not an int.
     """
+    _check_vocab(vocab_size)
+    return ((words & _MASK32) * vocab_size) >> 32
+
+
+def _check_vocab(vocab_size: object) -> None:
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 1 <= vocab_size <= MAX_VOCAB:
         raise ValueError(f"vocab_size: expected an int in [1, {MAX_VOCAB}], got {vocab_size!r}")
-    return ((words & _MASK32) * vocab_size) >> 32
 
 
 def seed_tensor(seeds: Iterable[int], device: torch.device | str | None = None) -> torch.Tensor:
@@ -171,13 +183,21 @@ def stream_words(seeds_B: torch.Tensor, block: torch.Tensor, step: torch.Tensor,
         raise ValueError(f"canvas_length: expected an int >= 1, got {canvas_length!r}")
     if not lanes or any(not isinstance(l, int) or not 0 <= l <= _MASK32 for l in lanes):
         raise ValueError(f"lanes: expected a non-empty sequence of ints in [0, 2**32), got {lanes!r}")
-    batch, device = seeds_B.shape[0], seeds_B.device
-    block_B11 = _check_index(block, batch, "block")
-    step_B11 = _check_index(step, batch, "step")
-    pos_1C1 = torch.arange(canvas_length, dtype=torch.int64, device=device).reshape(1, -1, 1)
-    lane_11L = torch.tensor(list(lanes), dtype=torch.int64, device=device).reshape(1, 1, -1)
-    counter = torch.stack(torch.broadcast_tensors(block_B11, step_B11, pos_1C1, lane_11L), dim=-1)
-    key_B112 = torch.stack((seeds_B & _MASK32, (seeds_B >> 32) & _MASK32), dim=-1).reshape(batch, 1, 1, 2)
+    batch = seeds_B.shape[0]
+    lane_11L = torch.tensor(list(lanes), dtype=torch.int64, device=seeds_B.device).reshape(1, 1, -1)
+    return _words(seeds_B, _check_index(block, batch, "block"), _check_index(step, batch, "step"), canvas_length,
+                  lane_11L)
+
+
+def _words(seeds_B: torch.Tensor, block_B11: torch.Tensor, step_B1L: torch.Tensor, canvas_length: int,
+           lane_11L: torch.Tensor, first_only: bool = False) -> torch.Tensor:
+    """`stream_words` from checked inputs, the step given per lane ([B or 1, 1, L or 1]): int64 [B, C, L, 4], or
+    with `first_only` word w0 alone, [B, C, L]."""
+    pos_1C1 = torch.arange(canvas_length, dtype=torch.int64, device=seeds_B.device).reshape(1, -1, 1)
+    counter = torch.stack(torch.broadcast_tensors(block_B11, step_B1L, pos_1C1, lane_11L), dim=-1)
+    key_B112 = torch.stack((seeds_B & _MASK32, (seeds_B >> 32) & _MASK32), dim=-1).reshape(-1, 1, 1, 2)
+    if first_only:
+        return _rounds(counter, key_B112, PHILOX_ROUNDS)[0][..., 0]
     return philox4x32(counter, key_B112)
 
 
@@ -203,3 +223,66 @@ def step_noise(seeds_B: torch.Tensor, block: torch.Tensor, step: torch.Tensor, c
     """
     words_BC2 = stream_words(seeds_B, block, step, canvas_length, (LANE_SAMPLE, LANE_RENOISE))[..., 0]
     return to_uniform(words_BC2[..., 0]), to_token(words_BC2[..., 1], vocab_size)
+
+
+def step_streams(seeds_B: torch.Tensor, block: torch.Tensor, step: torch.Tensor, canvas_length: int,
+                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`start_canvas(seeds_B, block, C, V)` and `step_noise(seeds_B, block, step, C, V)` from one Philox call over
+    their three lanes, each lane at its own counter of the layout table (the start canvas at step 0), so the same
+    words: (start int64 [B, C], uniform float32 [B, C], renoise int64 [B, C]). What a mixed step draws (a row may
+    begin a block and another step a canvas in one iteration); one call instead of two halves the tensor ops an
+    eager step pays for its noise; uncompiled on CPU, computed in NumPy's uint64 (`_step_streams_numpy`, the same
+    bits). Raises ValueError as `start_canvas`.
+    """
+    seeds_B = _check_int64(seeds_B, "seeds")
+    if seeds_B.dim() != 1:
+        raise ValueError(f"seeds: expected shape [B], got {list(seeds_B.shape)}")
+    if not isinstance(canvas_length, int) or canvas_length < 1:
+        raise ValueError(f"canvas_length: expected an int >= 1, got {canvas_length!r}")
+    batch = seeds_B.shape[0]
+    block_B11, step_B11 = _check_index(block, batch, "block"), _check_index(step, batch, "step")
+    _check_vocab(vocab_size)
+    if seeds_B.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _step_streams_numpy(seeds_B, block_B11, step_B11, canvas_length, vocab_size)
+    lane_11L = torch.tensor((LANE_START_CANVAS, LANE_SAMPLE, LANE_RENOISE), dtype=torch.int64,
+                            device=seeds_B.device).reshape(1, 1, 3)
+    step_B1L = torch.where(lane_11L == LANE_START_CANVAS, 0, step_B11)
+    words_BC3 = _words(seeds_B, block_B11, step_B1L, canvas_length, lane_11L, True)
+    return (to_token(words_BC3[..., 0], vocab_size), to_uniform(words_BC3[..., 1]),
+            to_token(words_BC3[..., 2], vocab_size))
+
+
+def _step_streams_numpy(seeds_B: torch.Tensor, block_B11: torch.Tensor, step_B11: torch.Tensor, canvas_length: int,
+                        vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`step_streams` on CPU, uncompiled: the same words from NumPy's uint64 arithmetic, where a 32 x 32-bit product
+    is exact and unsigned wrap-around is defined, so each round is five array operations (the int64 tensor version
+    needs a dozen tensor ops a round: ~0.4 ms of an eager step at the demo's sizes, ~0.1 ms here). Checked bit for
+    bit against the tensor version (tests/test_eager_step.py)."""
+    import numpy as np
+
+    u64, mask = np.uint64, np.uint64(_MASK32)
+    B, C = seeds_B.shape[0], canvas_length
+    seeds = seeds_B.numpy().view(u64)
+    lanes = np.array((LANE_START_CANVAS, LANE_SAMPLE, LANE_RENOISE), dtype=u64)
+    block = np.broadcast_to(block_B11.numpy().astype(u64) & mask, (B, C, 3))
+    step = np.broadcast_to(np.where(lanes == LANE_START_CANVAS, u64(0), step_B11.numpy().astype(u64) & mask),
+                           (B, C, 3))
+    pos = np.broadcast_to(np.arange(C, dtype=u64)[None, :, None], (B, C, 3))
+    lane = np.broadcast_to(lanes, (B, C, 3))
+    # as `_rounds`: the words each round multiplies, (c2, c0), and the others, (c1, c3), each pair one array
+    mul, odd = np.stack((pos, block)), np.stack((step, lane))
+    m = np.array((PHILOX_M[1], PHILOX_M[0]), dtype=u64).reshape(2, 1, 1, 1)
+    key = np.stack((seeds & mask, seeds >> u64(32))).reshape(2, B, 1, 1)
+    bump = np.array(PHILOX_W, dtype=u64).reshape(2, 1, 1, 1)
+    for r in range(PHILOX_ROUNDS):
+        if r:
+            key = (key + bump) & mask
+            mul = even[::-1]
+        product = mul * m  # < 2**64: exact in uint64
+        even = (product >> u64(32)) ^ odd ^ key  # c0', c2'
+        odd = product & mask  # c1', c3'
+    w0 = even[0]  # [B, C, 3]: word w0 of each lane
+    tokens = (w0 * u64(vocab_size)) >> u64(32)  # w0 * V < 2**63
+    uniform = ((w0[..., 1] >> u64(8)).astype(np.float32) * np.float32(2.0**-24))
+    return (torch.from_numpy(tokens[..., 0].astype(np.int64)), torch.from_numpy(uniform),
+            torch.from_numpy(tokens[..., 2].astype(np.int64)))

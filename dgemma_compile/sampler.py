@@ -224,10 +224,13 @@ def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B
     """Constrained decoding's device half (docs/constrained.md), a part of `sample_step`: the logits with, for rows
     where `constrained_B` (bool [B]), every id the grammar's next-token bitmask `allowed_BW` (int32 [B, W],
     W = ceil(V / 32), bit v % 32 of word v // 32 allows id v: xgrammar's layout) does not allow set to `MASKED_LOGIT`
-    at canvas position 0 (the next token after the committed ones). A new tensor; other rows and positions keep
-    their values bit for bit (`torch.where` picks the input). Tensor ops only: a grammar is data, never a
+    at canvas position 0 (the next token after the committed ones). A new tensor (uncompiled on CPU with no
+    constrained row, `logits_BCV` itself); other rows and positions keep their values bit for bit (`torch.where`
+    picks the input). Tensor ops only: a grammar is data, never a
     recompile. `first_id`: the vocabulary id of the logits' first column (a tensor-parallel rank's slice,
     `parallel.sampler`; ids past the bitmask, the slice's padding, read its last word)."""
+    if logits_BCV.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(constrained_B.any()):
+        return logits_BCV  # uncompiled on CPU, no constrained row: the values `where` would keep, without its ops
     C, V = logits_BCV.shape[1], logits_BCV.shape[-1]
     v_V = torch.arange(V, device=logits_BCV.device)
     if first_id:

@@ -293,7 +293,11 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     row whose prompt is encoded and (unfused) a commit row begin their next block (start canvas from the request's
     own stream, `rng.start_canvas`); a stepping row whose block finished (stopped early or ran its budget) raises
     `rows.event` and becomes COMMIT, or FREE when the request ended on the device (`finish.request_done`, with
-    `rows.done`). Last, the plan of the next iteration. `inputs.block` advances on commit."""
+    `rows.done`). Last, the plan of the next iteration. `inputs.block` advances on commit.
+
+    Run uncompiled (an eager bucket, or a compiled one's step held while it compiles), attention reads the plan's
+    dense masks (`PlanBuffers.eager_plan`) instead of FlexAttention's slow eager path; the start canvas and the noise
+    come from one `rng.step_streams` call either way (the same bits as `rng.start_canvas` and `rng.step_noise`)."""
     C, V, T = state.canvas.shape[1], model.config.vocab_size, plan.T
     fused = T != C
     ph = rows.phase
@@ -302,14 +306,15 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     i_C = torch.arange(C, device=ph.device)
     # a commit begins the row's next block: with fusion in this very forward (its first step), else after it
     block = inputs.block + commit.long()
-    start = rng.start_canvas(inputs.seeds, block, C, V)
+    steps_in = torch.where(commit, 0, state.steps) if fused else state.steps
+    # the start canvas of a block that begins and the noise of a stepping row's step n = budget - k, in one draw
+    start, uniform, renoise = rng.step_streams(inputs.seeds, block, inputs.budget - steps_in, C, V)
     if fused:
         first = commit[:, None]
         canvas, argmax = torch.where(first, start, state.canvas), torch.where(first, start, state.argmax)
         history = torch.where(commit[None, :, None], -1, state.history)
-        steps_in = torch.where(commit, 0, state.steps)
     else:
-        canvas, argmax, history, steps_in = state.canvas, state.argmax, state.history, state.steps
+        canvas, argmax, history = state.canvas, state.argmax, state.history
     # the forward's ids
     at = (rows.prefilled[:, None] + i_C[None, :]).clamp(max=rows.prompt.shape[1] - 1)
     chunk = torch.where(i_C[None, :] < plan.n_new[:, None], rows.prompt.gather(1, at), 0)
@@ -319,9 +324,10 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
         ids = torch.cat([ids, torch.where(commit[:, None], canvas, 0)], dim=1)
     # stepping rows: as `denoise_step`, every other row frozen
     k_B1 = steps_in.clamp(max=inputs.temperature.shape[1] - 1)[:, None]
-    uniform, renoise = rng.step_noise(inputs.seeds, block, inputs.budget - steps_in, C, V)
     steps = steps_in + stepping.long()
-    hidden = model.forward_plan(ids, cache, plan.plan, moe_impl=moe_impl, self_conditioning_embeds=state.sc_embeds)
+    # run uncompiled (a driver's eager step), attention reads dense masks instead of FlexAttention's eager path
+    fplan = plan.plan if torch.compiler.is_compiling() else plan.eager_plan()
+    hidden = model.forward_plan(ids, cache, fplan, moe_impl=moe_impl, self_conditioning_embeds=state.sc_embeds)
     if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
         hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
     logits = model.logits(hidden, local=True)  # under tensor parallel the rank's vocabulary slice, never gathered

@@ -16,7 +16,14 @@ The op is the one MoE call in every captured graph (the model calls it in eager 
   Inductor fuses gather, both projections, GELU and the combine into one C++ loop nest that never materialises the
   gathered [M, 2I, D] weights (eagerly it does: tests and explicit choices only).
 
-Eagerly (CPU and CUDA) the op runs the named implementation. Compiled through `moe_decompositions(gm)` (the
+Eagerly (CPU and CUDA) the op runs the named implementation, except "gathered" on CPU with unquantized float32 or
+bfloat16 experts, which runs "grouped" (`eager_impl`): eagerly, gathering each assignment's expert rows materialises
+[M, 2I, D] weights (~2 ms a call at the demo's 16 tokens on this CPU, ~40 ms at 128), where one grouped GEMM per
+projection reads each expert once (~0.3 ms, ~0.7 ms). The sum is the same, over the same assignments; only the
+rounding of a float32 sum differs (it already differs between eager and compiled "gathered"), and "grouped" is
+batch-invariant on CPU as "gathered" is (`compile.options.BATCH_INVARIANT_MOE`): the eager step that answers while
+the compiled one compiles gave the compiled step's tokens on all 500 demo test prompts
+(bench/results/eager_step_cpu_2026-12-03.md). Compiled through `moe_decompositions(gm)` (the
 table the compile backend passes to Inductor), "grouped", "dense" and "gathered" are traced into the graph in place of the op,
 so Inductor sees plain aten ops and no opaque call remains; "loop" stays an opaque call (it cannot be traced).
 `resolve_moe_impl` is the rule that picks one.
@@ -304,8 +311,27 @@ def moe_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, ga
 
     Raises: ValueError for an unknown impl (naming moe_impl) or a format the implementation does not take.
     """
+    return run_eager(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant)
+
+
+def run_eager(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl: str, quant: str
+              ) -> torch.Tensor:
+    """What the op computes eagerly (`eager_impl(impl, ...)`), called as a plain function: the model's experts call
+    it directly when they run uncompiled on CPU (`model.Experts`), skipping the custom op's Python dispatch (about a
+    tenth of the demo's eager MoE call). Same arguments and errors as the op."""
     _check(impl, quant)
-    return _run(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant)
+    return _run(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, eager_impl(impl, quant, x_ND),
+                quant)
+
+
+def eager_impl(impl: str, quant: str, x_ND: torch.Tensor) -> str:
+    """The implementation the op runs eagerly for `impl` (see the module docstring): `impl` itself, or "grouped" for
+    "gathered" on CPU with unquantized float32 / bfloat16 experts (where `torch._grouped_mm` runs eagerly). Traced
+    (`moe_decompositions`), `impl` itself always."""
+    if (impl == "gathered" and quant == "none" and x_ND.device.type == "cpu"
+            and x_ND.dtype in (torch.float32, torch.bfloat16)):
+        return "grouped"
+    return impl
 
 
 @moe_experts.register_fake
