@@ -159,17 +159,20 @@ class CompiledGenerator:
     def cached(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> bool:
         """Whether the compile cache holds the step that serves `batch_size` requests (then `warmup` loads it in about
         a second instead of compiling). Makes the bucket and its view, compiles nothing."""
-        bucket = self.bucket(config, **paging)
-        unit = bucket.view(bucket.size_for(self.bucket_for(batch_size))).step
+        unit = self._unit_for(batch_size, config, **paging)
         return isinstance(unit, CompiledUnit) and (unit.strategy is not None or (
             unit.artifact is not None and unit.artifact.store.has(unit.artifact.key)))
 
     def cacheable(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> bool:
         """Whether the compile cache can hold the step that serves `batch_size` requests (it is on, and the model's
         weights are plain tensors: `UnitFactory.slot`)."""
-        bucket = self.bucket(config, **paging)
-        unit = bucket.view(bucket.size_for(self.bucket_for(batch_size))).step
+        unit = self._unit_for(batch_size, config, **paging)
         return isinstance(unit, CompiledUnit) and unit.cacheable
+
+    def _unit_for(self, batch_size: int, config: GenerationConfig | None, **paging):
+        """The step (a `CompiledUnit`, or the eager step) that serves `batch_size` requests; makes its bucket and view."""
+        bucket = self.bucket(config, **paging)
+        return bucket.view(bucket.size_for(self.bucket_for(batch_size))).step
 
     def load_cached(self, bucket: Bucket) -> list[int]:
         """Load (never compile) every size of `bucket` whose step the compile cache holds, now; returns the sizes
