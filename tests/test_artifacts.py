@@ -134,6 +134,32 @@ def test_a_damaged_cpp_entry_is_removed_and_never_served(tmp_path):
     assert store.corrupt == 1 and not blob.exists() and not (tmp_path / "again.so").exists()
 
 
+def test_isa_probes_are_recorded_by_compiler_cpu_torch_and_flags(tmp_path, monkeypatch):
+    """Inside `building_from`, Inductor's ISA probe (`VecISA.check_build`) runs once per (ISA flags, code) and store;
+    a later process (a new `CppStore` on the same root) gets the recorded answer without probing; other flags or
+    code probe again. Outside the block the original probe is back."""
+    from torch._inductor import cpu_vec_isa
+
+    calls = []
+
+    def fake_probe(isa, code):
+        calls.append((type(isa).__name__, code))
+        return type(isa).__name__ == "VecAVX2"  # one ISA builds, the other is refused
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", fake_probe)
+    avx2, avx512 = cpu_vec_isa.VecAVX2(), cpu_vec_isa.VecAVX512()
+    first = S.CppStore(tmp_path / "store")
+    with S.building_from(first):
+        assert [avx2.check_build("c"), avx512.check_build("c")] == [True, False]
+    assert len(calls) == 2 and first.probes_recorded == 0
+    later = S.CppStore(tmp_path / "store")
+    with S.building_from(later):
+        assert [avx2.check_build("c"), avx512.check_build("c")] == [True, False]
+        assert avx2.check_build("other code") is True
+    assert later.probes_recorded == 2 and calls[2:] == [("VecAVX2", "other code")]
+    assert cpu_vec_isa.VecISA.check_build is fake_probe
+
+
 class _FakeArtifact:
     def __init__(self, payload: bytes):
         self.payload = payload
@@ -249,7 +275,8 @@ _RUN = textwrap.dedent("""
     store = gen.units.store
     print(json.dumps({"sequences": out.sequences, "compiles": sum(gen.compiles.values()),
                       "loads": sum(gen.loads.values()), "source": gen.step_source,
-                      "cpp_builds": store.cpp.builds, "cpp_hits": store.cpp.hits}))
+                      "cpp_builds": store.cpp.builds, "cpp_hits": store.cpp.hits,
+                      "probes_recorded": store.cpp.probes_recorded}))
 """)
 
 
@@ -280,4 +307,5 @@ def test_a_second_venv_at_another_path_loads_the_step_and_compiles_nothing(tmp_p
     assert first["compiles"] == 1 and first["source"] == "compiled"
     assert (second["compiles"], second["loads"], second["source"]) == (0, 1, "loaded"), second["log"]
     assert second["cpp_builds"] == 0 and second["cpp_hits"] >= 1
+    assert first["probes_recorded"] == 0 and second["probes_recorded"] >= 1  # the ISA probes answered by the store
     assert second["sequences"] == first["sequences"]

@@ -21,6 +21,9 @@ source, flag, compiler, CPU or torch is a miss; the venv's path is not.
 Entries are written to a temporary name and renamed into place (two processes filling one entry leave one whole
 entry), with the output's sha256 beside it; an entry whose bytes do not match is logged, removed and rebuilt, never
 loaded. `CppStore.builds` / `hits` count what happened (tests and the CLI's stats read them).
+
+The same context records Inductor's SIMD ISA probes (`VecISA.check_build`: a g++ build and a `dlopen` in a child
+process per candidate ISA, the largest part of a warm step load) by compiler, CPU, torch and flags (`CppStore.probe`).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class CppStore:
     builds: int = 0
     hits: int = 0
     corrupt: int = 0
+    probes_recorded: int = 0  # ISA probes answered from the store (`probe`)
     misses: list = field(default_factory=list)  # the first few missed builds' targets, for logs
 
     def key(self, builder) -> str:
@@ -142,6 +146,32 @@ class CppStore:
         blob, digest = self._entry(key)
         _write_atomic(blob, data)
         _write_atomic(digest, hashlib.sha256(data).hexdigest().encode())
+
+    def probe(self, isa, code: str, original) -> bool:
+        """`VecISA.check_build` through the store: Inductor probes each candidate SIMD ISA once per process by
+        building `code` with the ISA's flags and `dlopen`ing the result in a child process (six probes, ~0.3-1.5 s
+        each on 2 cores: most of a warm step load). The answer depends on the compiler, the CPU, torch (which
+        writes `code`) and the flags, which are the key; a recorded answer is returned without building or
+        probing."""
+        import torch
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        h = hashlib.sha256()
+        for part in (FORMAT, "isa-probe", compiler_identity(get_cpp_compiler()), cpu_identity(), torch.__version__,
+                     torch.version.git_version or "", type(isa).__name__, isa.build_arch_flags(), code):
+            h.update(part.encode() + b"\0")
+        record = self.root / "isa" / h.hexdigest()
+        try:
+            answer = record.read_text()
+        except OSError:
+            answer = ""
+        if answer in ("ok", "refused"):
+            self.probes_recorded += 1
+            return answer == "ok"
+        ok = bool(original(isa, code))
+        with contextlib.suppress(OSError):  # an unwritable store: the probe's answer still stands
+            _write_atomic(record, b"ok" if ok else b"refused")
+        return ok
 
     def build(self, builder, original) -> None:
         """`CppBuilder.build` through the store."""
@@ -199,12 +229,17 @@ def building_from(store: CppStore | None, device=None):
 
     outermost = not _active
     if outermost:
-        original = CppBuilder.build
+        from torch._inductor.cpu_vec_isa import VecISA
+
+        original, original_probe = CppBuilder.build, VecISA.check_build
 
         def build(self) -> None:
             _active[-1].build(self, original)
 
-        CppBuilder.build = build
+        def check_build(self, code: str) -> bool:
+            return _active[-1].probe(self, code, original_probe)
+
+        CppBuilder.build, VecISA.check_build = build, check_build
     _active.append(store)
     cpu = device is None or getattr(device, "type", device) == "cpu"
     try:
@@ -214,7 +249,7 @@ def building_from(store: CppStore | None, device=None):
     finally:
         _active.pop()
         if outermost:
-            CppBuilder.build = original
+            CppBuilder.build, VecISA.check_build = original, original_probe
 
 
 def clear(root: Path) -> None:
