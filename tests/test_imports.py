@@ -132,3 +132,22 @@ def test_cli_choices_match_their_sources():
     assert cli.QUANT_SCHEMES == SCHEMES
     assert cli.DEFAULT_GROUP_TIMEOUT_S == DEFAULT_GROUP_TIMEOUT_S
     assert {getattr(torch, name) for name in cli.DTYPES} == set(FLOAT_DTYPES.values())
+
+
+@pytest.mark.slow  # a CLI answer in a fresh interpreter: ~10 s
+def test_an_eager_answer_imports_no_inductor_compiler():
+    """`dgemma generate PROMPT` answered by the eager step (no compile) never imports Inductor's compiler
+    (`torch._inductor.compile_fx` and its lowerings: seconds): a unit's backend imports it when a graph compiles.
+    (FlexAttention's `create_block_mask` itself imports part of Dynamo; that stays.)"""
+    r = _run("""
+import contextlib, io, json, sys
+from dgemma_compile.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = main(["generate", "--compile", "auto", "sort 3 1 2 9 5="])
+print(json.dumps({"code": code, "answer": out.getvalue().strip(),
+                  "compiler": sorted(m for m in sys.modules if m.startswith("torch._inductor.compile_fx")
+                                     or m.startswith("torch._inductor.lowering"))}))
+""")
+    assert (r["code"], r["answer"]) == (0, "1 2 3 5 9")
+    assert r["compiler"] == []

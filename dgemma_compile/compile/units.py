@@ -487,14 +487,16 @@ class UnitFactory:
         compiles of unit `name` and their seconds and the passes' matches (`pass_matches`); each compiled graph is
         appended to `sink` if given. With a compile-cache `slot`, the graph is compiled by `standalone_compile(...,
         aot=True)` (the same Inductor compile, made saveable), its C++ built through the cache's C++ store, and saved
-        as the unit's artifact."""
-        from torch._inductor.compile_fx import compile_fx
-
-        from .. import passes
-        from ..ops.moe import moe_cache_key, moe_decompositions
-        from ..passes import records
+        as the unit's artifact. Inductor and the passes are imported when a graph compiles (an eager or loaded step
+        never imports them)."""
 
         def backend(gm: torch.fx.GraphModule, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            from .. import passes
+            from ..ops.moe import moe_cache_key, moe_decompositions
+            from ..passes import records
+
             start = time.perf_counter()
             self.compiles[name] += 1
             pass_config = passes.inductor_config(self.options.disabled_passes, self.options.pass_settings())
