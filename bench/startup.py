@@ -33,6 +33,9 @@ Scenarios (`--scenarios`):
   `--skip-new-venv` makes none), with each command's `DGEMMA_CACHE_DIR` of the two scenarios above but a fresh
   `TORCHINDUCTOR_CACHE_DIR`: our cache must survive a new venv and an empty Inductor cache. One run each.
 
+Between scenarios the script waits for the background compiles the previous one started (a prompts file or a
+server that found no cached step compiles it in a process that outlives the command), and notes how long.
+
 Before each scenario one untimed `python -c "import torch, transformers, dgemma_compile"` of its venv, so that the OS
 file cache holds the libraries for every command alike (it is never dropped: "empty" is about our caches and
 Inductor's). The ratio column is first answer / transformers' first answer of the same round (the median over
@@ -602,6 +605,31 @@ def _show(step: Step, root: Path) -> str:
     return text.replace(str(root), "$ROOT")
 
 
+def background_compiles(root: Path) -> list[int]:
+    """Pids of `dgemma_compile.compile.background` processes whose `DGEMMA_CACHE_DIR` lies under `root` (the ones
+    this run started: a prompts file or a server compiles in a background process that outlives its command)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"dgemma_compile.compile.background" not in (proc / "cmdline").read_bytes():
+                continue
+            env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"DGEMMA_CACHE_DIR", b"").decode(errors="replace").startswith(str(root)):
+            pids.append(int(proc.name))
+    return pids
+
+
+def wait_for_background(root: Path, timeout_s: float) -> tuple[float, int]:
+    """Wait until the background compiles under `root` end (so that the next scenario finds the cache they fill, and
+    they do not share its cores); returns (seconds waited, how many still run at `timeout_s`)."""
+    start = time.perf_counter()
+    while (left := background_compiles(root)) and time.perf_counter() - start < timeout_s:
+        time.sleep(1.0)
+    return time.perf_counter() - start, len(left)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
@@ -666,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"new venv versions: {venv_versions(other)}")
         primed = None
         for step in steps:
+            if step.scenario != primed and primed is not None:  # the previous scenario's background compiles
+                waited, left = wait_for_background(root, args.timeout_s)
+                notes.append(f"before {step.scenario}: waited {waited:.0f} s for the background compiles started "
+                             f"by {primed}" + (f" ({left} still running at the timeout)" if left else ""))
             if step.scenario != primed:  # once per scenario (the warm-up's runs count as one)
                 prime(other if step.scenario == "new-venv" else this, layout.work)
                 primed = step.scenario
