@@ -67,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, metavar="S",
                    help="stop string (repeatable): the output ends before its first occurrence, across blocks too")
     g.add_argument("--seed", type=int, default=0, help="seed of the request's random stream (of each line without one)")
-    g.add_argument("--dtype", choices=DTYPES, default=None, help="weight dtype (default: the checkpoint's)")
+    g.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="weight dtype (default: the checkpoint's; float32 where this CPU's bf16/fp16 GEMM is slow, "
+                        "docs/numerics.md)")
     g.add_argument("--quant", choices=QUANT_SCHEMES, default=None,
                    help="quantize the weights on load with torchao (the [quant] extra): fp8 (dynamic per-row "
                         "activations, per-row weights), fp8-weight-only, nvfp4-w4a16; nvfp4 (W4A4) needs sm100")
@@ -308,7 +310,8 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
         start = time.perf_counter()
         generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1], max_seq_len=max_seq_len,
                  images=images)
-        warmup = f" model_load_s={args.model_load_s:.2f} warmup_s={time.perf_counter() - start:.2f} step=oracle"
+        warmup = (f" model_load_s={args.model_load_s:.2f} warmup_s={time.perf_counter() - start:.2f} step=oracle"
+                  f" dtype={str(model.dtype).removeprefix('torch.')}")
         return (lambda *a, **kw: generate(model, *a, max_seq_len=max_seq_len, **kw)), lambda: warmup
     from . import CompileOptions, build
 
@@ -349,7 +352,7 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
             time.perf_counter() - bg.started  # still running: its seconds so far
         where = "" if bg is None else f" compile={bg.state} in background"
         return (f" model_load_s={args.model_load_s:.2f} compile_s={seconds:.1f} step_load_s={step_load_s:.2f} "
-                f"step={gen.step_source}{where}")
+                f"step={gen.step_source}{where} dtype={str(model.dtype).removeprefix('torch.')}")
 
     return gen.generate, stats
 
@@ -361,7 +364,10 @@ def _background(args: argparse.Namespace, gen, config, sizes: list[int], paging:
 
     from .compile.background import BackgroundCompile, CompileSpec, options_fields
 
-    spec = CompileSpec(model=str(args.model if args.model is not None else DEMO_MODEL), dtype=getattr(args, "dtype", None),
+    # the dtype the foreground's model has (the loader may have upcast it on this CPU: compute_dtype), so that the
+    # background process compiles the step the foreground looks up
+    dtype = getattr(args, "dtype", None) or str(gen.model.dtype).removeprefix("torch.")
+    spec = CompileSpec(model=str(args.model if args.model is not None else DEMO_MODEL), dtype=dtype,
                        quant=getattr(args, "quant", None), options=options_fields(gen.options),
                        config={"stop_early": config.stop_early, "stability_threshold": config.stability_threshold,
                                "eos_token_ids": config.eos_token_ids},

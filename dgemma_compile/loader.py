@@ -30,6 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from . import compute_dtype
 from .config import ConfigError, GenerationConfig, ModelConfig, read_json
 from .model import DiffusionGemma
 from .vision import VisionConfig
@@ -120,6 +121,15 @@ def _load_configs(path: str | Path) -> tuple[ModelConfig, GenerationConfig, Visi
     return cfg, gen, vision
 
 
+def _host_dtype(stored: torch.dtype, device: torch.device, directory: Path) -> torch.dtype:
+    """`stored`, or float32 where this CPU's GEMM in `stored` is slow (one log line says so and how to keep it)."""
+    target, decided_by = compute_dtype.for_host(stored, device)
+    if decided_by is not None:
+        log.info("%s: computing in float32, not the checkpoint's %s: %s (dtype=%s, or dgemma --dtype %s, keeps it)",
+                 directory, str(stored).removeprefix("torch."), decided_by, stored, str(stored).removeprefix("torch."))
+    return target
+
+
 def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
          window_kind: str = "anchored", attention: str = "flex", vision: bool | None = None,
          lazy: Callable[[str], bool] | None = None) -> DiffusionGemma:
@@ -127,7 +137,8 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
 
     Args:
         path: directory with config.json, safetensors weights and optionally generation_config.json.
-        dtype: parameter dtype; None keeps the checkpoint's (float32 when mixed).
+        dtype: parameter dtype; None keeps the checkpoint's (float32 when mixed), except on a CPU whose GEMM in the
+            checkpoint's half-precision dtype is slow, where it is float32 (`compute_dtype.for_host`, logged).
         device: where the weights go.
         window_kind, attention: see `DiffusionGemma` ("anchored"/"symmetric" windows; "flex"/"dense" attention).
         vision: the vision tower and embedder of a multimodal checkpoint (`model.vision`, `vision.VisionEncoder`):
@@ -217,7 +228,8 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
                  "vision=False" if vision is False else why_not or "no vision_config")
 
     ckpt_dtypes = {header[k][0] for k in sources.values() if not k.endswith("layer_scalar")}
-    target = dtype or (FLOAT_DTYPES[ckpt_dtypes.pop()] if len(ckpt_dtypes) == 1 else torch.float32)
+    target = dtype or _host_dtype(FLOAT_DTYPES[ckpt_dtypes.pop()] if len(ckpt_dtypes) == 1 else torch.float32,
+                                  device, directory)
     if fmt is not None:
         try:
             check_scheme(fmt.scheme, device, target)

@@ -27,8 +27,8 @@ STATS = (r"tokens=\d+ blocks=\d+ mean_steps_per_block=[\d.]+ tokens_per_forward=
          r"commit=(fused|separate) quant=[\w-]+")
 
 
-ORACLE = r"model_load_s=[\d.]+ warmup_s=[\d.]+ step=oracle"  # --eager: the reference generator after its untimed warm-up
-COMPILED = r"model_load_s=[\d.]+ compile_s=[\d.]+ step_load_s=[\d.]+ step=[a-z+]+( compile=\w+ in background)?"  # docs/cli.md
+ORACLE = r"model_load_s=[\d.]+ warmup_s=[\d.]+ step=oracle dtype=float32"  # --eager: the reference generator after its untimed warm-up
+COMPILED = r"model_load_s=[\d.]+ compile_s=[\d.]+ step_load_s=[\d.]+ step=[a-z+]+( compile=\w+ in background)? dtype=float32"  # docs/cli.md
 
 
 def run_cli(*args, timeout=300, stdin=None, env=None, text=True):
