@@ -4,7 +4,7 @@ far slower than in float32.
 Why: a CPU without native bfloat16/float16 matrix instructions (no AVX512_BF16 / AMX / AVX512_FP16, e.g. an AVX2-only
 host) runs a half-precision GEMM through a slow reference path. Measured with torch 2.13.0 on one thread, a
 [256, 1024] x [1024, 4096] bf16 GEMM ran at 0.2-0.3 GFLOP/s against 36-79 GFLOP/s in float32 (180-234x slower;
-bench/results/half_gemm_cpu_2026-12-05.md), so a bf16 checkpoint (the released one is bf16) waits minutes per block.
+bench/results/half_gemm_cpu_2026-12-06.md), so a bf16 checkpoint (the released one is bf16) waits minutes per block.
 On such a host the weights are upcast to float32 once, at load: twice the memory, and float32 numerics (different
 tokens from a bf16 run, as any dtype change gives).
 
