@@ -165,6 +165,16 @@ def released_width_model(num_experts: int = 8, top_k: int = 2, vocab_size: int =
     return build_direct(cfg, torch.device("cpu"), torch.bfloat16)
 
 
+def _bf16_gemm_is_row_invariant() -> bool:
+    """Whether this host's bfloat16 GEMM gives a row the same bits alone (256 rows) as inside 512 rows: oneDNN's AMX
+    kernels (found on a Sapphire Rapids host, 2026-12-06) block over M differently by size and are not; then no
+    bf16 model on the host can be, and the check below has nothing of ours to test."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(2112, 2816, generator=g) * 0.02).bfloat16()
+    x = torch.randn(512, 2816, generator=g).bfloat16()
+    return torch.equal(torch.nn.functional.linear(x[256:], w), torch.nn.functional.linear(x, w)[256:])
+
+
 @pytest.mark.slow
 def test_released_width_bf16_logits_are_bitwise_batch_invariant():
     """The released width in bfloat16, eager: each row's float32 logits of two denoise passes (the second
@@ -173,6 +183,8 @@ def test_released_width_bf16_logits_are_bitwise_batch_invariant():
     E/K = 16). Fixed shapes as in the engine: prompts padded to one 256-token chunk, a cache of 512 slots for every
     batch size. Rows: 2 prompts of 200 and 120 tokens; the solo run of the second (~40 s of CPU; a third row of 30
     tokens added ~15 s and no case: the batch's rows already differ in length and position)."""
+    if not _bf16_gemm_is_row_invariant():
+        pytest.skip("this host's bfloat16 GEMM is not row-invariant (oneDNN AMX kernels): docs/numerics.md")
     model = released_width_model()
     C, slots = model.config.canvas_length, 512
     g = torch.Generator().manual_seed(0)
