@@ -12,6 +12,23 @@ settings.load_profile("ci")
 torch.set_num_threads(1)
 
 
+TORCH_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """torch 2.11 (the GPU machine's version, proved here by bench/gpu_versions_check.sh): its CPU `_scaled_mm` takes
+    per-tensor scales only, so our per-row FP8 runs on CUDA there but not on a CPU. A test that reaches that limit
+    is skipped with the reason, on torch < 2.13 only; every other failure stays a failure."""
+    try:
+        return (yield)
+    except RuntimeError as e:
+        if not TORCH_2_13 and "only supports per-tensor scaling for CPU backend" in str(e):
+            pytest.skip(f"torch {torch.__version__}: CPU _scaled_mm is per-tensor only (per-row FP8 needs CUDA or "
+                        "torch >= 2.13)")
+        raise
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """One tiny random checkpoint with a tokenizer, shared by tests that only read it."""
