@@ -20,22 +20,23 @@ cd "$(dirname "$0")/.."
 CARRY=${GPU_CARRY:-.gpu_carry}
 INDEX=${GPU_PREPARE_INDEX:-https://pypi.org/simple}
 MAX_MIB=${GPU_PREPARE_MAX_MIB:-48}
-REQS=bench/gpu_requirements.txt
+REQS=${GPU_REQUIREMENTS:-bench/gpu_requirements.txt}
 PLATFORMS=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
            --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
 REFUSED='^(torch|triton|nvidia[-_].*|cuda[-_].*|torchvision|torchaudio|pytorch[-_]triton)$'
 
-git check-ignore -q "$CARRY/x" || { echo "gpu_prepare: $CARRY is not git-ignored (.gitignore)" >&2; exit 1; }
-rm -rf "$CARRY" && mkdir -p "$CARRY"
-
 pins=$(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$REQS" | grep .)
-for pin in $pins; do
+for pin in $pins; do  # checked before anything is fetched
     name=${pin%%==*}
     if [[ "$pin" != *==* ]]; then echo "gpu_prepare: $pin is not pinned (name==version)" >&2; exit 1; fi
     if [[ "$(echo "$name" | tr 'A-Z_.' 'a-z--')" =~ $REFUSED ]]; then
         echo "gpu_prepare: refusing $pin: it would replace the GPU image's own $name" >&2; exit 1
     fi
+done
+git check-ignore -q "$CARRY/x" || { echo "gpu_prepare: $CARRY is not git-ignored (.gitignore)" >&2; exit 1; }
+rm -rf "$CARRY" && mkdir -p "$CARRY"
+for pin in $pins; do
     timeout 300 python3 -m pip download -q --no-deps --only-binary=:all: "${PLATFORMS[@]}" \
         --index-url "$INDEX" -d "$CARRY" "$pin"
 done

@@ -19,7 +19,7 @@
 # limit): gpu_run.log (everything), summary.txt (one line a step), gpu_check.log, gpu_latency.log, h200.log and the
 # bench report (.md + .csv). A failing step is logged and the next one runs; the exit status is the first failure's.
 # Knobs (environment): GPU_RUN_BUDGET_S, GPU_CARRY (.gpu_carry), GPU_SITE (where the wheels go: /tmp/dgemma_site),
-# GPU_CHECK_DEVICE (cuda; cpu for the rehearsal), GPU_CHECK_REPEATS (20), PYTHON (python3), every BENCH_* knob of
+# GPU_CHECK_DEVICE (cuda; cpu for the rehearsal), GPU_CHECK_REPEATS (20), GPU_CHECK_TIMEOUT_S (step 2's cap, 200), PYTHON (python3), every BENCH_* knob of
 # bench/h200.sh (BENCH_SYSTEMS defaults here to ours-compiled-fp8,ours-compiled,ar-compiled).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +74,7 @@ echo "bench/gpu_run.sh: budget ${BUDGET}s, device $DEVICE, out $OUT ($(date -u +
 export -f setup
 export CARRY SITE
 step setup 60 - bash -c setup
-step gpu_check 200 gpu_check.log "$PY" bench/gpu_check.py --part correctness --device "$DEVICE" \
+step gpu_check "${GPU_CHECK_TIMEOUT_S:-200}" gpu_check.log "$PY" bench/gpu_check.py --part correctness --device "$DEVICE" \
     --repeats "${GPU_CHECK_REPEATS:-20}"
 
 systems=${BENCH_SYSTEMS:-ours-compiled-fp8,ours-compiled,ar-compiled}
