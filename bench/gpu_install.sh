@@ -16,9 +16,11 @@ PY=${PYTHON:-python3}
 rm -rf "$SITE"
 PIP_NO_INDEX=1 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
     --target "$SITE" "$CARRY"/*.whl
-if [ -f "$CARRY/SOURCE" ] && [ "$(sed -n 's/^commit //p' "$CARRY/SOURCE")" != "$(git rev-parse HEAD 2>/dev/null || true)" ]; then
+head=$(git rev-parse HEAD 2>/dev/null || true)
+if [ -f "$CARRY/SOURCE" ] && [ -n "$head" ] && [ "$(sed -n 's/^commit //p' "$CARRY/SOURCE")" != "$head" ]; then
     echo "gpu_install: note: the carried project wheel was built at another commit than this tree's HEAD"
 fi
+[ -f "$CARRY/SOURCE" ] && echo "gpu_install: carried project wheel: $(tr '\n' ' ' < "$CARRY/SOURCE")"
 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'PYEOF'
 import importlib.metadata as md, platform, sys
 import torch
