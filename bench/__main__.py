@@ -19,6 +19,7 @@ import dataclasses
 import os
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -62,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
                    help="per system: stop timed repeats once they took this long (at least one runs)")
     p.add_argument("--timeout-s", type=float, default=900, help="per system and workload: seconds spent on its "
                    "requests (prepare with compile, warm-up and timed repeats), waits for other systems excluded")
+    p.add_argument("--deadline-s", type=float, default=None, help="all systems together: no wait on a worker goes "
+                   "on past this many seconds from the start (that system fails as timed out, the later ones too, "
+                   "and the report is written): a time box for the whole run (bench/gpu_run.sh)")
     p.add_argument("--in-process", action="store_true", help="run every system in this process, still round-robin "
                    "(faster start, no timeouts; memory peaks then include the other systems' allocations)")
     p.add_argument("--sequential", action="store_true", help="no interleaving: each system's worker runs all its "
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns {"markdown", "sections", "paths", "order"} (for tests; order: per workload kind,
     (repeat index, system) of every timed repeat in the order they ran)."""
     args = parser().parse_args(argv)
+    deadline = time.perf_counter() + args.deadline_s if args.deadline_s is not None else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
     torch.set_num_threads(threads)
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                          dtype=dtype, threads=threads, max_seq_len=args.max_seq_len)
                     for system in chosen]
         measured = runner.measure(payloads, wspec.repeats, interleave=not args.sequential, isolated=not args.in_process,
-                                  timeout_s=args.timeout_s, budget_s=args.budget_s, log=log)
+                                  timeout_s=args.timeout_s, budget_s=args.budget_s, deadline=deadline, log=log)
         raw, orders[kind] = measured.results, measured.order
         ok = [r for r in raw if r.get("status") == "ok"]
         dtypes |= {r["dtype"] for r in ok}

@@ -1,6 +1,11 @@
 """One-command GPU check of the compiled generator (run it whenever a session is lent a GPU; < 8 min on an H200).
 
-    python bench/gpu_check.py [--repeats 20]
+    python bench/gpu_check.py [--repeats 20] [--part all|correctness|latency] [--device cuda|cpu]
+
+`--part correctness` runs checks 1-3 and 5 (the most valuable minutes of a short lease: bench/gpu_run.sh runs it
+first), `--part latency` check 4 alone. `--device cpu` runs the same code on a CPU (the rehearsal of bench/gpu_run.sh,
+bench/gpu_rehearse.sh): wall-clock timings instead of CUDA events, no CUDA graphs, and check 5 is skipped (it compares
+the CUDA kernel against the CPU op).
 
 1. Demo model, float32 on CUDA: compiled tokens must equal eager tokens (several prompts, blocks, batch sizes).
 2. Reports, per batch size of the bucket (`Bucket.views()`), whether its compiled step's CUDA graph was captured or
@@ -47,8 +52,14 @@ from dgemma_compile.uniform import denoise_block  # noqa: E402
 
 
 def cuda_ms(fn, repeats: int) -> float:
+    """Median milliseconds of `fn` over `repeats` calls: CUDA events on CUDA, the wall clock on a CPU run."""
     times = []
     for _ in range(repeats):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -165,7 +176,7 @@ def step_latency(model, label: str, repeats: int) -> None:
         state, cache = view.state, view.cache
         eager_ms = cuda_ms(lambda: denoise_block(model, state.canvas, cache, None, state.has_sc, moe_impl=gen.moe_impl,
                                                  self_conditioning_embeds=state.sc_embeds), repeats)
-    graph = "graph" if view.step.graph is not None else "no graph"
+    graph = "CUDA graph" if view.step.graph is not None else "no CUDA graph"
     print(f"{label}: denoise step at context {CONTEXT}, batch 1: eager {eager_ms:.2f} ms, compiled {view.name} "
           f"({graph}) {compiled_ms:.2f} ms, ratio {eager_ms / compiled_ms:.2f}x; compile {compile_s:.0f} s; "
           f"{readmits} re-admissions (untimed)")
@@ -255,24 +266,38 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--tensor-parallel-only", action="store_true", help="run the multi-GPU check alone")
+    p.add_argument("--part", choices=("all", "correctness", "latency"), default="all",
+                   help="correctness: checks 1-3, 5 and 6; latency: check 4; all: both (default)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: the same checks on a CPU (a rehearsal: wall-clock timings, check 5 skipped)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
         check_tensor_parallel()  # says it is skipped
         return 2
     if args.tensor_parallel_only:
         return 0 if check_tensor_parallel() else 1
-    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name()}, dgemma_compile from {dg.__file__}")
-    ok = check_sample_step_kernel(args.repeats)
-    demo = dg.load(DEMO_MODEL, device="cuda")
-    gen = build(demo, CompileOptions(batch_buckets=(1, 4), max_seq_len=256))
-    ok &= check_tokens(demo, gen)
-    cfg = demo.generation_config.replace(max_new_tokens=40)
-    ok &= check_observer(gen.generate, cfg, "compiled, CUDA events", compiled=True)
-    ok &= check_observer(lambda *a, **k: dg.generate(demo, *a, **k), cfg, "eager, CUDA events", compiled=False)
-    step_latency(demo, "demo fp32", args.repeats)
-    step_latency(scaled_model("cuda"), "scaled bf16", args.repeats)
-    ok &= check_tensor_parallel()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (rehearsal: no CUDA)"
+    print(f"torch {torch.__version__}, device {name}, dgemma_compile from {dg.__file__}", flush=True)
+    ok = True
+    clock = "CUDA events" if args.device == "cuda" else "wall clock"
+    if args.part in ("all", "correctness"):
+        if args.device == "cuda":
+            ok &= check_sample_step_kernel(args.repeats)
+        else:
+            print("sample_step kernel vs CPU op: skipped (needs CUDA)")
+        demo = dg.load(DEMO_MODEL, device=args.device)
+        gen = build(demo, CompileOptions(batch_buckets=(1, 4), max_seq_len=256))
+        ok &= check_tokens(demo, gen)
+        cfg = demo.generation_config.replace(max_new_tokens=40)
+        ok &= check_observer(gen.generate, cfg, f"compiled, {clock}", compiled=True)
+        ok &= check_observer(lambda *a, **k: dg.generate(demo, *a, **k), cfg, f"eager, {clock}", compiled=False)
+        if args.device == "cuda":
+            ok &= check_tensor_parallel()
+    if args.part in ("all", "latency"):
+        step_latency(dg.load(DEMO_MODEL, device=args.device), "demo fp32", args.repeats)
+        step_latency(scaled_model(args.device), "scaled bf16", args.repeats)
+    print(f"gpu_check: {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 

@@ -35,7 +35,8 @@
 # is ignored; add ours-eager for the eager ratio, ~2 more minutes), BENCH_REPEATS (2), BENCH_BUDGET_S (timed seconds
 # per system before it stops repeating, 45), BENCH_TIMEOUT_S (per system, compile included; default 540 s split over
 # the systems, 180 s each for three, so that the whole run stays under a 10-minute command limit: raise it where
-# commands may run longer), BENCH_SCHEDULE (sequential on full, else interleaved), BENCH_RESULTS (bench/results),
+# commands may run longer), BENCH_DEADLINE_S (all systems together: no system's wait goes past this many seconds from
+# the start, the report is still written; unset: none), BENCH_SCHEDULE (sequential on full, else interleaved), BENCH_RESULTS (bench/results),
 # PYTHON (python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,9 +64,10 @@ RESULTS=${BENCH_RESULTS:-bench/results}
 if [ "$MODEL" = full ]; then SCHEDULE=${BENCH_SCHEDULE:-sequential}; else SCHEDULE=${BENCH_SCHEDULE:-interleaved}; fi
 SCHEDULE_FLAG=()
 if [ "$SCHEDULE" = sequential ]; then SCHEDULE_FLAG=(--sequential); fi
+if [ -n "${BENCH_DEADLINE_S:-}" ]; then SCHEDULE_FLAG+=(--deadline-s "$BENCH_DEADLINE_S"); fi
 
 echo "bench/h200.sh: model=$MODEL device=$DEVICE prompt=$PROMPT output=$OUTPUT systems=$SYSTEMS quant=$QUANT repeats=$REPEATS" \
-     "budget=${BUDGET}s timeout=${TIMEOUT}s schedule=$SCHEDULE ($(date -u +%H:%M:%S) UTC)"
+     "budget=${BUDGET}s timeout=${TIMEOUT}s deadline=${BENCH_DEADLINE_S:-none} schedule=$SCHEDULE ($(date -u +%H:%M:%S) UTC)"
 if [ "$DEVICE" = cuda ]; then
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv || true
 fi

@@ -24,7 +24,7 @@ import torch
 
 from dgemma_compile import ops
 from dgemma_compile.compile.options import CompileOptions
-from dgemma_compile.compile.units import UnitFactory
+from dgemma_compile.compile.units import UnitFactory, compile_isolated
 
 from . import environment
 
@@ -52,8 +52,8 @@ def _fn(impl: str, compiled: bool):
         return torch.ops.dgemma.moe_experts(x, w, idx, gate_up, [], down, [], impl, "none")
     if not compiled:
         return f
-    return torch.compile(f, fullgraph=True, dynamic=False, isolate_recompiles=True,
-                         backend=UnitFactory(CompileOptions(), "cpu").backend(f"moe_{impl}"))
+    return compile_isolated(f, fullgraph=True, dynamic=False,
+                            backend=UnitFactory(CompileOptions(), "cpu").backend(f"moe_{impl}"))
 
 
 def measure(shape, repeats: int) -> list[tuple[str, float, float, float]]:

@@ -36,8 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 class WorkerProcess:
     """`python -m bench.worker` in its own session; `call(msg)` sends one request and waits for its reply."""
 
-    def __init__(self, system: str, threads: int, timeout_s: float):
+    def __init__(self, system: str, threads: int, timeout_s: float, deadline: float | None = None):
         self.system, self.timeout_s, self.used_s, self.closed = system, timeout_s, 0.0, False
+        self.deadline = deadline  # time.perf_counter() after which no wait goes on (the whole run's time box)
         self.tmp = tempfile.TemporaryDirectory(prefix="dgemma_bench_")
         self.log_path = Path(self.tmp.name) / "worker.log"
         env = dict(os.environ, OMP_NUM_THREADS=str(threads),
@@ -59,11 +60,16 @@ class WorkerProcess:
         """The worker's reply; a timeout or a dead worker becomes a failure reply (and the worker is killed)."""
         left = self.timeout_s - self.used_s
         start = time.perf_counter()
+        by_deadline = self.deadline is not None and self.deadline - start < left
+        if by_deadline:
+            left = self.deadline - start
         try:
             self.proc.stdin.write(json.dumps(msg) + "\n")
             self.proc.stdin.flush()
             line = self.replies.get(timeout=max(left, 0.0))
         except queue.Empty:
+            if by_deadline:
+                return self._failed(f"timed out at the run's deadline (--deadline-s), after {self.used_s + left:.0f} s")
             return self._failed(f"timed out after {self.timeout_s:g} s")
         except OSError:  # the worker closed its stdin: it died
             line = None
@@ -171,14 +177,17 @@ class Measurement:
 
 
 def measure(payloads: list[dict], repeats: int, *, interleave: bool = True, isolated: bool = True,
-            timeout_s: float = 900, budget_s: float | None = None, log=print) -> Measurement:
-    """Prepare every system, run `repeats` timed repeats of each (round-robin when `interleave`), collect results."""
+            timeout_s: float = 900, budget_s: float | None = None, deadline: float | None = None,
+            log=print) -> Measurement:
+    """Prepare every system, run `repeats` timed repeats of each (round-robin when `interleave`), collect results.
+    `deadline` (a `time.perf_counter()` value): no wait on a worker goes past it (a system then fails as timed out,
+    and the results so far come back)."""
     slots = [_Slot(p) for p in payloads]
     order: list[tuple[int, str]] = []
     try:
         for group in ([slots] if interleave else [[s] for s in slots]):
             for s in group:
-                _prepare(s, isolated, timeout_s, log)
+                _prepare(s, isolated, timeout_s, log, deadline)
             for i in range(repeats):
                 done = [_repeat(s, i, budget_s, order, log) for s in group]
                 if any(done):
@@ -208,9 +217,10 @@ def _repeat(s: _Slot, i: int, budget_s: float | None, order: list, log) -> str:
     return f"{s.system} {reply['seconds']:.3g} s"
 
 
-def _prepare(s: _Slot, isolated: bool, timeout_s: float, log) -> None:
+def _prepare(s: _Slot, isolated: bool, timeout_s: float, log, deadline: float | None = None) -> None:
     start = time.perf_counter()
-    s.worker = WorkerProcess(s.system, s.payload["threads"], timeout_s) if isolated else WorkerInProcess(s.system)
+    s.worker = WorkerProcess(s.system, s.payload["threads"], timeout_s, deadline) if isolated \
+        else WorkerInProcess(s.system)
     reply = s.call({"op": "prepare", "payload": s.payload})
     took = time.perf_counter() - start
     if reply is None:

@@ -425,13 +425,11 @@ def _with_full_blocks(mask: BlockMask) -> BlockMask:
 def _plan_tensors(plan: ForwardPlan, masks: bool = True) -> list[torch.Tensor]:
     """Every tensor a plan holds, in a fixed order, each once (a block mask's through its public `as_tuple`)."""
     found: list[torch.Tensor] = []
-    seen: set[int] = set()
 
     def add(t) -> None:
-        if isinstance(t, torch.Tensor):
-            if id(t) not in seen:
-                seen.add(id(t))
-                found.append(t)
+        # identity, not `id(t)`: Dynamo of torch 2.11 (the GPU machine's) cannot trace id() of a tensor made in the graph
+        if isinstance(t, torch.Tensor) and not any(t is f for f in found):
+            found.append(t)
 
     for t in (plan.mode, plan.encoder_tokens, plan.denoise_tokens, plan.real, plan.commit, plan.slots,
               plan.self_conditioning, plan.positions, *plan.mask_rows, plan.groups):

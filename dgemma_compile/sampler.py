@@ -219,6 +219,16 @@ MASKED_LOGIT = -1e30
 tensor stays finite, and far below any softcapped logit (|logit| <= 30), so their probability is 0."""
 
 
+def _traced() -> bool:
+    """Under Dynamo, or traced by make_fx (Inductor's `fwd_only` traces `sample_step` into the sample_step_fusion
+    pattern; torch 2.11's `is_compiling()` is False there, and a data-dependent `bool()` fails that trace)."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
 def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B: torch.Tensor,
                first_id: int = 0) -> torch.Tensor:
     """Constrained decoding's device half (docs/constrained.md), a part of `sample_step`: the logits with, for rows
@@ -229,7 +239,7 @@ def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B
     picks the input). Tensor ops only: a grammar is data, never a
     recompile. `first_id`: the vocabulary id of the logits' first column (a tensor-parallel rank's slice,
     `parallel.sampler`; ids past the bitmask, the slice's padding, read its last word)."""
-    if logits_BCV.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(constrained_B.any()):
+    if logits_BCV.device.type == "cpu" and not _traced() and not bool(constrained_B.any()):
         return logits_BCV  # uncompiled on CPU, no constrained row: the values `where` would keep, without its ops
     C, V = logits_BCV.shape[1], logits_BCV.shape[-1]
     v_V = torch.arange(V, device=logits_BCV.device)

@@ -12,6 +12,36 @@ settings.load_profile("ci")
 torch.set_num_threads(1)
 
 
+TORCH_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """torch 2.11 (the GPU machine's version, proved here by bench/gpu_versions_check.sh): its CPU `_scaled_mm` takes
+    per-tensor scales only, so our per-row FP8 runs on CUDA there but not on a CPU. A test that reaches that limit
+    is skipped with the reason, on torch < 2.13 only; every other failure stays a failure."""
+    try:
+        return (yield)
+    except Exception as e:  # triton's InterpreterError is no RuntimeError
+        if not TORCH_2_13 and "only supports per-tensor scaling for CPU backend" in str(e):
+            pytest.skip(f"torch {torch.__version__}: CPU _scaled_mm is per-tensor only (per-row FP8 needs CUDA or "
+                        "torch >= 2.13)")
+        if "only 0-dimensional arrays can be converted to Python scalars" in str(e) and _old_triton():
+            # the same versions' other gap, on a CPU only: triton 3.6's interpreter (TRITON_INTERPRET=1) turns a
+            # runtime scalar used as an index (`range(E)`) into a Python int with int(1-element array), which
+            # numpy >= 2.5 refuses; triton 3.7's interpreter does not. Compiled kernels (CUDA) are not concerned.
+            pytest.skip("triton < 3.7's interpreter with numpy >= 2.5: int() of a 1-element array (CPU only)")
+        raise
+
+
+def _old_triton() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """One tiny random checkpoint with a tokenizer, shared by tests that only read it."""

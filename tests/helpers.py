@@ -131,6 +131,17 @@ def write_checkpoint(directory: Path, model=None, *, generation: dict | None = N
     return Path(directory)
 
 
+def hf_cache(cache) -> dict:
+    """transformers' keyword for a DiffusionGemma cache: `cache` (5.2x; `past_key_values` deprecated there) or
+    `past_key_values` (before the rename: 5.17, the GPU image's)."""
+    import inspect
+
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaEncoderModel
+
+    new = "cache" in inspect.signature(DiffusionGemmaEncoderModel.forward).parameters
+    return {"cache" if new else "past_key_values": cache}
+
+
 def softcap(ref, logits):
     """transformers' final soft-capping (as in DiffusionGemmaForBlockDiffusion.forward), read from its config."""
     cap = ref.config.text_config.final_logit_softcapping

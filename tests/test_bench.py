@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,9 @@ def test_a_timeout_and_a_crash_are_rows_not_errors(tiny_dir):
     (p,) = _payloads(tiny_dir, ["ours-eager"], repeats=1)
     m = runner.measure([p], 1, timeout_s=0.2, log=lambda *a: None)
     assert m.results[0]["status"] == "n/a (timed out after 0.2 s)" and m.order == []
+    # the run's deadline (`--deadline-s`, bench/gpu_run.sh's time box) cuts a wait shorter than the system's timeout
+    m = runner.measure([p], 1, timeout_s=60, deadline=time.perf_counter() + 0.2, log=lambda *a: None)
+    assert m.results[0]["status"].startswith("n/a (timed out at the run's deadline") and m.order == []
     w = runner.WorkerProcess("ours-eager", threads=1, timeout_s=60)
     os.kill(w.proc.pid, signal.SIGKILL)
     reply = w.call({"op": "prepare", "payload": p})

@@ -5,7 +5,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 import dgemma_compile as dg
-from helpers import softcap
+from helpers import hf_cache, softcap
 from dgemma_compile.demo import DEMO_MODEL
 from dgemma_compile.demo import tasks
 
@@ -26,8 +26,8 @@ def test_demo_logits_equal_transformers(demo):
         canvas = torch.randint(0, V, (1, C), generator=torch.Generator().manual_seed(len(prompt)))
         cache_ref = DynamicCache(config=ref.config.text_config)
         with torch.no_grad():
-            h_ref = ref.model.encoder(input_ids=ids, cache=cache_ref).last_hidden_state
-            d_ref = ref(decoder_input_ids=canvas, cache=cache_ref).logits
+            h_ref = ref.model.encoder(input_ids=ids, **hf_cache(cache_ref)).last_hidden_state
+            d_ref = ref(decoder_input_ids=canvas, **hf_cache(cache_ref)).logits
         cache = model.new_cache(1, 128)
         h = model.encode(ids, cache)
         torch.testing.assert_close(model.logits(h), softcap(ref, ref.lm_head(h_ref)), atol=1e-4, rtol=0)

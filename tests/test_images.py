@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import hf_model, softcap, write_checkpoint
+from helpers import hf_cache, hf_model, softcap, write_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers.cache_utils import DynamicCache
 
@@ -58,7 +58,7 @@ def reference(ref, prompt: list[int], imgs: list[Image], canvas: torch.Tensor, g
     cache = DynamicCache(config=ref.config.text_config)
     pos = torch.arange(ids.shape[1])[None]
     masks = ref.model.encoder.create_masks_for_generate(
-        config=ref.config, inputs_embeds=torch.empty(1, ids.shape[1], 0), cache=cache, position_ids=pos,
+        config=ref.config, inputs_embeds=torch.empty(1, ids.shape[1], 0), **hf_cache(cache), position_ids=pos,
         attention_mask=torch.ones_like(ids, dtype=torch.bool), mm_token_type_ids=(ids == IMG).long() if groups else None)
     kw = {}
     if imgs:
@@ -68,9 +68,9 @@ def reference(ref, prompt: list[int], imgs: list[Image], canvas: torch.Tensor, g
             pv[k, :im.pixel_values.shape[0]], pp[k, :im.position_ids.shape[0]] = im.pixel_values, im.position_ids
         kw = dict(pixel_values=pv, image_position_ids=pp)
     with torch.no_grad():
-        enc = ref.model.encoder(input_ids=ids, attention_mask=masks, cache=cache, position_ids=pos, **kw)
+        enc = ref.model.encoder(input_ids=ids, attention_mask=masks, **hf_cache(cache), position_ids=pos, **kw)
         hidden = enc.last_hidden_state[0]
-        den = ref(decoder_input_ids=canvas[None], cache=cache).logits[0]
+        den = ref(decoder_input_ids=canvas[None], **hf_cache(cache)).logits[0]
     return hidden, softcap(ref, ref.lm_head(hidden)), den
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import hf_model, softcap, write_checkpoint
+from helpers import hf_cache, hf_model, softcap, write_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.cache_utils import DynamicCache
@@ -40,14 +40,14 @@ def configs(draw):
 def reference_run(ref, prompt, canvases, sc_temps):
     """transformers: encode prompt, then per block: denoise (with and without self-conditioning), commit."""
     cache = DynamicCache(config=ref.config.text_config)
-    enc = ref.model.encoder(input_ids=prompt, cache=cache).last_hidden_state
+    enc = ref.model.encoder(input_ids=prompt, **hf_cache(cache)).last_hidden_state
     enc_logits = softcap(ref, ref.lm_head(enc))
     outs = []
     for canvas, temp in zip(canvases, sc_temps):
-        first = ref(decoder_input_ids=canvas, cache=cache).logits
-        second = ref(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=first / temp).logits
+        first = ref(decoder_input_ids=canvas, **hf_cache(cache)).logits
+        second = ref(decoder_input_ids=canvas, **hf_cache(cache), self_conditioning_logits=first / temp).logits
         outs.append((first, second))
-        ref.model.encoder(input_ids=canvas, cache=cache)
+        ref.model.encoder(input_ids=canvas, **hf_cache(cache))
     return enc_logits, outs
 
 

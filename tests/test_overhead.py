@@ -57,7 +57,11 @@ def test_guards_are_skipped_inside_the_unit_only_after_its_first_call(skip_guard
         buf.lin.to(torch.float64)
         unit()
     assert buf.x.tolist() == [9.0, 9.0, 9.0]
-    assert len(counts) == (1 if skip_guards else 2)
+    # torch 2.11 (the GPU machine's) does not recompile either: it skips a parameter's tensor guards while its
+    # module's __dict__ is unchanged (`skip_tensor_guards_with_matching_dict_tags`), and `.to()` swaps `.data` in
+    # place; the generator's `ModelFingerprint` check is what catches such a change
+    guarded = not skip_guards and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+    assert len(counts) == (2 if guarded else 1)
     assert _stance() == torch._dynamo.eval_frame.DynamoStance()
     fresh = torch.compile(lambda t: t + 1, backend="eager", fullgraph=True)
     assert fresh(torch.ones(1)).item() == 2.0

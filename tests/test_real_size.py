@@ -43,6 +43,7 @@ from dgemma_compile.compile import CompileOptions, UnitFactory
 from dgemma_compile.loader import load_configs
 from dgemma_compile.ops.moe import resolve_moe_impl
 from dgemma_compile.plan import DENOISE, ENCODER, build_plan
+from helpers import hf_cache
 
 pytestmark = pytest.mark.slow
 
@@ -124,8 +125,8 @@ def transformers_outputs(model, prompt, canvas, embedding) -> dict[str, torch.Te
 
     cache = DynamicCache(config=model.config.text_config)
     with torch.no_grad():
-        enc = model.model.encoder(input_ids=prompt, cache=cache).last_hidden_state[0]
-        dec = model.model.decoder(decoder_input_ids=canvas, cache=cache).last_hidden_state[0]
+        enc = model.model.encoder(input_ids=prompt, **hf_cache(cache)).last_hidden_state[0]
+        dec = model.model.decoder(decoder_input_ids=canvas, **hf_cache(cache)).last_hidden_state[0]
         return {"encoder hidden": enc, "denoise hidden": dec, "denoise logits": softcapped_logits(dec[POS], embedding)}
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dgemma_compile as dg
+from helpers import hf_cache as hf_cache_kw
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
@@ -72,8 +73,8 @@ def test_resumed_training_equals_uninterrupted_and_exports_a_loadable_checkpoint
     ours.encode(ids, cache)
     hf_cache = DynamicCache(config=ref.config.text_config)
     with torch.no_grad():
-        ref.model.encoder(input_ids=ids, cache=hf_cache)
-        want = ref(decoder_input_ids=canvas, cache=hf_cache).logits
+        ref.model.encoder(input_ids=ids, **hf_cache_kw(hf_cache))
+        want = ref(decoder_input_ids=canvas, **hf_cache_kw(hf_cache)).logits
     torch.testing.assert_close(ours.denoise(canvas, cache), want, atol=1e-4, rtol=0)
 
 

@@ -141,6 +141,17 @@ def make_config(vocab_size: int, size: str = "base"):
     return cfg
 
 
+def hf_cache(cache) -> dict:
+    """transformers' keyword for a DiffusionGemma cache: `cache` (5.2x; `past_key_values` deprecated there) or
+    `past_key_values` (before the rename: 5.17, the GPU image's)."""
+    import inspect
+
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaEncoderModel
+
+    new = "cache" in inspect.signature(DiffusionGemmaEncoderModel.forward).parameters
+    return {"cache" if new else "past_key_values": cache}
+
+
 def softcapped_logits(model, hidden):
     cap = model.config.text_config.final_logit_softcapping
     logits = model.lm_head(hidden).float()
@@ -216,7 +227,7 @@ def train_losses(model, enc_ids, canvas, ans_start, gen: torch.Generator, args):
     B, L = enc_ids.shape
     V = model.config.text_config.vocab_size
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    enc = model.model.encoder(input_ids=enc_ids, cache=cache)
+    enc = model.model.encoder(input_ids=enc_ids, **hf_cache(cache))
     enc_h = enc.last_hidden_state
 
     # encoder: next-token prediction on answer targets
@@ -242,12 +253,12 @@ def train_losses(model, enc_ids, canvas, ans_start, gen: torch.Generator, args):
     sc_logits = None
     if sc_mask.any():
         with torch.no_grad():
-            h0 = model.model.decoder(decoder_input_ids=noisy, cache=cache).last_hidden_state
+            h0 = model.model.decoder(decoder_input_ids=noisy, **hf_cache(cache)).last_hidden_state
             temp = args.t_min + (args.t_max - args.t_min) * torch.rand(B, 1, 1, generator=gen)
             sc_logits = softcapped_logits(model, h0) / temp
     h = model.model.decoder(
         decoder_input_ids=noisy,
-        cache=cache,
+        **hf_cache(cache),
         self_conditioning_logits=sc_logits,
         self_conditioning_mask=sc_mask if sc_logits is not None else None,
     ).last_hidden_state

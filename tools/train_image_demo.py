@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from dgemma_compile.demo import DEMO_MODEL
 from dgemma_compile.demo import image_tasks as IT
 from dgemma_compile.demo import tasks as T
-from train_demo_model import CANVAS, Buckets, atomic_save, get_rng_state, set_rng_state, softcapped_logits
+from train_demo_model import CANVAS, Buckets, atomic_save, get_rng_state, hf_cache, set_rng_state, softcapped_logits
 from train_demo_model import generation_config as text_generation_config
 
 DEFAULT_RUN_DIR = "/work/train_runs/image_demo"
@@ -215,7 +215,7 @@ def losses(model, enc_ids, canvas, ans_start, gen, args, pv=None, pid=None, cell
         aux = mse + ce
         cell_acc = ((soft[keep] @ rows.T).argmax(-1) == cells[keep]).float().mean()
         kw["mm_encoder_outputs"] = {"image": feats}
-    h = encoder(input_ids=enc_ids, cache=cache, **kw).last_hidden_state
+    h = encoder(input_ids=enc_ids, **hf_cache(cache), **kw).last_hidden_state
     logits = softcapped_logits(model, h[:, :-1])
     pos = torch.arange(1, L)[None, :]
     w = (pos >= ans_start[:, None]).float()
@@ -230,10 +230,10 @@ def losses(model, enc_ids, canvas, ans_start, gen, args, pv=None, pid=None, cell
     sc = None
     if sc_mask.any():
         with torch.no_grad():
-            h0 = model.model.decoder(decoder_input_ids=noisy, cache=cache).last_hidden_state
+            h0 = model.model.decoder(decoder_input_ids=noisy, **hf_cache(cache)).last_hidden_state
             temp = 0.4 + 0.4 * torch.rand(B, 1, 1, generator=gen)
             sc = softcapped_logits(model, h0) / temp
-    hd = model.model.decoder(decoder_input_ids=noisy, cache=cache, self_conditioning_logits=sc,
+    hd = model.model.decoder(decoder_input_ids=noisy, **hf_cache(cache), self_conditioning_logits=sc,
                              self_conditioning_mask=sc_mask if sc is not None else None).last_hidden_state
     dl = softcapped_logits(model, hd)
     dec_loss = F.cross_entropy(dl.reshape(-1, V), canvas.reshape(-1))

@@ -187,6 +187,38 @@ class CudaGraphs:
         return graph
 
 
+def compile_isolated(fn: Callable, **kwargs) -> Callable:
+    """`torch.compile(fn, isolate_recompiles=True, **kwargs)`: `fn` gets its own Dynamo cache. torch 2.11 (the GPU
+    machine's) has no `isolate_recompiles`: there Dynamo, which keeps its cache on the code object, compiles a copy of
+    `fn` with its own copy of the code object, which isolates it the same way (a function or a bound method; anything
+    else is compiled as it is, sharing its code object's cache)."""
+    if "isolate_recompiles" in _compile_parameters():
+        return torch.compile(fn, isolate_recompiles=True, **kwargs)
+    return torch.compile(_own_code(fn), **kwargs)
+
+
+@functools.cache
+def _compile_parameters() -> frozenset[str]:
+    import inspect
+
+    return frozenset(inspect.signature(torch.compile).parameters)
+
+
+def _own_code(fn: Callable) -> Callable:
+    """A copy of `fn` whose code object is its own (`code.replace()` makes a new one), same globals, closure,
+    defaults and attributes."""
+    import types
+
+    if isinstance(fn, types.MethodType):
+        return types.MethodType(_own_code(fn.__func__), fn.__self__)
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy
+
+
 class CompiledUnit:
     """A zero-argument step over static buffers, `torch.compile`d under `options`, that decides once how it is
     called (`strategy`): after its first call -- `prepare()` at warm-up, or the first real call -- it replays a CUDA
@@ -236,8 +268,8 @@ class CompiledUnit:
         """`torch.compile(fn, ...)` under the unit's options and backend, made on first use."""
         if self._compiled is None:
             o = self.options
-            self._compiled = torch.compile(self.fn, fullgraph=o.fullgraph, dynamic=o.dynamic, backend=self._backend,
-                                           isolate_recompiles=True)
+            self._compiled = compile_isolated(self.fn, fullgraph=o.fullgraph, dynamic=o.dynamic,
+                                              backend=self._backend)
         return self._compiled
 
     def __call__(self) -> None:

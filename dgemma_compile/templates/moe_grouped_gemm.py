@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
+from torch.library import wrap_triton as _torch_wrap_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -179,6 +179,16 @@ def check_moe_args(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI) -> tuple[int, int,
     return N, D, E, K, I
 
 
+def _wrap_triton(kernel):
+    """`torch.library.wrap_triton(kernel)`; an interpreted kernel (TRITON_INTERPRET=1) as it is: triton 3.6's
+    interpreter's `triton.jit` returns no JITFunction, which torch 2.11's wrap_triton refuses (a plain launch
+    either way outside make_fx)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    return _torch_wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
+
+
 def moe_experts_triton(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI, *, block_m: int = 64, block_n: int = 64,
                        block_k: int = 32) -> torch.Tensor:
     """The routed experts by two grouped-GEMM Triton kernels; same contract as `ops.moe.moe_experts_loop`.
@@ -210,10 +220,10 @@ def moe_experts_triton(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI, *, block_m: in
     precision = "ieee" if x_ND.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     upcast = _upcast_for_interpreter(x_ND.dtype)
     T = max_row_tiles(M, E, block_m)
-    wrap_triton(_gate_up_kernel)[(T, triton.cdiv(I, block_n))](
+    _wrap_triton(_gate_up_kernel)[(T, triton.cdiv(I, block_n))](
         x_ND, order_M, counts_E, gate_up_EID, h_MI, E, K, D, I, *x_ND.stride(), *gate_up_EID.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, UPCAST=upcast)
-    wrap_triton(_down_kernel)[(T, triton.cdiv(D, block_n))](
+    _wrap_triton(_down_kernel)[(T, triton.cdiv(D, block_n))](
         h_MI, order_M, counts_E, route_w_M, down_EDI, y_MD, E, D, I, *down_EDI.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, UPCAST=upcast)
     return y_MD.view(N, K, D).sum(1).to(x_ND.dtype)
