@@ -90,6 +90,7 @@ from dgemma_compile.constraint import GrammarLibrary
 from dgemma_compile.images import prepare as prepare_images
 from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_prompt
 from . import protocol as P
+from .auth import APIKeyAuth, Secret
 from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
@@ -125,14 +126,19 @@ MAX_IMAGES = 8
 
 def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources=None,
-               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S) -> FastAPI:
+               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
     `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
     `image_sources`: where image_url parts may point and the limits (`preprocess.ImageSources`; default `data:` URLs
     only, 8 MiB each; at most `MAX_IMAGES` per request; a refusal is a 400 naming the part); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
-    take (400 past it)."""
+    take (400 past it); `api_key`: every /v1 and tokenizer route needs `Authorization: Bearer <api_key>` (401
+    otherwise, `auth.APIKeyAuth`); None: open. Raises ValueError for an empty `api_key`."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key: must be a non-empty string (or None: no key)")
     app = FastAPI(title="dgemma serve")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key is not None:  # outermost: a request without the key is answered before its body is read
+        app.add_middleware(APIKeyAuth, api_key=Secret(api_key))
     created = int(time.time())
     bos = engine.model.config.bos_token_id
     vocab = engine.model.config.vocab_size
