@@ -122,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
     s.add_argument("--input-timeout", type=float, default=30.0, metavar="S",
                    help="seconds one request's parsing and tokenization may take; longer gets HTTP 400 (default 30)")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a client has to send a request's head (request line and headers) after connecting "
+                        "or after its previous answer; longer gets HTTP 408 and the connection closed (default 10)")
     s.add_argument("--image-dir", type=Path, default=None, metavar="DIR",
                    help="image_url parts may name local files (file: URLs) inside DIR (default: none)")
     s.add_argument("--allow-image-urls", action="store_true",
@@ -737,6 +740,8 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
             raise ConfigError(f"{name}: must be a positive integer, got {v}")
     if not 0 <= args.max_logprobs <= 64:
         raise ConfigError(f"max_logprobs: must be an integer in [0, 64], got {args.max_logprobs}")
+    if not args.header_timeout > 0:
+        raise ConfigError(f"header_timeout: must be a positive number of seconds, got {args.header_timeout}")
     if not args.input_timeout > 0:
         raise ConfigError(f"input_timeout: must be a positive number of seconds, got {args.input_timeout}")
     if args.image_dir is not None and not args.image_dir.is_dir():
@@ -797,7 +802,10 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
               f"fuse_commit={'on' if b['fuse_commit'] else 'off'} kv={b['kv']} unit={b['unit']} "
               f"compiled={'eager' if b['compiled'] is None else b['compiled']} step={b['step']}", file=sys.stderr,
               flush=True)
-    server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)))
+    from dgemma_runtime.http_protocol import bounded_protocol
+
+    server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                http=bounded_protocol(args.header_timeout))))
     if fatal:  # lost a rank before the server started
         server[0].should_exit = True
     try:

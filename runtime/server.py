@@ -80,10 +80,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.constraint import GrammarLibrary
@@ -95,6 +96,7 @@ from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
+from .openapi import document as openapi_document
 from .structured import FIELDS as STRUCTURED_FIELDS, request_constraint
 from .tools import ToolAnswer, ToolRequest, resolve_tools, template_messages
 
@@ -147,6 +149,17 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     async def _api_error(_: Request, e: P.APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405, ... in OpenAI's shape
+        err = P.APIError(e.status_code, str(e.detail)[:200],
+                         type="not_found_error" if e.status_code == 404 else "invalid_request_error")
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_error(_: Request, e: RequestValidationError) -> JSONResponse:  # FastAPI's own 422 -> 400
+        message, param = P.validation_message(e)
+        return JSONResponse(P.APIError(400, message[:500], param=param).body(), status_code=400)
+
     @app.exception_handler(Exception)
     async def _server_error(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped, never text/plain
         err = P.APIError(500, f"internal error: {type(e).__name__}", type="server_error")
@@ -154,13 +167,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version="1", routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in BODIES.values():
-                s = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(s.pop("$defs", {}))
-                components[model.__name__] = s
-            app.openapi_schema = schema
+            app.openapi_schema = openapi_document(app, BODIES, vocab=vocab, metrics=metrics is not None,
+                                                  api_key=api_key is not None)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -191,13 +199,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise P.APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
+            raise P.APIError(404, f"model {P.cut(name)} does not exist; this server serves {model_name!r}",
                              param="model", type="not_found_error", code="model_not_found")
 
     def validate(raw: bytes, model: type):
         body = parse_json(raw)
         try:
-            return model.model_validate(body)
+            return model.model_validate(body, strict=True)  # OpenAI's types: no "0.5" for 0.5, no true for 1
         except ValidationError as e:
             message, param = P.validation_message(e)
             raise P.APIError(400, message, param=param) from None
