@@ -52,7 +52,7 @@ def _tighten(components: dict, vocab: int) -> None:
     lists.update(minItems=1, items={"type": "array", "minItems": 1, "items": ids})
     tok = components["TokenizeRequest"]
     tok["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
-    tok["properties"]["prompt"] = {"type": "string", "minLength": 1}
+    tok["properties"]["prompt"] = {"type": "string"}  # "" is 0 tokens without special tokens, a 400 with them
     tok["properties"]["messages"] = {"type": "array", "minItems": 1,
                                      "items": {"$ref": "#/components/schemas/ChatMessage"}}
     components["DetokenizeRequest"]["properties"]["tokens"]["items"] = ids
@@ -72,9 +72,9 @@ def _media(paths: dict, metrics: bool) -> None:
     if not metrics:
         get["responses"]["404"] = {"description": "metrics are off", "content": {"application/json": {"schema": ERROR}}}
     for path in STREAMED:
-        paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {
-            "schema": {"type": "string", "description": "stream: true: SSE events `data: <chunk JSON>`, then "
-                                                        "`data: [DONE]`"}}
+        paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {  # each event
+            "schema": {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+                       "description": "stream: true: SSE events `data: <chunk JSON>`, then `data: [DONE]`"}}
 
 
 def _auth(schema: dict) -> None:
