@@ -1,8 +1,9 @@
 """Image files -> `images.Image`, through transformers' own Gemma4 image processor (the PIL one: no torchvision).
 
 `Gemma4ImageProcessorPil` resizes an image, keeping its aspect ratio, to sides that are multiples of
-patch_size x pooling_kernel_size pixels holding at most max_soft_tokens x pooling^2 patches, rescales to [0, 1] (no
-normalisation), and cuts it into patches (`pixel_values` [max_patches, 3 * patch^2], `image_position_ids`
+patch_size x pooling_kernel_size pixels holding at most max_soft_tokens x pooling^2 patches, rescales (by default to
+[0, 1], no normalisation; a checkpoint's saved `resample`, `rescale_factor`, `do_normalize`, `image_mean` /
+`image_std` are honoured, as transformers' `AutoImageProcessor` reads them), and cuts it into patches (`pixel_values` [max_patches, 3 * patch^2], `image_position_ids`
 [max_patches, 2], (-1, -1) for padding; `num_soft_tokens_per_image`: the soft tokens the prompt must hold for it).
 The processor's settings come from the checkpoint's `processor_config.json` (its `image_processor` entry) or
 `preprocessor_config.json` when present, else from the vision config (patch and pooling sizes) and transformers'
@@ -164,11 +165,17 @@ def _decode_bytes(raw: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS):
     return _decode(io.BytesIO(raw), name, max_pixels)
 
 
+PROCESSOR_SETTINGS = ("max_soft_tokens", "patch_size", "pooling_kernel_size", "resample", "do_resize", "do_rescale",
+                      "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb")
+"""The saved processor settings honoured (as transformers' `AutoImageProcessor` reads them); others are ignored."""
+
+
 def image_processor(model, directory: str | Path | None = None, *, max_soft_tokens: int | None = None):
-    """transformers' `Gemma4ImageProcessorPil` for `model`'s vision encoder (see the module docstring); `directory`
-    (default `model.checkpoint_dir`) may hold the processor's saved settings; `max_soft_tokens` overrides their
-    budget. Raises `ConfigError`: a model without a vision encoder, a budget not in `SOFT_TOKEN_BUDGETS`, unreadable
-    settings."""
+    """transformers' `Gemma4ImageProcessorPil` for `model`'s vision encoder (see the module docstring), with the
+    checkpoint's saved settings (`PROCESSOR_SETTINGS`: resample, rescale, normalisation mean / std, patch and pooling
+    sizes, the soft-token budget); `directory` (default `model.checkpoint_dir`) may hold them; `max_soft_tokens`
+    overrides their budget. Raises `ConfigError`: a model without a vision encoder, a budget not in
+    `SOFT_TOKEN_BUDGETS`, unreadable settings, patch or pooling sizes other than the vision tower's."""
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     if getattr(model, "vision", None) is None:
@@ -185,7 +192,11 @@ def image_processor(model, directory: str | Path | None = None, *, max_soft_toke
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ConfigError(f"{path}: not valid JSON ({e})") from None
             saved = saved.get("image_processor", saved) if isinstance(saved, dict) else {}
-            settings.update({k: saved[k] for k in ("max_soft_tokens",) if k in saved})
+            settings.update({k: saved[k] for k in PROCESSOR_SETTINGS if k in saved})
+            for k in ("patch_size", "pooling_kernel_size"):  # the tower reads patches of its own size only
+                if settings[k] != getattr(tower, k):
+                    raise ConfigError(f"{path}: {k} {settings[k]!r} differs from the vision tower's "
+                                      f"{getattr(tower, k)!r} (config.json vision_config)")
             break
     if max_soft_tokens is not None:
         settings["max_soft_tokens"] = max_soft_tokens
