@@ -18,10 +18,10 @@ whichever door it came through:
 
 Gemma-family models expect exactly one BOS at position 0; a prompt without it runs, silently worse.
 
-Every bad input raises `ConfigError` naming the thing: `prompt` (empty, or characters the tokenizer cannot
-encode; the tokenizer's special / added tokens written literally, e.g. the "<bos>" a chat template renders, are
-encoded as those tokens, as the tokenizer itself splits them out), `system`, `messages`, `chat template` (absent,
-or failing to render).
+Every bad input raises `ConfigError` naming the thing: `prompt` (empty, or text the tokenizer encodes as its
+unknown token, checked by encoding the text whole: `check_encodable`; the tokenizer's special / added tokens written
+literally, e.g. the "<bos>" a chat template renders, are encoded as those tokens, as the tokenizer itself splits
+them out), `system`, `messages`, `chat template` (absent, or failing to render).
 """
 
 from __future__ import annotations
