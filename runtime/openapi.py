@@ -4,7 +4,7 @@ FastAPI's document is built from the routes; the request bodies (parsed by the s
 added from their pydantic models, then tightened where a model's validator refuses more than its type says:
 fields accepted only at a neutral value (`protocol.NEUTRAL_*`) list those values; `max_tokens` >= 1; stop strings
 non-empty, at most 16; prompts and token ids non-empty and inside the vocabulary; `/tokenize` takes exactly one of
-`prompt` and `messages`. Refusals the schema cannot state (a prompt beyond the context, text the tokenizer cannot
+`prompt` and `messages`; the structured-output fields have `structured.py`'s shapes. Refusals the schema cannot state (a prompt beyond the context, text the tokenizer cannot
 encode, a constraint the grammar library refuses) stay 400s with their reason. `/metrics` is Prometheus text,
 streamed answers `text/event-stream`, and every error `ErrorResponse` (FastAPI's 422 is never answered: this server
 refuses with 400). With an API key the protected routes (`auth.protected`) declare bearer auth and their 401.
@@ -31,6 +31,27 @@ def _branch(prop: dict, kind: str) -> dict:
     return next(b for b in prop.get("anyOf", ()) if b.get("type") == kind)
 
 
+UNSET = {"enum": [None, False]}  # a structured_outputs key that is absent, null or false is not set
+STRUCTURED = {  # runtime/structured.py's shapes
+    "response_format": {
+        "anyOf": [{"type": "null"}, {
+            "type": "object", "required": ["type"], "additionalProperties": False,
+            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {}},
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {"required": ["json_schema"], "properties": {"json_schema": {
+                "type": "object", "required": ["schema"], "properties": {"schema": {"type": ["object", "boolean"]}}}}},
+        }]},
+    "guided_regex": {"type": ["string", "null"]},
+    "guided_choice": {"type": ["array", "null"]},
+    "guided_json": {"type": ["string", "object", "boolean", "null"]},
+    "structured_outputs": {"anyOf": [{"type": "null"}, {
+        "type": "object", "additionalProperties": UNSET,
+        "properties": {"regex": {"anyOf": [{"type": "string"}, UNSET]}, "choice": {"anyOf": [{"type": "array"}, UNSET]},
+                       "json": {"type": ["string", "object", "boolean", "null"]},
+                       "json_object": {"enum": [True, False, None]}}}]},
+}
+
+
 def _tighten(components: dict, vocab: int) -> None:
     ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -42,6 +63,9 @@ def _tighten(components: dict, vocab: int) -> None:
         stops = _branch(props["stop"], "array")
         stops.update(maxItems=16)
         stops["items"]["minLength"] = 1
+        for field, shape in STRUCTURED.items():
+            props[field] = {**shape, "description": "structured outputs (docs/constrained.md); at most one field "
+                                                    "per request"}
         for field, (ok, why) in NEUTRAL[name].items():  # accepted absent, null, or at a neutral value
             props[field] = {"enum": [*ok, None], "description": f"accepted only as {list(ok)} or null: {why}"}
     prompt = components["CompletionRequest"]["properties"]["prompt"]

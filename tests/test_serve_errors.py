@@ -109,6 +109,11 @@ def test_openapi_says_what_is_accepted(server):
     assert comps["TokenizeRequest"]["oneOf"] == [{"required": ["prompt"]}, {"required": ["messages"]}]
     assert comps["DetokenizeRequest"]["properties"]["tokens"]["items"]["minimum"] == 0
     assert "HTTPValidationError" not in comps
+    so = comps["CompletionRequest"]["properties"]["structured_outputs"]["anyOf"][1]
+    assert so["additionalProperties"] == {"enum": [None, False]}  # an unknown key is refused unless unset
+    r = httpx.post(server.url + "/v1/completions", timeout=30,
+                   json={"prompt": "a", "max_tokens": 2, "structured_outputs": {"grammar": "x"}})
+    assert assert_error_shape(r, 400)["param"] == "structured_outputs"
     for ops in doc["paths"].values():
         for op in ops.values():
             assert "422" not in op["responses"]
