@@ -52,6 +52,16 @@ STRUCTURED = {  # runtime/structured.py's shapes
 }
 
 
+TOOLS = {  # runtime/tools.py's shapes (each tool's own checks are 400s naming tools[i])
+    "tools": {"type": ["array", "null"]},
+    "parallel_tool_calls": {"type": ["boolean", "null"]},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, {
+        "type": "object", "required": ["type", "function"],
+        "properties": {"type": {"const": "function"},
+                       "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]},
+}
+
+
 def _tighten(components: dict, vocab: int) -> None:
     ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -63,6 +73,8 @@ def _tighten(components: dict, vocab: int) -> None:
         stops = _branch(props["stop"], "array")
         stops.update(maxItems=16)
         stops["items"]["minLength"] = 1
+        for field, shape in (TOOLS if name == "ChatCompletionRequest" else {}).items():
+            props[field] = {**shape, "description": "tool calls (docs/constrained.md#tool-calls)"}
         for field, shape in STRUCTURED.items():
             props[field] = {**shape, "description": "structured outputs (docs/constrained.md); at most one field "
                                                     "per request"}
