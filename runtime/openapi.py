@@ -123,9 +123,11 @@ def _auth(schema: dict) -> None:
                                           "content": {"application/json": {"schema": ERROR}}}
 
 
-def document(app, bodies: dict[str, type], *, vocab: int, metrics: bool, api_key: bool) -> dict[str, Any]:
+def document(app, bodies: dict[str, type], *, vocab: int, metrics: bool, api_key: bool,
+             model_name: str | None = None) -> dict[str, Any]:
     """The OpenAPI document of `app` (see the module docstring); `bodies`: path -> its request model; `vocab` the
-    tokenizer's size (token ids are < it); `metrics`: /metrics is served; `api_key`: the protected routes need one."""
+    tokenizer's size (token ids are < it); `metrics`: /metrics is served; `api_key`: the protected routes need one;
+    `model_name`: the served model's id, given as the example of `/v1/models/{model_id}`."""
     schema = get_openapi(title=app.title, version="1", routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422, never answered here
@@ -136,6 +138,9 @@ def document(app, bodies: dict[str, type], *, vocab: int, metrics: bool, api_key
         components[model.__name__] = s
     _tighten(components, vocab)
     _media(schema["paths"], metrics)
+    for param in schema["paths"].get("/v1/models/{model_id}", {}).get("get", {}).get("parameters", []):
+        if model_name is not None and param.get("name") == "model_id":
+            param["schema"]["examples"] = [model_name]
     if api_key:
         _auth(schema)
     return schema

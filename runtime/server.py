@@ -168,7 +168,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     def openapi() -> dict:
         if app.openapi_schema is None:
             app.openapi_schema = openapi_document(app, BODIES, vocab=vocab, metrics=metrics is not None,
-                                                  api_key=api_key is not None)
+                                                  api_key=api_key is not None, model_name=model_name)
         return app.openapi_schema
 
     app.openapi = openapi
