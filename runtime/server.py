@@ -61,7 +61,8 @@ gets a chunk whose regular text is empty (`text` "" / `delta.content` "", so cli
 text) and whose choice carries `"draft": {"text": ..., "block": b, "step": s}`: the block's current argmax canvas
 as text (cut at eos, at the token budget and before a stop string), provisional, replaced by the block's own event.
 
-Errors are OpenAI-shaped (`protocol.APIError`): malformed JSON (also NaN / Infinity and nesting deeper than
+Errors are OpenAI-shaped (`protocol.APIError`; FastAPI's and Starlette's own 404 / 405 too, and with `api_key` a
+401 from `auth.APIKeyAuth`; types are strict, as OpenAI's; docs/serving.md "One error shape"): malformed JSON (also NaN / Infinity and nesting deeper than
 `limits.MAX_DEPTH`), unknown or unsupported fields, bad values, prompts beyond the context, parsing + tokenization
 past `input_timeout_s` -> 400; an unknown model -> 404; a body over `max_body_bytes` -> 413; a full queue -> 429; an
 engine failure -> 500 for the requests it hit alone. A request is validated whole before any of its choices is
