@@ -94,6 +94,7 @@ from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_p
 from . import protocol as P
 from .auth import APIKeyAuth, Secret
 from .engine import BlockEvent, Engine, QueueFullError
+from .http_errors import ErrorCounter
 from .engine import Request as EngineRequest
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
@@ -140,8 +141,10 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         raise ValueError("api_key: must be a non-empty string (or None: no key)")
     app = FastAPI(title="dgemma serve")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if api_key is not None:  # outermost: a request without the key is answered before its body is read
+    if api_key is not None:  # outer: a request without the key is answered before its body is read
         app.add_middleware(APIKeyAuth, api_key=Secret(api_key))
+    if metrics is not None:  # outermost: counts every error answer, the key's and the body limit's too
+        app.add_middleware(ErrorCounter, registry=metrics.registry)
     created = int(time.time())
     bos = engine.model.config.bos_token_id
     vocab = engine.model.config.vocab_size

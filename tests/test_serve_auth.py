@@ -64,6 +64,8 @@ def test_every_route_needs_the_key(server, caplog):
     for path in ("/health", "/metrics", "/openapi.json"):
         assert _send(server, "GET", path, None, None).status_code == 200, path
     assert KEY not in caplog.text
+    text = _send(server, "GET", "/metrics", None, None).text  # refusals by status on /metrics
+    assert 'dgemma_http_errors_total{status="401"}' in text and 'dgemma_http_errors_total{status="404"} 1.0' in text
 
 
 def test_the_key_is_never_shown():
