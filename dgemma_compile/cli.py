@@ -124,12 +124,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
     s.add_argument("--input-timeout", type=float, default=30.0, metavar="S",
                    help="seconds one request's parsing and tokenization may take; longer gets HTTP 400 (default 30)")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a client has to send a request's head (request line and headers) after connecting "
+                        "or after its previous answer; longer gets HTTP 408 and the connection closed (default 10)")
     s.add_argument("--image-dir", type=Path, default=None, metavar="DIR",
                    help="image_url parts may name local files (file: URLs) inside DIR (default: none)")
     s.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image_url parts (default: data: URLs only)")
+    s.add_argument("--allow-private-image-urls", action="store_true",
+                   help="with --allow-image-urls: also fetch from loopback, private, link-local and other non-public "
+                        "addresses (for local use; default: refused, on every redirect hop too)")
+    s.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="with --allow-image-urls: fetch only from these host names (exact, case-insensitive; "
+                        "checked on every redirect hop; default: any public host)")
     s.add_argument("--max-image-bytes", type=int, default=8 * 2**20, metavar="B",
                    help="the largest image an image_url part may hold, decoded or fetched (default 8 MiB)")
+    s.add_argument("--max-image-pixels", type=int, default=32 * 2**20, metavar="N",
+                   help="the most pixels (width x height) an image may have, checked before decoding (default 32 Mi)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every /v1 and tokenizer route needs 'Authorization: Bearer KEY' (HTTP 401 otherwise; "
+                        "/health and /metrics stay open); default: the environment variable DGEMMA_API_KEY, else "
+                        "no key. Prefer the variable: a command line is visible to other users of the machine")
     s.add_argument("--max-logprobs", type=int, default=20, metavar="K",
                    help="the most alternatives per token a request's logprobs may ask for (completions' logprobs, "
                         "chat's top_logprobs; more get HTTP 400); each denoise step keeps K per position (default "
@@ -697,6 +712,17 @@ def explain_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """`dgemma serve`'s API key: --api-key, else the environment variable DGEMMA_API_KEY, else None (no key).
+    Raises ConfigError for an empty or blank key (never showing it)."""
+    from .config import ConfigError
+
+    key = args.api_key if args.api_key is not None else os.environ.get("DGEMMA_API_KEY")
+    if key is not None and not key.strip():
+        raise ConfigError("api_key: --api-key / DGEMMA_API_KEY is empty; give a key or leave both unset")
+    return key
+
+
 def serve_command(args: argparse.Namespace, ranks=None) -> int:
     """`dgemma serve`: load, build and warm the engine (compiles its bucket), then serve until interrupted.
     `ranks` (`parallel.ranks.Ranks`): one rank of a tensor-parallel run; rank 0 serves HTTP, the others follow its
@@ -714,20 +740,30 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     from dgemma_runtime import build_engine
 
     for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes",
-                 "max_image_bytes"):
+                 "max_image_bytes", "max_image_pixels"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"{name}: must be a positive integer, got {v}")
     if not 0 <= args.max_logprobs <= 64:
         raise ConfigError(f"max_logprobs: must be an integer in [0, 64], got {args.max_logprobs}")
+    if not args.header_timeout > 0:
+        raise ConfigError(f"header_timeout: must be a positive number of seconds, got {args.header_timeout}")
     if not args.input_timeout > 0:
         raise ConfigError(f"input_timeout: must be a positive number of seconds, got {args.input_timeout}")
     if args.image_dir is not None and not args.image_dir.is_dir():
         raise ConfigError(f"image_dir: {args.image_dir} is not a directory")
     from .preprocess import ImageSources
 
+    if (args.allow_private_image_urls or args.allowed_media_domains) and not args.allow_image_urls:
+        raise ConfigError("allow_image_urls: --allow-private-image-urls and --allowed-media-domains apply to fetched "
+                          "image URLs: add --allow-image-urls")
+    domains = (None if args.allowed_media_domains is None else
+               frozenset(d.lower().rstrip(".") for d in args.allowed_media_domains))
     sources = ImageSources(directory=args.image_dir, fetch=args.allow_image_urls, max_bytes=args.max_image_bytes,
-                           timeout_s=min(10.0, args.input_timeout / 2))  # inside the request's input timeout
+                           timeout_s=min(10.0, args.input_timeout / 2),  # inside the request's input timeout
+                           allow_private=args.allow_private_image_urls, allowed_domains=domains,
+                           max_pixels=args.max_image_pixels)
+    api_key = _api_key(args)
     model_dir = args.model if args.model is not None else DEMO_MODEL
     model = _load(model_dir, args, ranks)
     tokenizer = load_tokenizer(model_dir)
@@ -759,20 +795,23 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
         return 0
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics, max_body_bytes=args.max_body_bytes,
-                     input_timeout_s=args.input_timeout, image_sources=sources)
+                     input_timeout_s=args.input_timeout, image_sources=sources, api_key=api_key)
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else f'--compile {mode}'} "
           f"kv={'static' if engine.memory is None else f'pages {engine.memory.pool.capacity}x{args.kv_page_size}'} "
           f"batch_invariant={'on' if engine.batch_invariant else 'off'} max_logprobs={engine.max_logprobs} "
-          f"setup_s={time.perf_counter() - start:.1f} threads={threads}"
+          f"setup_s={time.perf_counter() - start:.1f} threads={threads} api_key={'on' if api_key else 'off'}"
           f"{'' if ranks is None else f' tensor_parallel_size={ranks.world_size}'}", file=sys.stderr, flush=True)
     for b in engine.bucket_table():
         print(f"dgemma: bucket rows={b['rows']} tokens_per_row={b['tokens_per_row']} "
               f"fuse_commit={'on' if b['fuse_commit'] else 'off'} kv={b['kv']} unit={b['unit']} "
               f"compiled={'eager' if b['compiled'] is None else b['compiled']} step={b['step']}", file=sys.stderr,
               flush=True)
-    server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)))
+    from dgemma_runtime.http_protocol import bounded_protocol
+
+    server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                http=bounded_protocol(args.header_timeout))))
     if fatal:  # lost a rank before the server started
         server[0].should_exit = True
     try:

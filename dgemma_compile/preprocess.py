@@ -1,13 +1,15 @@
 """Image files -> `images.Image`, through transformers' own Gemma4 image processor (the PIL one: no torchvision).
 
 `Gemma4ImageProcessorPil` resizes an image, keeping its aspect ratio, to sides that are multiples of
-patch_size x pooling_kernel_size pixels holding at most max_soft_tokens x pooling^2 patches, rescales to [0, 1] (no
-normalisation), and cuts it into patches (`pixel_values` [max_patches, 3 * patch^2], `image_position_ids`
+patch_size x pooling_kernel_size pixels holding at most max_soft_tokens x pooling^2 patches, rescales (by default to
+[0, 1], no normalisation; a checkpoint's saved `resample`, `rescale_factor`, `do_normalize`, `image_mean` /
+`image_std` are honoured, as transformers' `AutoImageProcessor` reads them), and cuts it into patches (`pixel_values` [max_patches, 3 * patch^2], `image_position_ids`
 [max_patches, 2], (-1, -1) for padding; `num_soft_tokens_per_image`: the soft tokens the prompt must hold for it).
 The processor's settings come from the checkpoint's `processor_config.json` (its `image_processor` entry) or
 `preprocessor_config.json` when present, else from the vision config (patch and pooling sizes) and transformers'
 default budget of 280 soft tokens. Needs pillow (`pip install pillow`). `open_image_url` reads an OpenAI
-`image_url` (data:, file: inside an allowed directory, http(s) when allowed, with a size limit and a timeout).
+`image_url` (data:, file: inside an allowed directory, http(s) when allowed through `fetch.fetch`'s address and
+domain checks, with a size limit and a timeout); every image's pixel count is bounded before it is decoded.
 
 Every failure raises `ConfigError` naming the file or the parameter; nothing is half-read.
 """
@@ -25,6 +27,10 @@ from .images import Image
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 """The soft-token budgets the processor takes per image (`max_soft_tokens`)."""
 
+DEFAULT_MAX_PIXELS = 32 * 2**20
+"""The most pixels (width x height) an image may have before it is decoded: 33.5 M, ~100 MB as RGB (a 48 MP phone
+photo is refused; `dgemma serve --max-image-pixels`)."""
+
 
 def _pil():
     try:
@@ -35,30 +41,23 @@ def _pil():
     return PILImage, UnidentifiedImageError
 
 
-def read_image(path: str | Path, *, max_bytes: int = 32 * 2**20):
+def read_image(path: str | Path, *, max_bytes: int = 32 * 2**20, max_pixels: int = DEFAULT_MAX_PIXELS):
     """The image at `path` as an RGB PIL image, fully decoded. Raises `ConfigError` naming the file: missing, larger
-    than `max_bytes`, not an image, or truncated."""
-    PILImage, Unidentified = _pil()
+    than `max_bytes`, more than `max_pixels` pixels (width x height, read from the header before decoding), not an
+    image, or truncated."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"image: {p}: file not found")
     size = p.stat().st_size
     if size > max_bytes:
         raise ConfigError(f"image: {p}: {size} bytes, more than the {max_bytes} allowed")
-    try:
-        with PILImage.open(p) as im:
-            im.load()  # decode now: a truncated file fails here, not later
-            return im.convert("RGB")
-    except Unidentified:
-        raise ConfigError(f"image: {p}: not an image pillow can read") from None
-    except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
-        raise ConfigError(f"image: {p}: could not decode ({e})") from None
+    return _decode(p, f"image: {p}", max_pixels)
 
 
-def decode_data_url(url: str, name: str, *, max_bytes: int = 32 * 2**20):
+def decode_data_url(url: str, name: str, *, max_bytes: int = 32 * 2**20, max_pixels: int = DEFAULT_MAX_PIXELS):
     """The image of a `data:image/...;base64,...` URL as an RGB PIL image, fully decoded. Raises `ConfigError` naming
-    `name` (e.g. the request part): another scheme, not base64, more than `max_bytes` decoded, not an image, or
-    truncated."""
+    `name` (e.g. the request part): another scheme, not base64, more than `max_bytes` decoded, more than `max_pixels`
+    pixels (checked before decoding), not an image, or truncated."""
     import base64
     import binascii
 
@@ -74,32 +73,46 @@ def decode_data_url(url: str, name: str, *, max_bytes: int = 32 * 2**20):
         raise ConfigError(f"{name}: the data URL is not valid base64") from None
     if len(raw) > max_bytes:
         raise ConfigError(f"{name}: the image is more than the {max_bytes} bytes allowed")
-    return _decode_bytes(raw, name)
+    return _decode_bytes(raw, name, max_pixels)
 
 
 @dataclass(frozen=True)
 class ImageSources:
     """Where an image URL may point, and the limits (the server's `--image-dir`, `--allow-image-urls`,
-    `--max-image-bytes`): `data:` URLs always; `file:` URLs (or absolute paths) only inside `directory`; `http(s)`
-    URLs only with `fetch`, read with a `timeout_s` per request and at most `max_bytes`."""
+    `--allow-private-image-urls`, `--allowed-media-domains`, `--max-image-bytes`, `--max-image-pixels`): `data:`
+    URLs always; `file:` URLs (or absolute paths) only inside `directory`; `http(s)` URLs only with `fetch`, through
+    `fetch.fetch` (public addresses only unless `allow_private`; only hosts in `allowed_domains` when given, on every
+    redirect hop too), read with a `timeout_s` per connection and read and at most `max_bytes`; every image at most
+    `max_pixels` pixels, checked from its header before it is decoded."""
 
     directory: Path | None = None
     fetch: bool = False
     max_bytes: int = 8 * 2**20
     timeout_s: float = 10.0
+    allow_private: bool = False
+    allowed_domains: frozenset[str] | None = None
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def policy(self):
+        """The `fetch.FetchPolicy` of http(s) URLs."""
+        from .fetch import FetchPolicy
+
+        return FetchPolicy(allow_private=self.allow_private, allowed_domains=self.allowed_domains,
+                           timeout_s=self.timeout_s, max_bytes=self.max_bytes)
 
 
 def open_image_url(url: str, name: str, sources: ImageSources = ImageSources()):
     """The image an OpenAI `image_url` names, as an RGB PIL image, under `sources`' rules. Raises `ConfigError`
-    naming `name`: a scheme not allowed, a file outside the allowed directory, a fetch that fails, times out or
-    passes `max_bytes`, and everything `decode_data_url` / `read_image` refuse."""
-    import urllib.error
+    naming `name`: a scheme not allowed, a file outside the allowed directory, a fetch that is refused (a host not
+    allowed, a non-public address), fails, times out or passes `max_bytes` (`fetch.fetch`: its messages never say
+    why a connection failed), an image over `max_pixels`, and everything `decode_data_url` / `read_image` refuse."""
     import urllib.parse
-    import urllib.request
+
+    from .fetch import FetchError, fetch
 
     scheme = urllib.parse.urlsplit(url).scheme.lower() if "://" in url or url.startswith("data:") else ""
     if scheme == "data":
-        return decode_data_url(url, name, max_bytes=sources.max_bytes)
+        return decode_data_url(url, name, max_bytes=sources.max_bytes, max_pixels=sources.max_pixels)
     if scheme == "file" or (scheme == "" and url.startswith("/")):
         if sources.directory is None:
             raise ConfigError(f"{name}: local files are not served (the server was started without --image-dir)")
@@ -108,7 +121,7 @@ def open_image_url(url: str, name: str, sources: ImageSources = ImageSources()):
         if not path.is_relative_to(root):
             raise ConfigError(f"{name}: {path} is outside the allowed image directory")
         try:
-            return read_image(path, max_bytes=sources.max_bytes)
+            return read_image(path, max_bytes=sources.max_bytes, max_pixels=sources.max_pixels)
         except ConfigError as e:
             raise ConfigError(f"{name}: {str(e).removeprefix('image: ')}") from None
     if scheme in ("http", "https"):
@@ -116,39 +129,53 @@ def open_image_url(url: str, name: str, sources: ImageSources = ImageSources()):
             raise ConfigError(f"{name}: http(s) image URLs are not fetched (the server was started without "
                               f"--allow-image-urls)")
         try:
-            with urllib.request.urlopen(url, timeout=sources.timeout_s) as resp:  # noqa: S310 (http(s) only)
-                raw = resp.read(sources.max_bytes + 1)
-        except TimeoutError:
-            raise ConfigError(f"{name}: fetching the image timed out after {sources.timeout_s} s") from None
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            reason = getattr(e, "reason", e)
-            kind = "timed out" if isinstance(reason, TimeoutError) else f"failed ({reason})"
-            raise ConfigError(f"{name}: fetching the image {kind}") from None
+            raw = fetch(url, sources.policy())
+        except FetchError as e:
+            raise ConfigError(f"{name}: {e}") from None
         if len(raw) > sources.max_bytes:
             raise ConfigError(f"{name}: the image is more than the {sources.max_bytes} bytes allowed")
-        return _decode_bytes(raw, name)
+        return _decode_bytes(raw, name, sources.max_pixels)
     raise ConfigError(f"{name}: unsupported image URL scheme {scheme or url[:16]!r} (data:, file: or http(s))")
 
 
-def _decode_bytes(raw: bytes, name: str):
-    import io
-
+def _decode(source, name: str, max_pixels: int):
+    """A file or file-like object -> an RGB PIL image, its size checked against `max_pixels` from the header before
+    any pixel is decoded. Raises ConfigError naming `name`."""
     PILImage, Unidentified = _pil()
     try:
-        with PILImage.open(io.BytesIO(raw)) as im:
-            im.load()
+        with PILImage.open(source) as im:
+            w, h = im.size
+            if w * h > max_pixels:
+                raise ConfigError(f"{name}: the image is {w}x{h} = {w * h} pixels, more than the {max_pixels} allowed "
+                                  f"(dgemma serve --max-image-pixels)")
+            im.load()  # decode now: a truncated file fails here, not later
             return im.convert("RGB")
     except Unidentified:
         raise ConfigError(f"{name}: not an image pillow can read") from None
-    except (OSError, ValueError, SyntaxError) as e:
+    except PILImage.DecompressionBombError:  # pillow's own bound (2 x Image.MAX_IMAGE_PIXELS), checked at open
+        raise ConfigError(f"{name}: the image has more pixels than the {max_pixels} allowed "
+                          f"(dgemma serve --max-image-pixels)") from None
+    except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
         raise ConfigError(f"{name}: could not decode the image ({e})") from None
 
 
+def _decode_bytes(raw: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS):
+    import io
+
+    return _decode(io.BytesIO(raw), name, max_pixels)
+
+
+PROCESSOR_SETTINGS = ("max_soft_tokens", "patch_size", "pooling_kernel_size", "resample", "do_resize", "do_rescale",
+                      "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb")
+"""The saved processor settings honoured (as transformers' `AutoImageProcessor` reads them); others are ignored."""
+
+
 def image_processor(model, directory: str | Path | None = None, *, max_soft_tokens: int | None = None):
-    """transformers' `Gemma4ImageProcessorPil` for `model`'s vision encoder (see the module docstring); `directory`
-    (default `model.checkpoint_dir`) may hold the processor's saved settings; `max_soft_tokens` overrides their
-    budget. Raises `ConfigError`: a model without a vision encoder, a budget not in `SOFT_TOKEN_BUDGETS`, unreadable
-    settings."""
+    """transformers' `Gemma4ImageProcessorPil` for `model`'s vision encoder (see the module docstring), with the
+    checkpoint's saved settings (`PROCESSOR_SETTINGS`: resample, rescale, normalisation mean / std, patch and pooling
+    sizes, the soft-token budget); `directory` (default `model.checkpoint_dir`) may hold them; `max_soft_tokens`
+    overrides their budget. Raises `ConfigError`: a model without a vision encoder, a budget not in
+    `SOFT_TOKEN_BUDGETS`, unreadable settings, patch or pooling sizes other than the vision tower's."""
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     if getattr(model, "vision", None) is None:
@@ -165,7 +192,11 @@ def image_processor(model, directory: str | Path | None = None, *, max_soft_toke
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ConfigError(f"{path}: not valid JSON ({e})") from None
             saved = saved.get("image_processor", saved) if isinstance(saved, dict) else {}
-            settings.update({k: saved[k] for k in ("max_soft_tokens",) if k in saved})
+            settings.update({k: saved[k] for k in PROCESSOR_SETTINGS if k in saved})
+            for k in ("patch_size", "pooling_kernel_size"):  # the tower reads patches of its own size only
+                if settings[k] != getattr(tower, k):
+                    raise ConfigError(f"{path}: {k} {settings[k]!r} differs from the vision tower's "
+                                      f"{getattr(tower, k)!r} (config.json vision_config)")
             break
     if max_soft_tokens is not None:
         settings["max_soft_tokens"] = max_soft_tokens

@@ -18,10 +18,10 @@ whichever door it came through:
 
 Gemma-family models expect exactly one BOS at position 0; a prompt without it runs, silently worse.
 
-Every bad input raises `ConfigError` naming the thing: `prompt` (empty, or characters the tokenizer cannot
-encode; the tokenizer's special / added tokens written literally, e.g. the "<bos>" a chat template renders, are
-encoded as those tokens, as the tokenizer itself splits them out), `system`, `messages`, `chat template` (absent,
-or failing to render).
+Every bad input raises `ConfigError` naming the thing: `prompt` (empty, or text the tokenizer encodes as its
+unknown token, checked by encoding the text whole: `check_encodable`; the tokenizer's special / added tokens written
+literally, e.g. the "<bos>" a chat template renders, are encoded as those tokens, as the tokenizer itself splits
+them out), `system`, `messages`, `chat template` (absent, or failing to render).
 """
 
 from __future__ import annotations
@@ -42,22 +42,38 @@ def user_messages(prompt: str, system: str | None = None) -> list[dict[str, str]
     return messages + [{"role": "user", "content": prompt}]
 
 
-def check_encodable(tokenizer, text: str, name: str = "prompt") -> None:
-    """Raise `ConfigError` naming `name` when `text` is empty or holds characters the tokenizer maps to its unknown
-    token (byte-level tokenizers, which have none, encode everything)."""
+def check_encodable(tokenizer, text: str, name: str = "prompt", *, add_special_tokens: bool = False
+                    ) -> list[int] | None:
+    """Raise `ConfigError` naming `name` when `text` is empty or the tokenizer maps part of it to its unknown token
+    (byte-level tokenizers, which have none, encode everything). The text is encoded as a whole, as the prompt will
+    be (a word-level tokenizer knows words, not their characters); the tokenizer's added / special tokens written
+    literally ("<bos>" of a rendered chat template, the unknown token itself) are those tokens, not unknown text.
+    The message names the characters (or, where a piece longer than one character is unknown, the pieces) that
+    encode as the unknown token. Returns the ids of that encoding (`add_special_tokens` as the tokenizer's call takes
+    it), so a caller need not encode again; None where the text was not encoded whole (no unknown token, or a slow
+    tokenizer)."""
     if not isinstance(text, str):
         raise ConfigError(f"{name}: must be a string, got {type(text).__name__}")
     if not text:
         raise ConfigError(f"{name}: empty {name}")
     unk = tokenizer.unk_token_id
     if unk is None:
-        return
-    # the tokenizer's added / special tokens written literally ("<bos>" of a rendered chat template) encode as
-    # those tokens, as the tokenizer splits them out; only the characters around them are checked one by one
-    rest = _without_added_tokens(tokenizer, text)
-    unknown = sorted(ch for ch in set(rest) if unk in tokenizer(ch, add_special_tokens=False)["input_ids"])
-    if unknown:
-        raise ConfigError(f"{name}: characters the model's tokenizer cannot encode: {''.join(unknown)!r}")
+        return None
+    enc = None
+    try:
+        enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    except NotImplementedError:  # a slow (python) tokenizer has no offsets: each character alone, as before
+        rest = _without_added_tokens(tokenizer, text)
+        pieces = [ch for ch in set(rest) if unk in tokenizer(ch, add_special_tokens=False)["input_ids"]]
+    else:
+        pieces = [text[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
+                  if t == unk and text[a:b] != tokenizer.unk_token]
+    if not pieces:
+        return None if enc is None else [int(t) for t in enc["input_ids"]]
+    if all(len(p) == 1 for p in pieces):
+        raise ConfigError(f"{name}: characters the model's tokenizer cannot encode: {''.join(sorted(set(pieces)))!r}")
+    shown = ", ".join(repr(p[:40]) for p in list(dict.fromkeys(pieces))[:8])
+    raise ConfigError(f"{name}: text the model's tokenizer cannot encode: {shown}")
 
 
 def _without_added_tokens(tokenizer, text: str) -> str:
@@ -135,10 +151,10 @@ def encode_prompt(tokenizer, text: str, *, bos_token_id: int | None, images: Ima
         ConfigError: `prompt` is empty or holds characters the tokenizer cannot encode; placeholders and images that
             differ in number.
     """
-    check_encodable(tokenizer, text, "prompt")
+    ids = check_encodable(tokenizer, text, "prompt", add_special_tokens=True)
     if images is not None:
-        text = images.expand(text, "prompt", prepend=True)
-    return with_one_bos(tokenizer(text)["input_ids"], bos_token_id)
+        text, ids = images.expand(text, "prompt", prepend=True), None
+    return with_one_bos(tokenizer(text)["input_ids"] if ids is None else ids, bos_token_id)
 
 
 def chat_template(tokenizer) -> str:

@@ -74,6 +74,12 @@ NEUTRAL_CHAT = {**NEUTRAL_COMMON, "functions": (([],), "the legacy function call
                 "modalities": ((["text"],), "text only"), "prediction": ((), "no predicted outputs")}
 
 
+def cut(value: Any, limit: int = 80) -> str:
+    """`value` as JSON text, at most `limit` characters (then ending in "..."): how errors echo a client's value."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _same(value: Any, neutral: Any) -> bool:
     """JSON equality that keeps bools apart from numbers (`true` is not 1)."""
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
@@ -337,8 +343,8 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str = None  # absent or a string (null refused, as the schema says)
+    messages: list[ChatMessage] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -360,7 +366,7 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 class DetokenizeResponse(BaseModel):
@@ -502,7 +508,7 @@ def validation_message(error: Exception) -> tuple[str, str | None]:
     if not errors:
         return str(error), None
     e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if not isinstance(x, int)]
+    loc = [str(x)[:80] for x in e.get("loc", ()) if not isinstance(x, int)]  # a key is a client value: cut
     msg = e.get("msg", str(error)).removeprefix("Value error, ")
     if e.get("type") == "extra_forbidden":
         return f"{'.'.join(loc)}: unrecognized request argument", (loc[0] if loc else None)

@@ -61,7 +61,8 @@ gets a chunk whose regular text is empty (`text` "" / `delta.content` "", so cli
 text) and whose choice carries `"draft": {"text": ..., "block": b, "step": s}`: the block's current argmax canvas
 as text (cut at eos, at the token budget and before a stop string), provisional, replaced by the block's own event.
 
-Errors are OpenAI-shaped (`protocol.APIError`): malformed JSON (also NaN / Infinity and nesting deeper than
+Errors are OpenAI-shaped (`protocol.APIError`; FastAPI's and Starlette's own 404 / 405 too, and with `api_key` a
+401 from `auth.APIKeyAuth`; types are strict, as OpenAI's; docs/serving.md "One error shape"): malformed JSON (also NaN / Infinity and nesting deeper than
 `limits.MAX_DEPTH`), unknown or unsupported fields, bad values, prompts beyond the context, parsing + tokenization
 past `input_timeout_s` -> 400; an unknown model -> 404; a body over `max_body_bytes` -> 413; a full queue -> 429; an
 engine failure -> 500 for the requests it hit alone. A request is validated whole before any of its choices is
@@ -80,20 +81,24 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.constraint import GrammarLibrary
 from dgemma_compile.images import prepare as prepare_images
 from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_prompt
 from . import protocol as P
+from .auth import APIKeyAuth, Secret
 from .engine import BlockEvent, Engine, QueueFullError
+from .http_errors import ErrorCounter
 from .engine import Request as EngineRequest
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
+from .openapi import document as openapi_document
 from .structured import FIELDS as STRUCTURED_FIELDS, request_constraint
 from .tools import ToolAnswer, ToolRequest, resolve_tools, template_messages
 
@@ -125,14 +130,21 @@ MAX_IMAGES = 8
 
 def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources=None,
-               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S) -> FastAPI:
+               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
     `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
     `image_sources`: where image_url parts may point and the limits (`preprocess.ImageSources`; default `data:` URLs
     only, 8 MiB each; at most `MAX_IMAGES` per request; a refusal is a 400 naming the part); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
-    take (400 past it)."""
+    take (400 past it); `api_key`: every /v1 and tokenizer route needs `Authorization: Bearer <api_key>` (401
+    otherwise, `auth.APIKeyAuth`); None: open. Raises ValueError for an empty `api_key`."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key: must be a non-empty string (or None: no key)")
     app = FastAPI(title="dgemma serve")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key is not None:  # outer: a request without the key is answered before its body is read
+        app.add_middleware(APIKeyAuth, api_key=Secret(api_key))
+    if metrics is not None:  # outermost: counts every error answer, the key's and the body limit's too
+        app.add_middleware(ErrorCounter, registry=metrics.registry)
     created = int(time.time())
     bos = engine.model.config.bos_token_id
     vocab = engine.model.config.vocab_size
@@ -141,6 +153,17 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     async def _api_error(_: Request, e: P.APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405, ... in OpenAI's shape
+        err = P.APIError(e.status_code, str(e.detail)[:200],
+                         type="not_found_error" if e.status_code == 404 else "invalid_request_error")
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_error(_: Request, e: RequestValidationError) -> JSONResponse:  # FastAPI's own 422 -> 400
+        message, param = P.validation_message(e)
+        return JSONResponse(P.APIError(400, message[:500], param=param).body(), status_code=400)
+
     @app.exception_handler(Exception)
     async def _server_error(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped, never text/plain
         err = P.APIError(500, f"internal error: {type(e).__name__}", type="server_error")
@@ -148,13 +171,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version="1", routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in BODIES.values():
-                s = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                components.update(s.pop("$defs", {}))
-                components[model.__name__] = s
-            app.openapi_schema = schema
+            app.openapi_schema = openapi_document(app, BODIES, vocab=vocab, metrics=metrics is not None,
+                                                  api_key=api_key is not None, model_name=model_name)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -185,13 +203,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise P.APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
+            raise P.APIError(404, f"model {P.cut(name)} does not exist; this server serves {model_name!r}",
                              param="model", type="not_found_error", code="model_not_found")
 
     def validate(raw: bytes, model: type):
         body = parse_json(raw)
         try:
-            return model.model_validate(body)
+            return model.model_validate(body, strict=True)  # OpenAI's types: no "0.5" for 0.5, no true for 1
         except ValidationError as e:
             message, param = P.validation_message(e)
             raise P.APIError(400, message, param=param) from None

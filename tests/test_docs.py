@@ -19,7 +19,8 @@ EXTS = (".py", ".md", ".json", ".toml", ".sh", ".txt", ".jinja", ".csv")
 EXTERNAL = {
     "config.json": "a checkpoint's file", "generation_config.json": "a checkpoint's file",
     "model.safetensors.index.json": "a checkpoint's file", "tokenizer_config.json": "a checkpoint's file",
-    "chat_template.jinja": "a checkpoint's file",
+    "chat_template.jinja": "a checkpoint's file", "processor_config.json": "a checkpoint's file",
+    "preprocessor_config.json": "a checkpoint's file",
     "modeling_diffusion_gemma.py": "transformers' source", "generation_diffusion_gemma.py": "transformers' source",
     "configuration_diffusion_gemma.py": "transformers' source", "/openapi.json": "a server route",
 }

@@ -99,3 +99,35 @@ def test_generate_with_image_flag(ck, tmp_path, capsys):
     assert "prompt: 1 image placeholders" in capsys.readouterr().err
     assert cli.main(["generate", "--model", str(d), "--eager", "--image", str(tmp_path / "none.png"), "x"]) == 2
     assert "none.png: file not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("processor_file", ["preprocessor_config.json", "processor_config.json"])
+def test_preprocess_honours_the_saved_processor_settings(ck, tmp_path, processor_file):
+    """Non-default resample, rescale, normalisation and budget saved with the checkpoint: the pixels equal those of
+    transformers' AutoImageProcessor loading the same directory (before, only max_soft_tokens was read: up to 1.0
+    apart with mean / std 0.5)."""
+    import json
+    import shutil
+
+    from transformers import AutoImageProcessor
+
+    d, model, _ = ck
+    tower = model.vision.hf_config
+    saved = {"image_processor_type": "Gemma4ImageProcessorPil", "resample": 2, "do_normalize": True,
+             "image_mean": [0.5, 0.4, 0.3], "image_std": [0.5, 0.6, 0.7], "rescale_factor": 1 / 127.5,
+             "max_soft_tokens": 140, "patch_size": tower.patch_size, "pooling_kernel_size": tower.pooling_kernel_size}
+    ck2 = tmp_path / "ck"
+    shutil.copytree(d, ck2)
+    body = {"image_processor": saved, "processor_class": "Gemma4Processor"} if processor_file == "processor_config.json" \
+        else saved
+    (ck2 / processor_file).write_text(json.dumps(body))
+    pil = read_image(png(tmp_path / "a.png", 150, 100, seed=3))
+    (im,) = preprocess(model, [pil], directory=ck2)
+    want = AutoImageProcessor.from_pretrained(ck2)(images=[pil], return_tensors="pt")
+    assert torch.equal(im.pixel_values, want["pixel_values"][0])
+    assert torch.equal(im.position_ids, want["image_position_ids"][0])
+    assert im.pixel_values.min() < 0  # normalised: not the default [0, 1]
+    # patch sizes the tower cannot read are refused, naming the file
+    (ck2 / processor_file).write_text(json.dumps({**saved, "patch_size": tower.patch_size * 2}))
+    with pytest.raises(ConfigError, match=f"{processor_file}: patch_size"):
+        preprocess(model, [pil], directory=ck2)

@@ -131,7 +131,7 @@ def test_file_and_http_urls_only_where_allowed(mm_server, tmp_path):
     threading.Thread(target=web.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{web.server_address[1]}"
     engine = build_engine(model, max_batch=1, max_seq_len=SLOTS, eager=True, tokenizer=tok)
-    sources = ImageSources(directory=tmp_path, fetch=True, max_bytes=2 * len(raw), timeout_s=0.5)
+    sources = ImageSources(directory=tmp_path, fetch=True, max_bytes=2 * len(raw), timeout_s=0.5, allow_private=True)
     part = lambda url: [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]  # noqa: E731
     try:
         with ServerThread(engine, tok, image_sources=sources) as srv:
@@ -139,12 +139,18 @@ def test_file_and_http_urls_only_where_allowed(mm_server, tmp_path):
                 r = _post(srv, "/v1/chat/completions", chat(part(url), max_denoising_steps=1))
                 assert r.status_code == 200, (url, r.text)
             for url, message in ((f"{base}/big.png", "more than the"), (f"{base}/slow.png", "timed out"),
-                                 (f"{base}/missing.png", "failed (Not Found)"), (f"file://{tmp_path}/../x.png", "outside the allowed"),
+                                 (f"{base}/missing.png", "fetched (HTTP 404)"), (f"file://{tmp_path}/../x.png", "outside the allowed"),
                                  (f"file://{tmp_path}/none.png", "file not found"), ("ftp://x/y.png", "unsupported")):
                 r = _post(srv, "/v1/chat/completions", chat(part(url)))
                 err = r.json()["error"]
                 assert r.status_code == 400 and err["param"] == "messages[0].content[0]", (url, r.text)
                 assert message in err["message"], (url, err["message"])
+        # fetching without --allow-private-image-urls: 127.0.0.1 is refused, the image server never reached
+        public_only = ImageSources(fetch=True, timeout_s=0.5)
+        with ServerThread(build_engine(model, max_batch=1, max_seq_len=SLOTS, eager=True, tokenizer=tok), tok,
+                          image_sources=public_only) as srv:
+            r = _post(srv, "/v1/chat/completions", chat(part(f"{base}/ok.png")))
+            assert r.status_code == 400 and "not a public address" in r.json()["error"]["message"], r.text
         # the defaults: data: URLs only
         with ServerThread(build_engine(model, max_batch=1, max_seq_len=SLOTS, eager=True, tokenizer=tok), tok) as srv:
             for url, message in ((f"{base}/ok.png", "without --allow-image-urls"),

@@ -304,3 +304,20 @@ def test_stop_strings_end_the_request_on_the_demo():
         m.finish()
         assert m.text == answer[:answer.index(stop)] and out.stats[0].finish_reason == "stop"
         assert out.stats[0].blocks == (1 if answer.index(stop) + len(stop) <= C else 2)
+
+
+def test_encodability_is_checked_by_encoding_the_text():
+    """A word-level tokenizer knows words, not their characters: a text of known words encodes (refused before, when
+    each character was checked alone); an unknown word is named."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "<bos>": 1, "hello": 2, "world": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]", bos_token="<bos>")
+    assert encode_prompt(tok, "hello world hello", bos_token_id=1) == [1, 2, 3, 2]
+    assert encode_prompt(tok, "hello [UNK]", bos_token_id=1) == [1, 2, 0]  # the unknown token written literally
+    with pytest.raises(ConfigError, match=r"^prompt: text the model's tokenizer cannot encode: 'moon', 'sun'$"):
+        encode_prompt(tok, "hello moon world sun moon", bos_token_id=1)
+    with pytest.raises(ConfigError, match=r"^system: text the model's tokenizer cannot encode: 'hi'$"):
+        encode_chat(tok, user_messages("hello", system="hi"), bos_token_id=1)
