@@ -57,6 +57,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -133,6 +134,9 @@ class Request:
     constraint: Constraint | None = None
     """The text's grammar (docs/constrained.md): each block keeps and commits the prefix it accepts; None: free."""
     grammar: RowGrammar | None = None  # its matcher, made at `submit` (needs the engine's tokenizer)
+    compiled: Any = None
+    """The constraint's xgrammar `CompiledGrammar` made before `submit` (the server's grammar workers,
+    `grammars.GrammarService`); None: `submit` compiles it in the calling thread."""
 
 
 @dataclass
@@ -320,7 +324,8 @@ class Engine:
 
         request.prompt = list(request.prompt)
         if request.constraint is not None:
-            request.grammar = row_grammars(self.model, [request.constraint], [request.config], self.tokenizer)[0]
+            request.grammar = row_grammars(self.model, [request.constraint], [request.config], self.tokenizer,
+                                           [request.compiled])[0]
             request.slots = max(request.slots, len(request.prompt) + request.config.max_new_tokens - 1)
             check_slots(request.slots, self.max_seq_len, "the server's max_seq_len")
             if self.memory is not None:

@@ -73,6 +73,7 @@ freed at the engine's next iteration, finish reason "cancelled".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -92,6 +93,7 @@ from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_p
 from . import protocol as P
 from .engine import BlockEvent, Engine, QueueFullError
 from .engine import Request as EngineRequest
+from .grammars import GrammarLimits, GrammarService
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
 from .structured import FIELDS as STRUCTURED_FIELDS, request_constraint
@@ -125,13 +127,25 @@ MAX_IMAGES = 8
 
 def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources=None,
-               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S) -> FastAPI:
+               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S, grammar_limits: GrammarLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
     `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
     `image_sources`: where image_url parts may point and the limits (`preprocess.ImageSources`; default `data:` URLs
     only, 8 MiB each; at most `MAX_IMAGES` per request; a refusal is a 400 naming the part); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
-    take (400 past it)."""
-    app = FastAPI(title="dgemma serve")
+    take (400 past it); `grammar_limits`: the bounds of grammar compiles (`grammars.GrammarLimits`, its defaults
+    without), which run in worker processes the app kills at shutdown."""
+    grammars = GrammarService(lambda: GrammarLibrary.for_model(tokenizer, engine.model, engine.config.eos_token_ids),
+                              grammar_limits or GrammarLimits(), metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        try:
+            yield
+        finally:
+            await grammars.close()
+
+    app = FastAPI(title="dgemma serve", lifespan=lifespan)
+    app.state.grammars = grammars
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     created = int(time.time())
     bos = engine.model.config.bos_token_id
@@ -248,7 +262,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         return constraint, field
 
     def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
-               images=None, tool: ToolRequest | None = None) -> list[EngineRequest]:
+               images=None, tool: ToolRequest | None = None, compiled=None) -> list[EngineRequest]:
         """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
         compile: 400 naming the field it came from). `images`: the prompt's `images.ImagePrompt` (one prompt),
         shared by its choices."""
@@ -257,7 +271,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
                                  on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
-                                 images=images, constraint=constraint)
+                                 images=images, constraint=constraint, compiled=compiled)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
@@ -281,12 +295,20 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             raise _config_error(e) from None
         return choices
 
-    def compile_grammar(constraint, field: str) -> None:
-        """Compile the request's grammar (off the event loop; `Engine.submit` then finds it in xgrammar's cache)."""
+    async def compile_grammar(request: Request, constraint, field: str):
+        """The request's compiled grammar (`grammars.GrammarService`: a worker process, bounded), or None when the
+        client went away first (the compile's process is killed)."""
+        task = asyncio.ensure_future(grammars.compile(constraint, field, input_timeout_s))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            GrammarLibrary.for_model(tokenizer, engine.model, engine.config.eos_token_ids).compile(constraint)
-        except ConfigError as e:
-            raise P.APIError(400, f"{field}: {str(e).split(':', 1)[1].strip()}", param=field) from None
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return task.result() if task.done() else None
+        finally:
+            for t in (task, gone):
+                if not t.done():
+                    t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, P.APIError):
+                await task
 
     async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool, images=None,
                   tool: ToolRequest | None = None):
@@ -294,10 +316,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
         k = logprobs_of(req, chat)
         constraint, field = constraint_of(req, tool)
+        compiled = None
         if constraint is not None:
-            await offload(compile_grammar, constraint, "tools" if field == "tool_choice" else field,
-                          timeout=input_timeout_s, what="compiling the grammar", param=field)
-        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images, tool)
+            compiled = await compile_grammar(request, constraint, "tools" if field == "tool_choice" else field)
+            if compiled is None:
+                return Response(status_code=499)
+        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images, tool,
+                         compiled)
         index = {id(c): i for i, c in enumerate(choices)}
         lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]
         answers = [ToolAnswer(tokenizer, tool, frozenset(c.config.eos_token_ids)) if tool is not None and tool.parse
