@@ -103,11 +103,33 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
+def _unencodable(value: Any) -> str | None:
+    """The path (`messages[0].content`) of the first string (value or key) in a parsed JSON value that is not
+    Unicode text (a lone surrogate, which JSON's `\\ud800` escape can spell), or None (iterative)."""
+    stack = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                name = k.encode("utf-8", "backslashreplace").decode()  # a key's own lone surrogate as \\udxxx
+                stack.append((k, f"{path}.{name}" if path else name))
+                stack.append((x, f"{path}.{name}" if path else name))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
+    return None
+
+
 def parse_json(body: bytes) -> dict:
     """A request body -> its JSON object.
 
     Raises:
-        APIError: 400 for malformed JSON or UTF-8, NaN / Infinity, nesting deeper than `MAX_DEPTH`, a non-object.
+        APIError: 400 for malformed JSON or UTF-8, NaN / Infinity, nesting deeper than `MAX_DEPTH`, a non-object, a
+            string that is not Unicode text (a lone surrogate escape such as "\\ud800"; `param` names its field).
     """
     try:
         value = json.loads(body, parse_constant=_refuse_constant)
@@ -119,6 +141,11 @@ def parse_json(body: bytes) -> dict:
         raise APIError(400, f"malformed JSON body: nested deeper than {MAX_DEPTH} levels")
     if not isinstance(value, dict):
         raise APIError(400, "the body must be a JSON object")
+    bad = _unencodable(value)
+    if bad is not None:
+        bad = bad if len(bad) <= 100 else bad[:100] + "..."
+        raise APIError(400, f"{bad}: a lone surrogate (e.g. \\ud800) is not Unicode text; send each character "
+                            "whole (a surrogate pair)", param=bad, code="invalid_unicode")
     return value
 
 

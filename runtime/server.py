@@ -152,8 +152,9 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     vocab = engine.model.config.vocab_size
 
     @app.exception_handler(P.APIError)
-    async def _api_error(_: Request, e: P.APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def _api_error(_: Request, e: P.APIError) -> Response:
+        # ASCII JSON: an echoed value may hold a lone surrogate, which UTF-8 cannot encode (a 500 before)
+        return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
     @app.exception_handler(Exception)
     async def _server_error(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped, never text/plain
