@@ -262,6 +262,10 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             return tool.constraint, "tool_choice"
         return constraint, field
 
+    def refused(limit: str) -> None:
+        if metrics is not None:
+            metrics.refused(limit)
+
     def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
                images=None, tool: ToolRequest | None = None, compiled=None) -> list[EngineRequest]:
         """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
@@ -279,17 +283,12 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                 c.config = engine.check_request(c.prompt, c.config, c.seed, c.images)
         except ConfigError as e:
             raise _config_error(e) from None
-        queued = []
         try:
-            for c in choices:
-                queued.append(engine.submit(c))
+            engine.submit_all(choices)  # all of them or none
         except QueueFullError as e:
-            for c in queued:
-                engine.cancel(c)
+            refused("queue_full")
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-        except ConfigError as e:  # the constraint's (compiled at submit), before or with the first choice
-            for c in queued:
-                engine.cancel(c)
+        except ConfigError as e:  # the constraint's (a matcher made at submit)
             message = str(e)
             if field is not None and message.split(":", 1)[0] in ("constraint", "ignore_eos", "tokenizer"):
                 raise P.APIError(400, f"{field}: {message.split(':', 1)[1].strip()}", param=field) from None
@@ -317,6 +316,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
         k = logprobs_of(req, chat)
         constraint, field = constraint_of(req, tool)
+        count = len(prompts) * req.n
+        if count > engine.max_queue:  # could never be queued whole: a 400, not a 429 a client would retry
+            refused("too_many_choices")
+            param = "n" if req.n > 1 else "prompt"
+            raise P.APIError(400, f"{param}: {len(prompts)} prompt(s) x n={req.n} = {count} choices, more than this "
+                                  f"server's queue can ever hold ({engine.max_queue}, dgemma serve --max-queue)",
+                             param=param, code="too_many_choices")
         compiled = None
         if constraint is not None:
             compiled = await compile_grammar(request, constraint, "tools" if field == "tool_choice" else field)
