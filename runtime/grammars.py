@@ -81,14 +81,15 @@ class Worker:
                                                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         w = cls(proc)
         try:
-            if await w._ask(setup) != b"ready":
+            if await w.ask(setup) != b"ready":
                 raise RuntimeError("the grammar worker did not start")
         except BaseException:
             w.kill()
             raise
         return w
 
-    async def _ask(self, data: bytes) -> bytes:
+    async def ask(self, data: bytes) -> bytes:
+        """Send one frame, read the answer frame. Raises OSError / asyncio.IncompleteReadError when the process died."""
         self.proc.stdin.write(HEADER.pack(len(data)) + data)
         await self.proc.stdin.drain()
         n, = HEADER.unpack(await self.proc.stdout.readexactly(HEADER.size))
@@ -98,7 +99,7 @@ class Worker:
         """The worker's answer (`grammar_worker` docstring). Raises OSError / asyncio.IncompleteReadError when the
         process died."""
         spec = list(constraint.spec) if isinstance(constraint.spec, tuple) else constraint.spec
-        return await self._ask(json.dumps({"kind": constraint.kind, "spec": spec}).encode())
+        return await self.ask(json.dumps({"kind": constraint.kind, "spec": spec}).encode())
 
     def kill(self) -> None:
         """End the process (now) and reap it in the background."""
