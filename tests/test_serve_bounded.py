@@ -130,3 +130,29 @@ def test_hostile_grammars_end_with_their_requests(byte_model):
         assert grammars.workers <= limits.workers
         r = _post(srv, "/v1/completions", GOOD)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == solo
+
+
+def test_cli_grammar_flags_reach_the_app(monkeypatch):
+    """`dgemma serve --max-grammar-bytes/--grammar-timeout/--grammar-memory/--grammar-workers/--grammar-cache-bytes`
+    become the app's `GrammarLimits`; bad values are refused before loading."""
+    import dgemma_runtime.server as server
+    from dgemma_compile.cli import _parser, main, serve_command
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_create_app(engine, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(server, "create_app", fake_create_app)
+    with pytest.raises(Stop):
+        serve_command(_parser().parse_args(["serve", "--eager", "--max-grammar-bytes", "100", "--grammar-timeout",
+                                            "1.5", "--grammar-memory", "1000", "--grammar-workers", "3",
+                                            "--grammar-cache-bytes", "0"]))
+    assert seen["grammar_limits"] == GrammarLimits(max_bytes=100, timeout_s=1.5, memory_bytes=1000, workers=3,
+                                                   cache_bytes=0)
+    assert main(["serve", "--grammar-timeout", "0"]) == 2
+    assert main(["serve", "--grammar-workers", "0"]) == 2
