@@ -66,7 +66,8 @@ Errors are OpenAI-shaped (`protocol.APIError`): malformed JSON (also NaN / Infin
 past `input_timeout_s` -> 400; an unknown model -> 404; a body over `max_body_bytes` -> 413; a full queue -> 429; an
 engine failure -> 500 for the requests it hit alone. A request is validated whole before any of its choices is
 queued, so a bad request never reaches the engine. Parsing, tokenization and template rendering of a body over
-`limits.INLINE_BYTES` run in worker threads (`limits.offload`), never on the event loop; smaller ones in place. A client that disconnects (streaming or not) has its rows
+`limits.INLINE_BYTES` run in worker threads (`limits.offload`), never on the event loop; smaller ones in place. Grammars compile in worker
+processes bounded in size, time and memory (`grammars.GrammarService`), killed when their request ends. A client that disconnects (streaming or not) has its rows
 freed at the engine's next iteration, finish reason "cancelled".
 """
 
