@@ -130,12 +130,11 @@ class GrammarService:
         """Worker processes alive (idle or compiling)."""
         return len(self._idle) + len(self._busy)
 
-    def _count(self, outcome: str, refused: str | None = None) -> None:
+    def _count(self, outcome: str) -> None:
+        """One grammar request's outcome in the metrics (its refusal is counted by the server's error handler)."""
         if self.metrics is not None:
             self.metrics.grammar_compiled(outcome, self.cache.currsize if self.limits.cache_bytes else 0,
                                           self.workers)
-            if refused is not None:
-                self.metrics.refused(refused)
 
     async def compile(self, constraint: Constraint, field: str, wait_s: float):
         """xgrammar's `CompiledGrammar` of `constraint` (from the cache, or compiled by a worker); `field`: the
@@ -149,7 +148,7 @@ class GrammarService:
         """
         size = spec_bytes(constraint)
         if size > self.limits.max_bytes:
-            self._count("refused", "grammar_too_large")
+            self._count("refused")
             raise APIError(400, f"{field}: the grammar is {size} bytes, over this server's limit of "
                                 f"{self.limits.max_bytes} (dgemma serve --max-grammar-bytes)", param=field,
                            code="grammar_too_large")
@@ -167,7 +166,7 @@ class GrammarService:
         try:
             await asyncio.wait_for(self._slots.acquire(), wait_s)
         except TimeoutError:
-            self._count("refused", "grammar_workers_busy")
+            self._count("refused")
             raise APIError(429, f"{field}: every grammar worker stayed busy for {wait_s:g} s (dgemma serve "
                                 "--grammar-workers)", type="rate_limit_error", code="grammar_workers_busy") from None
         try:
@@ -183,7 +182,7 @@ class GrammarService:
             answer = await asyncio.wait_for(worker.compile(constraint), self.limits.timeout_s)
             healthy = answer[:1] != b"m"
         except TimeoutError:
-            self._count("refused", "grammar_timeout")
+            self._count("refused")
             raise APIError(400, f"{field}: compiling the grammar took longer than this server's bound of "
                                 f"{self.limits.timeout_s:g} s (dgemma serve --grammar-timeout)", param=field,
                            code="grammar_timeout") from None
@@ -197,7 +196,7 @@ class GrammarService:
                 worker.kill()
         kind, payload = answer[:1], answer[1:]
         if kind == b"m":
-            self._count("refused", "grammar_memory")
+            self._count("refused")
             raise APIError(400, f"{field}: compiling the grammar needed more than this server's bound of "
                                 f"{self.limits.memory_bytes} bytes (dgemma serve --grammar-memory)", param=field,
                            code="grammar_memory")

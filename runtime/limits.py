@@ -39,12 +39,13 @@ class BodyLimit:
     """ASGI middleware: HTTP bodies over `max_bytes` -> 413 {"error": {..., "code": "body_too_large"}}.
 
     A declared Content-Length over the limit is refused before the body is read; a chunked body is counted as it
-    arrives and refused at the first chunk past the limit (the app never sees it)."""
+    arrives and refused at the first chunk past the limit (the app never sees it). `on_refuse`: called for each
+    refusal answered here (a metric)."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, on_refuse: Callable[[], None] | None = None):
         if max_bytes < 1:
             raise ValueError(f"max_body_bytes: must be a positive integer, got {max_bytes}")
-        self.app, self.max_bytes = app, max_bytes
+        self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -80,6 +81,8 @@ class BodyLimit:
                              "(dgemma serve --max-body-bytes)", code="body_too_large")
 
     async def _refuse(self, send) -> None:
+        if self.on_refuse is not None:
+            self.on_refuse()
         body = json.dumps(self.error().body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

@@ -147,13 +147,16 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
     app = FastAPI(title="dgemma serve", lifespan=lifespan)
     app.state.grammars = grammars
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       on_refuse=None if metrics is None else lambda: metrics.refused("body_too_large"))
     created = int(time.time())
     bos = engine.model.config.bos_token_id
     vocab = engine.model.config.vocab_size
 
     @app.exception_handler(P.APIError)
     async def _api_error(_: Request, e: P.APIError) -> Response:
+        if metrics is not None and e.code is not None:  # every coded refusal: the limit (or rule) that refused it
+            metrics.refused(e.code)
         # ASCII JSON: an echoed value may hold a lone surrogate, which UTF-8 cannot encode (a 500 before)
         return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
@@ -263,10 +266,6 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             return tool.constraint, "tool_choice"
         return constraint, field
 
-    def refused(limit: str) -> None:
-        if metrics is not None:
-            metrics.refused(limit)
-
     def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
                images=None, tool: ToolRequest | None = None, compiled=None) -> list[EngineRequest]:
         """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
@@ -287,7 +286,6 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         try:
             engine.submit_all(choices)  # all of them or none
         except QueueFullError as e:
-            refused("queue_full")
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         except ConfigError as e:  # the constraint's (a matcher made at submit)
             message = str(e)
@@ -319,7 +317,6 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         constraint, field = constraint_of(req, tool)
         count = len(prompts) * req.n
         if count > engine.max_queue:  # could never be queued whole: a 400, not a 429 a client would retry
-            refused("too_many_choices")
             param = "n" if req.n > 1 else "prompt"
             raise P.APIError(400, f"{param}: {len(prompts)} prompt(s) x n={req.n} = {count} choices, more than this "
                                   f"server's queue can ever hold ({engine.max_queue}, dgemma serve --max-queue)",

@@ -44,6 +44,7 @@ def test_a_request_that_can_never_fit_is_a_400_and_queues_nothing(server, body, 
     err = r.json()["error"]
     assert err["code"] == "too_many_choices" and err["param"] == param and "--max-queue" in err["message"]
     assert _cancelled(server) == before and server.engine.queue_depth == 0
+    assert server.metrics.refusals.labels("too_many_choices")._value.get() >= 1
 
 
 def test_the_300_prompt_request_in_a_loop_beside_ordinary_clients(server):
