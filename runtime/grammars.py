@@ -170,12 +170,20 @@ class GrammarService:
             raise APIError(429, f"{field}: every grammar worker stayed busy for {wait_s:g} s (dgemma serve "
                                 "--grammar-workers)", type="rate_limit_error", code="grammar_workers_busy") from None
         try:
-            return await self._compile(constraint, field)
+            return await self._compile(constraint, field, wait_s)
         finally:
             self._slots.release()
 
-    async def _compile(self, constraint: Constraint, field: str):
-        worker = self._idle.pop() if self._idle else await Worker.start(self._setup)
+    async def _compile(self, constraint: Constraint, field: str, wait_s: float):
+        if self._idle:
+            worker = self._idle.pop()
+        else:
+            try:  # a new worker (Python, torch and xgrammar imports: ~2 s), within the wait's bound too
+                worker = await asyncio.wait_for(Worker.start(self._setup), wait_s)
+            except TimeoutError:
+                self._count("refused")
+                raise APIError(429, f"{field}: no grammar worker could start within {wait_s:g} s",
+                               type="rate_limit_error", code="grammar_workers_busy") from None
         self._busy.add(worker)
         healthy = False
         try:
@@ -206,7 +214,8 @@ class GrammarService:
             raise APIError(400, f"{field}: {message.split(':', 1)[1].strip()}", param=field)
         import xgrammar as xgr
 
-        grammar = xgr.CompiledGrammar.deserialize_json(payload.decode(), self.library.info)
+        # off the event loop: its time grows with the grammar (bounded by the worker's limits)
+        grammar = await asyncio.to_thread(xgr.CompiledGrammar.deserialize_json, payload.decode(), self.library.info)
         if self.limits.cache_bytes and grammar.memory_size_bytes <= self.limits.cache_bytes:
             self.cache[constraint] = grammar
         self._count("compiled")
