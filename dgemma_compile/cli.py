@@ -127,6 +127,20 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
                    help="seconds a client has to send a request's head (request line and headers) after connecting "
                         "or after its previous answer; longer gets HTTP 408 and the connection closed (default 10)")
+    s.add_argument("--max-grammar-bytes", type=int, default=64 * 2**10, metavar="B",
+                   help="the longest structured-output constraint (schema, regex, choices, tool tag) in bytes; longer "
+                        "gets HTTP 400 before compiling (default 64 KiB)")
+    s.add_argument("--grammar-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds one grammar compile may take; its worker process is killed past it, HTTP 400 "
+                        "(default 10)")
+    s.add_argument("--grammar-memory", type=int, default=2**30, metavar="B",
+                   help="bytes of address space a grammar worker's compiles may add (RLIMIT_AS); past it HTTP 400 "
+                        "and the worker is replaced (default 1 GiB)")
+    s.add_argument("--grammar-workers", type=int, default=2, metavar="N",
+                   help="grammar worker processes, compiles at once (default 2)")
+    s.add_argument("--grammar-cache-bytes", type=int, default=256 * 2**20, metavar="B",
+                   help="bytes of compiled grammars kept for reuse, least recently used dropped (default 256 MiB; 0: "
+                        "none)")
     s.add_argument("--image-dir", type=Path, default=None, metavar="DIR",
                    help="image_url parts may name local files (file: URLs) inside DIR (default: none)")
     s.add_argument("--allow-image-urls", action="store_true",
@@ -732,6 +746,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     try:
         import uvicorn
 
+        from dgemma_runtime.grammars import GrammarLimits
         from dgemma_runtime.metrics import ServeMetrics
         from dgemma_runtime.server import create_app
     except ImportError as e:
@@ -740,7 +755,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     from dgemma_runtime import build_engine
 
     for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes",
-                 "max_image_bytes", "max_image_pixels"):
+                 "max_image_bytes", "max_image_pixels", "max_grammar_bytes", "grammar_memory", "grammar_workers"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ConfigError(f"{name}: must be a positive integer, got {v}")
@@ -750,6 +765,10 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
         raise ConfigError(f"header_timeout: must be a positive number of seconds, got {args.header_timeout}")
     if not args.input_timeout > 0:
         raise ConfigError(f"input_timeout: must be a positive number of seconds, got {args.input_timeout}")
+    if not args.grammar_timeout > 0:
+        raise ConfigError(f"grammar_timeout: must be a positive number of seconds, got {args.grammar_timeout}")
+    if args.grammar_cache_bytes < 0:
+        raise ConfigError(f"grammar_cache_bytes: must be an integer >= 0, got {args.grammar_cache_bytes}")
     if args.image_dir is not None and not args.image_dir.is_dir():
         raise ConfigError(f"image_dir: {args.image_dir} is not a directory")
     from .preprocess import ImageSources
@@ -795,7 +814,10 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
         return 0
     name = args.served_model_name or ("dgemma-demo" if args.model is None else Path(model_dir).resolve().name)
     app = create_app(engine, model_name=name, tokenizer=tokenizer, metrics=metrics, max_body_bytes=args.max_body_bytes,
-                     input_timeout_s=args.input_timeout, image_sources=sources, api_key=api_key)
+                     input_timeout_s=args.input_timeout, image_sources=sources, api_key=api_key,
+                     grammar_limits=GrammarLimits(max_bytes=args.max_grammar_bytes, timeout_s=args.grammar_timeout,
+                                                  memory_bytes=args.grammar_memory, workers=args.grammar_workers,
+                                                  cache_bytes=args.grammar_cache_bytes))
     engine.start()
     print(f"dgemma: serving {name} on http://{args.host}:{args.port} max_batch={args.max_batch} "
           f"max_seq_len={engine.max_seq_len} steps={'eager' if args.eager else f'--compile {mode}'} "

@@ -123,6 +123,30 @@ def _choice_ebnf(options: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
 
 
+def compile_constraint(compiler, constraint: Constraint):
+    """`constraint` compiled by an xgrammar `GrammarCompiler` (`GrammarLibrary.compile`'s work, and a server's grammar
+    worker process's: `dgemma_runtime.grammars`). Raises ConstraintError naming the kind and the library's reason."""
+    import xgrammar as xgr
+
+    if not isinstance(constraint, Constraint):
+        raise ConfigError(f"constraint: must be a dgemma_compile Constraint, got {type(constraint).__name__}")
+    try:
+        if constraint.kind == "regex":
+            return compiler.compile_regex(constraint.spec)
+        if constraint.kind == "choice":
+            return compiler.compile_grammar(xgr.Grammar.from_ebnf(_choice_ebnf(constraint.spec)))
+        if constraint.kind == "structural_tag":
+            return compiler.compile_structural_tag(constraint.spec)
+        # json_object: xgrammar's builtin JSON grammar admits any value; an object is the schema {"type": "object"}
+        schema = constraint.spec if constraint.kind == "json_schema" else '{"type": "object"}'
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+    except (RuntimeError, ValueError, TypeError) as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        reason = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
+        raise ConstraintError(f"constraint: the grammar library cannot compile this {constraint.kind}: "
+                              f"{reason}") from None
+
+
 class GrammarLibrary:
     """Compiles constraints for one tokenizer and vocabulary (xgrammar's `TokenizerInfo` + `GrammarCompiler`, which
     caches compiled grammars).
@@ -170,36 +194,23 @@ class GrammarLibrary:
         return cache[key]
 
     def compile(self, constraint: Constraint):
-        """xgrammar's compiled grammar of `constraint`. Raises ConstraintError naming the kind and the library's
-        reason (an unsupported schema feature, a regex it cannot parse)."""
-        if not isinstance(constraint, Constraint):
-            raise ConfigError(f"constraint: must be a dgemma_compile Constraint, got {type(constraint).__name__}")
-        c = self.compiler
-        try:
-            if constraint.kind == "regex":
-                return c.compile_regex(constraint.spec)
-            if constraint.kind == "choice":
-                return c.compile_grammar(self._xgr.Grammar.from_ebnf(_choice_ebnf(constraint.spec)))
-            if constraint.kind == "structural_tag":
-                return c.compile_structural_tag(constraint.spec)
-            # json_object: xgrammar's builtin JSON grammar admits any value; an object is the schema {"type": "object"}
-            schema = constraint.spec if constraint.kind == "json_schema" else '{"type": "object"}'
-            return c.compile_json_schema(schema, any_whitespace=False)
-        except (RuntimeError, ValueError, TypeError) as e:
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            reason = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
-            raise ConstraintError(f"constraint: the grammar library cannot compile this {constraint.kind}: "
-                                  f"{reason}") from None
+        """xgrammar's compiled grammar of `constraint` (in this process; `compile_constraint`). Raises
+        ConstraintError naming the kind and the library's reason (an unsupported schema feature, a regex it cannot
+        parse)."""
+        return compile_constraint(self.compiler, constraint)
 
-    def matcher(self, constraint: Constraint) -> "RowGrammar":
-        """A fresh `RowGrammar` (empty prefix) for one request. Raises ConstraintError as `compile`."""
+    def matcher(self, constraint: Constraint, compiled=None) -> "RowGrammar":
+        """A fresh `RowGrammar` (empty prefix) for one request; `compiled`: its xgrammar `CompiledGrammar` made
+        elsewhere (a server's grammar worker, `dgemma_runtime.grammars`; for this library's tokenizer info), else
+        compiled here. Raises ConstraintError as `compile`."""
         json_kind = constraint.kind.startswith("json")
         banned = self.special | (self.json_banned() if json_kind else frozenset())
         if json_kind not in self._unbanned:  # the bitmask of every id not banned, once per library and kind
             allowed = torch.ones(self.vocab_size, dtype=torch.bool)
             allowed[list(banned)] = False
             self._unbanned[json_kind] = pack_bitmask(allowed)
-        return RowGrammar(self._xgr.GrammarMatcher(self.compile(constraint)), self.vocab_size,
+        grammar = compiled if compiled is not None else self.compile(constraint)
+        return RowGrammar(self._xgr.GrammarMatcher(grammar), self.vocab_size,
                           self.tokenizer_size, banned, self._unbanned[json_kind])
 
 
@@ -277,9 +288,10 @@ def resolve_constraints(constraint: Constraint | Sequence[Constraint | None] | N
     return list(constraint)
 
 
-def row_grammars(model, constraints: list, cfgs, tokenizer) -> list[RowGrammar | None]:
+def row_grammars(model, constraints: list, cfgs, tokenizer, compiled: list | None = None) -> list[RowGrammar | None]:
     """A fresh `RowGrammar` per constrained request (None for the others), compiled with the tokenizer's
-    `GrammarLibrary` at the model's vocabulary and the requests' eos ids.
+    `GrammarLibrary` at the model's vocabulary and the requests' eos ids; `compiled`: per request, its grammar
+    compiled elsewhere (`GrammarLibrary.matcher`) or None.
 
     Raises: ConfigError: constraints without a `tokenizer`, or with `ignore_eos` (a grammar ends on eos);
     ConstraintError: a constraint the library cannot compile, or whose first token no id of the vocabulary spells."""
@@ -288,10 +300,10 @@ def row_grammars(model, constraints: list, cfgs, tokenizer) -> list[RowGrammar |
     if tokenizer is None:
         raise ConfigError("tokenizer: a constraint needs the checkpoint's tokenizer (generate(..., tokenizer=...))")
     out: list[RowGrammar | None] = []
-    for c, cfg in zip(constraints, cfgs):
+    for c, cfg, done in zip(constraints, cfgs, compiled or [None] * len(constraints)):
         if c is not None and cfg.ignore_eos:
             raise ConfigError("ignore_eos: a constrained request ends with the grammar's eos; ignore_eos is refused")
-        g = None if c is None else GrammarLibrary.for_model(tokenizer, model, cfg.eos_token_ids).matcher(c)
+        g = None if c is None else GrammarLibrary.for_model(tokenizer, model, cfg.eos_token_ids).matcher(c, done)
         if g is not None and g.dead_end:
             raise ConstraintError(f"constraint: no token of the model's vocabulary can begin this {c.kind}")
         out.append(g)

@@ -3,7 +3,8 @@ public API (`bucket.Bucket` and its step, `finish.finalize_row`, `generate.plan_
 `engine.py` (continuous batching over one bucket's rows, one step per iteration at the smallest batch size that
 holds them), `parallel.py` (that engine over tensor-parallel ranks: rank 0's schedule, followed by the others),
 `kv_memory.py` / `kv_pool.py` / `prefix_cache.py` (paged KV memory), `protocol.py` (OpenAI request and
-response bodies), `limits.py` (bounded input work), `server.py` (FastAPI app: OpenAI-compatible routes, SSE),
+response bodies), `limits.py` (bounded input work), `grammars.py` / `grammar_worker.py` (grammar compiles in
+worker processes, bounded), `server.py` (FastAPI app: OpenAI-compatible routes, SSE),
 `metrics.py` (Prometheus).
 
 `engine` needs only the core install; `server` and `metrics` need the `[serve]` extra (fastapi, uvicorn,

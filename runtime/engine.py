@@ -57,6 +57,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -133,6 +134,9 @@ class Request:
     constraint: Constraint | None = None
     """The text's grammar (docs/constrained.md): each block keeps and commits the prefix it accepts; None: free."""
     grammar: RowGrammar | None = None  # its matcher, made at `submit` (needs the engine's tokenizer)
+    compiled: Any = None
+    """The constraint's xgrammar `CompiledGrammar` made before `submit` (the server's grammar workers,
+    `grammars.GrammarService`); None: `submit` compiles it in the calling thread."""
 
 
 @dataclass
@@ -308,6 +312,34 @@ class Engine:
         `draft_every` not an int >= 0; a constraint without a tokenizer, or beyond the cache: its commits are the kept
         prefixes, so it needs prompt + max_new_tokens - 1 committed slots), `constraint.ConstraintError` (a
         constraint the grammar library cannot compile; its message starts "constraint:") or QueueFullError."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: Sequence[Request]) -> list[Request]:
+        """Queue `requests` (one HTTP request's choices) whole or not at all: each is validated first (as `submit`),
+        then all are queued under one lock if the queue has room for all of them now. Thread-safe.
+
+        Raises:
+            ConfigError: as `submit`, for any of them; "max_queue: ..." when there are more than `max_queue`
+                (they could never be queued together); nothing is queued.
+            QueueFullError: the queue has room for fewer than all of them now; nothing is queued (nothing to
+                cancel: the ended-requests counter is untouched).
+        """
+        if len(requests) > self.max_queue:
+            raise ConfigError(f"max_queue: {len(requests)} requests at once can never wait in this engine's queue of "
+                              f"{self.max_queue}")
+        for r in requests:
+            self._prepare(r)
+        with self._wake:
+            room = self.max_queue - self._waiting()
+            if len(requests) > room:
+                raise QueueFullError(f"the queue is full: room for {max(room, 0)} of these {len(requests)} requests "
+                                     f"({self.max_queue} may wait)")
+            for r in requests:
+                self._enqueue(r)
+        return list(requests)
+
+    def _prepare(self, request: Request) -> None:
+        """`submit`'s validation of one request (its config, slots, grammar and stop matcher)."""
         k = request.draft_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ConfigError(f"draft_every: must be an integer >= 0, got {k!r}")
@@ -320,16 +352,14 @@ class Engine:
 
         request.prompt = list(request.prompt)
         if request.constraint is not None:
-            request.grammar = row_grammars(self.model, [request.constraint], [request.config], self.tokenizer)[0]
+            request.grammar = row_grammars(self.model, [request.constraint], [request.config], self.tokenizer,
+                                           [request.compiled])[0]
             request.slots = max(request.slots, len(request.prompt) + request.config.max_new_tokens - 1)
             check_slots(request.slots, self.max_seq_len, "the server's max_seq_len")
             if self.memory is not None:
                 self.memory.check(request.slots)
         if self.tokenizer is not None:
             request.matcher = StopStrings(self.tokenizer, request.stops)
-        with self._wake:
-            self._enqueue(request)
-        return request
 
     def _enqueue(self, request: Request) -> None:
         """Queue a validated request (the lock held): give it its id and wake the engine thread. Raises

@@ -39,12 +39,13 @@ class BodyLimit:
     """ASGI middleware: HTTP bodies over `max_bytes` -> 413 {"error": {..., "code": "body_too_large"}}.
 
     A declared Content-Length over the limit is refused before the body is read; a chunked body is counted as it
-    arrives and refused at the first chunk past the limit (the app never sees it)."""
+    arrives and refused at the first chunk past the limit (the app never sees it). `on_refuse`: called for each
+    refusal answered here (a metric)."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, on_refuse: Callable[[], None] | None = None):
         if max_bytes < 1:
             raise ValueError(f"max_body_bytes: must be a positive integer, got {max_bytes}")
-        self.app, self.max_bytes = app, max_bytes
+        self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -80,6 +81,8 @@ class BodyLimit:
                              "(dgemma serve --max-body-bytes)", code="body_too_large")
 
     async def _refuse(self, send) -> None:
+        if self.on_refuse is not None:
+            self.on_refuse()
         body = json.dumps(self.error().body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
@@ -103,11 +106,33 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
+def _unencodable(value: Any) -> str | None:
+    """The path (`messages[0].content`) of the first string (value or key) in a parsed JSON value that is not
+    Unicode text (a lone surrogate, which JSON's `\\ud800` escape can spell), or None (iterative)."""
+    stack = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                name = k.encode("utf-8", "backslashreplace").decode()  # a key's own lone surrogate as \\udxxx
+                stack.append((k, f"{path}.{name}" if path else name))
+                stack.append((x, f"{path}.{name}" if path else name))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in enumerate(v))
+    return None
+
+
 def parse_json(body: bytes) -> dict:
     """A request body -> its JSON object.
 
     Raises:
-        APIError: 400 for malformed JSON or UTF-8, NaN / Infinity, nesting deeper than `MAX_DEPTH`, a non-object.
+        APIError: 400 for malformed JSON or UTF-8, NaN / Infinity, nesting deeper than `MAX_DEPTH`, a non-object, a
+            string that is not Unicode text (a lone surrogate escape such as "\\ud800"; `param` names its field).
     """
     try:
         value = json.loads(body, parse_constant=_refuse_constant)
@@ -119,6 +144,11 @@ def parse_json(body: bytes) -> dict:
         raise APIError(400, f"malformed JSON body: nested deeper than {MAX_DEPTH} levels")
     if not isinstance(value, dict):
         raise APIError(400, "the body must be a JSON object")
+    bad = _unencodable(value)
+    if bad is not None:
+        bad = bad if len(bad) <= 100 else bad[:100] + "..."
+        raise APIError(400, f"{bad}: a lone surrogate (e.g. \\ud800) is not Unicode text; send each character "
+                            "whole (a surrogate pair)", param=bad, code="invalid_unicode")
     return value
 
 

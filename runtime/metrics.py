@@ -17,6 +17,10 @@ calls `iteration`, `block` and `request_done` from its thread; prometheus-client
 | dgemma_tokens_per_forward         | gauge   | generated tokens / row decoder passes (the field's metric)          |
 | dgemma_steps_per_block            | gauge   | mean decoder passes per block                                       |
 | dgemma_flag_read_seconds          | counter | seconds spent reading the [B] finished flags (once per iteration)   |
+| dgemma_refused_total{limit}       | counter | requests refused, by the limit that refused them (its error code)  |
+| dgemma_grammar_compiles_total{outcome} | counter | grammar requests: compiled, cached, error, refused             |
+| dgemma_grammar_cache_bytes        | gauge   | bytes of compiled grammars kept (`--grammar-cache-bytes`)          |
+| dgemma_grammar_workers            | gauge   | grammar worker processes alive (`--grammar-workers`)               |
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class ServeMetrics:
         self.requests = Counter("dgemma_requests", "Ended requests by finish reason", ["reason"], registry=r)
         for reason in REASONS:
             self.requests.labels(reason)
+        self.refusals = Counter("dgemma_refused", "Requests refused, by the limit that refused them", ["limit"],
+                                registry=r)
+        self.grammars = Counter("dgemma_grammar_compiles", "Grammar requests by outcome", ["outcome"], registry=r)
+        self.grammar_cache = Gauge("dgemma_grammar_cache_bytes", "Bytes of compiled grammars kept", registry=r)
+        self.grammar_workers = Gauge("dgemma_grammar_workers", "Grammar worker processes alive", registry=r)
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()
         self._totals = [0, 0, 0]  # tokens, row passes, blocks
@@ -78,6 +87,17 @@ class ServeMetrics:
             self._totals[0] += tokens
             self._totals[1] += steps
             self._totals[2] += 1
+
+    def refused(self, limit: str) -> None:
+        """A request refused by `limit` (the refusal's error code, e.g. "grammar_timeout", "queue_full")."""
+        self.refusals.labels(limit).inc()
+
+    def grammar_compiled(self, outcome: str, cache_bytes: int, workers: int) -> None:
+        """One grammar request's `outcome` ("compiled", "cached", "error", "refused"), and the cache and workers
+        after it."""
+        self.grammars.labels(outcome).inc()
+        self.grammar_cache.set(cache_bytes)
+        self.grammar_workers.set(workers)
 
     def request_done(self, reason: str) -> None:
         self.requests.labels(reason).inc()

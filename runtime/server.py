@@ -67,13 +67,15 @@ Errors are OpenAI-shaped (`protocol.APIError`; FastAPI's and Starlette's own 404
 past `input_timeout_s` -> 400; an unknown model -> 404; a body over `max_body_bytes` -> 413; a full queue -> 429; an
 engine failure -> 500 for the requests it hit alone. A request is validated whole before any of its choices is
 queued, so a bad request never reaches the engine. Parsing, tokenization and template rendering of a body over
-`limits.INLINE_BYTES` run in worker threads (`limits.offload`), never on the event loop; smaller ones in place. A client that disconnects (streaming or not) has its rows
+`limits.INLINE_BYTES` run in worker threads (`limits.offload`), never on the event loop; smaller ones in place. Grammars compile in worker
+processes bounded in size, time and memory (`grammars.GrammarService`), killed when their request ends. A client that disconnects (streaming or not) has its rows
 freed at the engine's next iteration, finish reason "cancelled".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -96,6 +98,7 @@ from .auth import APIKeyAuth, Secret
 from .engine import BlockEvent, Engine, QueueFullError
 from .http_errors import ErrorCounter
 from .engine import Request as EngineRequest
+from .grammars import GrammarLimits, GrammarService
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
 from .openapi import document as openapi_document
@@ -130,17 +133,32 @@ MAX_IMAGES = 8
 
 def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources=None,
-               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S, api_key: str | None = None) -> FastAPI:
+               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S, api_key: str | None = None,
+               grammar_limits: GrammarLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
     `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
     `image_sources`: where image_url parts may point and the limits (`preprocess.ImageSources`; default `data:` URLs
     only, 8 MiB each; at most `MAX_IMAGES` per request; a refusal is a 400 naming the part); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
     take (400 past it); `api_key`: every /v1 and tokenizer route needs `Authorization: Bearer <api_key>` (401
-    otherwise, `auth.APIKeyAuth`); None: open. Raises ValueError for an empty `api_key`."""
+    otherwise, `auth.APIKeyAuth`); None: open; `grammar_limits`: the bounds of grammar compiles
+    (`grammars.GrammarLimits`, its defaults without), which run in worker processes the app kills at shutdown.
+    Raises ValueError for an empty `api_key`."""
     if api_key is not None and not api_key:
         raise ValueError("api_key: must be a non-empty string (or None: no key)")
-    app = FastAPI(title="dgemma serve")
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    grammars = GrammarService(lambda: GrammarLibrary.for_model(tokenizer, engine.model, engine.config.eos_token_ids),
+                              grammar_limits or GrammarLimits(), metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        try:
+            yield
+        finally:
+            await grammars.close()
+
+    app = FastAPI(title="dgemma serve", lifespan=lifespan)
+    app.state.grammars = grammars
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       on_refuse=None if metrics is None else lambda: metrics.refused("body_too_large"))
     if api_key is not None:  # outer: a request without the key is answered before its body is read
         app.add_middleware(APIKeyAuth, api_key=Secret(api_key))
     if metrics is not None:  # outermost: counts every error answer, the key's and the body limit's too
@@ -150,8 +168,11 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
     vocab = engine.model.config.vocab_size
 
     @app.exception_handler(P.APIError)
-    async def _api_error(_: Request, e: P.APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def _api_error(_: Request, e: P.APIError) -> Response:
+        if metrics is not None and e.code is not None:  # every coded refusal: the limit (or rule) that refused it
+            metrics.refused(e.code)
+        # ASCII JSON: an echoed value may hold a lone surrogate, which UTF-8 cannot encode (a 500 before)
+        return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405, ... in OpenAI's shape
@@ -266,7 +287,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         return constraint, field
 
     def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
-               images=None, tool: ToolRequest | None = None) -> list[EngineRequest]:
+               images=None, tool: ToolRequest | None = None, compiled=None) -> list[EngineRequest]:
         """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
         compile: 400 naming the field it came from). `images`: the prompt's `images.ImagePrompt` (one prompt),
         shared by its choices."""
@@ -275,36 +296,38 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
                                  on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
-                                 images=images, constraint=constraint)
+                                 images=images, constraint=constraint, compiled=compiled)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
                 c.config = engine.check_request(c.prompt, c.config, c.seed, c.images)
         except ConfigError as e:
             raise _config_error(e) from None
-        queued = []
         try:
-            for c in choices:
-                queued.append(engine.submit(c))
+            engine.submit_all(choices)  # all of them or none
         except QueueFullError as e:
-            for c in queued:
-                engine.cancel(c)
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-        except ConfigError as e:  # the constraint's (compiled at submit), before or with the first choice
-            for c in queued:
-                engine.cancel(c)
+        except ConfigError as e:  # the constraint's (a matcher made at submit)
             message = str(e)
             if field is not None and message.split(":", 1)[0] in ("constraint", "ignore_eos", "tokenizer"):
                 raise P.APIError(400, f"{field}: {message.split(':', 1)[1].strip()}", param=field) from None
             raise _config_error(e) from None
         return choices
 
-    def compile_grammar(constraint, field: str) -> None:
-        """Compile the request's grammar (off the event loop; `Engine.submit` then finds it in xgrammar's cache)."""
+    async def compile_grammar(request: Request, constraint, field: str):
+        """The request's compiled grammar (`grammars.GrammarService`: a worker process, bounded), or None when the
+        client went away first (the compile's process is killed)."""
+        task = asyncio.ensure_future(grammars.compile(constraint, field, input_timeout_s))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            GrammarLibrary.for_model(tokenizer, engine.model, engine.config.eos_token_ids).compile(constraint)
-        except ConfigError as e:
-            raise P.APIError(400, f"{field}: {str(e).split(':', 1)[1].strip()}", param=field) from None
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return task.result() if task.done() else None
+        finally:
+            for t in (task, gone):
+                if not t.done():
+                    t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, P.APIError):
+                await task
 
     async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool, images=None,
                   tool: ToolRequest | None = None):
@@ -312,10 +335,19 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
         k = logprobs_of(req, chat)
         constraint, field = constraint_of(req, tool)
+        count = len(prompts) * req.n
+        if count > engine.max_queue:  # could never be queued whole: a 400, not a 429 a client would retry
+            param = "n" if req.n > 1 else "prompt"
+            raise P.APIError(400, f"{param}: {len(prompts)} prompt(s) x n={req.n} = {count} choices, more than this "
+                                  f"server's queue can ever hold ({engine.max_queue}, dgemma serve --max-queue)",
+                             param=param, code="too_many_choices")
+        compiled = None
         if constraint is not None:
-            await offload(compile_grammar, constraint, "tools" if field == "tool_choice" else field,
-                          timeout=input_timeout_s, what="compiling the grammar", param=field)
-        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images, tool)
+            compiled = await compile_grammar(request, constraint, "tools" if field == "tool_choice" else field)
+            if compiled is None:
+                return Response(status_code=499)
+        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images, tool,
+                         compiled)
         index = {id(c): i for i, c in enumerate(choices)}
         lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]
         answers = [ToolAnswer(tokenizer, tool, frozenset(c.config.eos_token_ids)) if tool is not None and tool.parse
