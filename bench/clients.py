@@ -37,7 +37,7 @@ from dgemma_compile.demo import DEMO_MODEL
 
 HOST = "127.0.0.1"
 MODEL = "dgemma-demo"
-PACKAGES = {"openai": ["openai"], "vllm": ["vllm"], "lmeval": ["lm-eval[api]"], "guidellm": ["guidellm"],
+PACKAGES = {"openai": ["openai"], "vllm": ["vllm[bench]"], "lmeval": ["lm-eval[api]", "transformers"], "guidellm": ["guidellm"],
             "aiperf": ["aiperf"]}
 PROMPTS = ["sort 3 1 2 9 5=", "rev 1 2 3 4 5 6 7 8 9 0 1=", "add 123+045=", "dedup 3 1 3 2=", "sort 9 8 7=",
            "rev 4 4 1=", "add 5+7=", "sort 2 1="]

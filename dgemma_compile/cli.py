@@ -528,9 +528,12 @@ def _load(model_dir, args: argparse.Namespace, ranks):
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     if ranks is None:
         return load(model_dir, dtype=dtype)
-    from . import parallel
+    from . import compute_dtype, parallel
 
     from .loader import CheckpointError
+
+    if dtype is None and ranks.device.type == "cpu":  # one decision for the group (compute_dtype.adopt)
+        compute_dtype.adopt(ranks.share(lambda: {d: compute_dtype.probe(d) for d in (torch.bfloat16, torch.float16)}))
 
     try:  # each rank reads only its slices; with --quant it quantizes the whole model first, then shards it
         return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device, quant=getattr(args, "quant", None),

@@ -89,7 +89,17 @@ def probe(dtype: torch.dtype, repeats: int = 5) -> HalfGemmProbe:
     """
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype: probe measures torch.bfloat16 or torch.float16, got {dtype!r}")
-    return _probe(dtype, repeats)
+    return _adopted.get(dtype) or _probe(dtype, repeats)
+
+
+def adopt(probes: dict[torch.dtype, HalfGemmProbe]) -> None:
+    """Use these measurements instead of measuring (each dtype's `probe`): a tensor-parallel group measures once, on
+    rank 0, so that every rank loads the same dtype (ranks probing apart under contention could disagree)."""
+    for p in probes.values():
+        _adopted[p.dtype] = p
+
+
+_adopted: dict[torch.dtype, HalfGemmProbe] = {}
 
 
 def for_host(stored: torch.dtype, device: torch.device) -> tuple[torch.dtype, HalfGemmProbe | None]:

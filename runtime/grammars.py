@@ -175,6 +175,8 @@ class GrammarService:
             self._slots.release()
 
     async def _compile(self, constraint: Constraint, field: str, wait_s: float):
+        while self._idle and self._idle[-1].proc.returncode is not None:  # died idle (OOM killer, parent gone)
+            self._idle.pop()
         if self._idle:
             worker = self._idle.pop()
         else:

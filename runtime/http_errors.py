@@ -33,9 +33,19 @@ class ErrorCounter:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = False
+
         async def counted(message):
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.counter.labels(str(message["status"])).inc()
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    self.counter.labels(str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:  # answered as a 500 by Starlette's ServerErrorMiddleware, which sits outside this one
+            if not started:
+                self.counter.labels("500").inc()
+            raise

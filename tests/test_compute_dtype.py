@@ -86,3 +86,11 @@ def test_dgemma_generate_on_an_avx2_only_cpu_computes_a_bf16_checkpoint_in_float
     assert "computing in float32" in auto_err and "dtype=float32" in auto_err.splitlines()[-1]
     assert auto_out == f32_out and "dtype=float32" in f32_err.splitlines()[-1]
     assert "computing in float32" not in kept_err and "dtype=bfloat16" in kept_err.splitlines()[-1]
+
+
+def test_adopted_measurements_decide_instead_of_measuring(monkeypatch):
+    """A tensor-parallel group's ranks adopt rank 0's probes (cli._load), so they cannot load different dtypes."""
+    monkeypatch.setattr(compute_dtype, "_adopted", {})
+    monkeypatch.setattr(compute_dtype, "_probe", lambda *a: pytest.fail("measured although adopted"))
+    compute_dtype.adopt({torch.bfloat16: _slow(torch.bfloat16)})
+    assert compute_dtype.for_host(torch.bfloat16, torch.device("cpu")) == (torch.float32, _slow(torch.bfloat16))

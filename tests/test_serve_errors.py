@@ -179,3 +179,25 @@ def test_a_half_sent_head_times_out():
             s.sendall(b"NOT HTTP\r\n\r\n")
             out, _ = _read_all(s, 5)
         assert out.startswith(b"HTTP/1.1 400 ") and b'"code": "malformed_request"' in out, out
+
+
+def test_an_unhandled_exception_is_counted_as_a_500():
+    """Starlette answers an unhandled exception outside every user middleware, so ErrorCounter counts it itself."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from dgemma_runtime.http_errors import ErrorCounter
+
+    app, registry = FastAPI(), CollectorRegistry()
+
+    @app.get("/boom")
+    def boom():
+        raise RuntimeError("boom")
+
+    app.add_middleware(ErrorCounter, registry=registry)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.get("/boom").status_code == 500
+        assert client.get("/nowhere").status_code == 404
+    counts = {s.labels["status"]: s.value for m in registry.collect() for s in m.samples if s.name.endswith("_total")}
+    assert counts == {"500": 1.0, "404": 1.0}, counts
