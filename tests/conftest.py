@@ -80,3 +80,14 @@ def demo_gen(demo):
     from dgemma_compile.compile import CompileOptions, build
 
     return build(demo[0], CompileOptions(batch_buckets=(2,), max_seq_len=256))
+
+
+@pytest.fixture(scope="session")
+def shared_compile_cache(tmp_path_factory):
+    """The user-level compile cache every process of the suite shares (`artifacts.cache_root()`, docs/testing.md), for
+    tests whose subject is not the cold compile itself: a suite that ran before loads their steps instead of
+    compiling them again. A temporary directory when the cache is turned off (`DGEMMA_CACHE=off`)."""
+    from dgemma_compile.compile.artifacts import cache_root
+
+    root = cache_root()
+    return root if root is not None else tmp_path_factory.mktemp("dgemma-cache")

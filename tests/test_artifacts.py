@@ -281,20 +281,23 @@ _RUN = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_second_venv_at_another_path_loads_the_step_and_compiles_nothing(tmp_path):
-    """Process 1 (this venv, empty caches) compiles the demo's step and saves it. Process 2 runs from a copy of this
-    venv at another path (so torch's include paths differ, as in a new clone's .venv) with an EMPTY Inductor cache
-    and the same compile cache: it loads the step -- no Dynamo trace, no Inductor compile, no g++ build -- and gives
-    the same tokens."""
+def test_a_second_venv_at_another_path_loads_the_step_and_compiles_nothing(tmp_path, shared_compile_cache):
+    """Process 1 (this venv, an empty Inductor cache) runs the demo's step from the suite's compile cache: compiled
+    and saved on the suite's first run, loaded on later ones (the cold compile and save of a fresh cache are
+    `test_a_damaged_step_entry_...`'s and the CLI tests' subject, on cheaper models). Process 2 runs from a copy of
+    this venv at another path (so torch's include paths differ, as in a new clone's .venv) with an EMPTY Inductor
+    cache and the same compile cache: it loads the step -- no Dynamo trace, no Inductor compile, no g++ build -- and
+    gives the same tokens."""
     venv2 = tmp_path / "venv-elsewhere"
     shutil.copytree(sys.prefix, venv2, symlinks=True, copy_function=os.link)  # hard links: seconds, no space
     python2 = venv2 / "bin" / "python"
-    cache = tmp_path / "dgemma-cache"
+    cache = shared_compile_cache
     runs = []
     for python, inductor in ((sys.executable, tmp_path / "inductor-1"), (str(python2), tmp_path / "inductor-2")):
         env = {**os.environ, "DGEMMA_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(inductor),
                "OMP_NUM_THREADS": "1"}
         env.pop("PYTHONPATH", None)
+        env.pop("DGEMMA_CACHE", None)
         done = subprocess.run([python, "-c", _RUN], env=env, capture_output=True, text=True, timeout=900,
                               cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -304,8 +307,8 @@ def test_a_second_venv_at_another_path_loads_the_step_and_compiles_nothing(tmp_p
     check = subprocess.run([str(python2), "-c", "import torch; print(torch.__file__)"], capture_output=True,
                            text=True, check=True)
     assert check.stdout.startswith(str(venv2))  # the second process's torch really is elsewhere
-    assert first["compiles"] == 1 and first["source"] == "compiled"
+    assert first["compiles"] + first["loads"] == 1 and first["source"] in ("compiled", "loaded")
     assert (second["compiles"], second["loads"], second["source"]) == (0, 1, "loaded"), second["log"]
     assert second["cpp_builds"] == 0 and second["cpp_hits"] >= 1
-    assert first["probes_recorded"] == 0 and second["probes_recorded"] >= 1  # the ISA probes answered by the store
+    assert second["probes_recorded"] >= 1  # the ISA probes answered by the store
     assert second["sequences"] == first["sequences"]

@@ -19,13 +19,15 @@ PROMPT = "sort 3 1 2 9 5="
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One compile cache for this module: the first compile of the demo's batch-1 step fills it."""
-    return tmp_path_factory.mktemp("dgemma-cache")
+def cache(shared_compile_cache):
+    """The suite's compile cache: the first run of the suite compiles the demo's batch-1 step into it, later runs load
+    it (the cold compile and save are `test_artifacts`' subject)."""
+    return shared_compile_cache
 
 
 def _generate(cache_dir, *flags):
     env = {**os.environ, "DGEMMA_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    env.pop("DGEMMA_CACHE", None)
     done = subprocess.run([sys.executable, "-m", "dgemma_compile.cli", "generate", PROMPT, *flags], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -36,8 +38,8 @@ def _generate(cache_dir, *flags):
 @pytest.mark.slow
 def test_compile_modes_give_the_same_answer_and_say_where_the_step_came_from(cache, tmp_path):
     """never: the eager step, nothing compiled; auto with an empty cache and one prompt: eager too, no background
-    process (a one-batch job does not repay a compile); always: compiled now and saved; auto again: loaded from the
-    cache. One answer throughout."""
+    process (a one-batch job does not repay a compile); always: compiled now and saved (or loaded, when an earlier
+    run of the suite saved it); auto again: loaded from the cache. One answer throughout."""
     never, f_never, _ = _generate(cache, "--compile", "never")
     assert (f_never["step"], f_never["compile_s"]) == ("eager", "0.0")
     auto_cold, f_cold, err = _generate(tmp_path / "empty", "--compile", "auto")
