@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.dgemma.*)
+from .checkpoint_info import CheckpointInfo
 from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
 from .masks import flex_block_attention
@@ -361,7 +362,8 @@ class DiffusionGemma(nn.Module):
         self.window_kind = window_kind
         self.attention = attention
         self.moe_impl = moe_impl
-        self.generation_config = GenerationConfig()  # the loader sets the checkpoint's
+        self.generation_config = GenerationConfig()  # the loader sets the checkpoint's (transformers' attribute)
+        self.checkpoint = CheckpointInfo()  # where the weights came from and how they are held (loader, quant)
         # nn.Embedding's N(0, 1) init, except under the loader's `torch.device("meta")`: there is nothing to fill,
         # and torch's meta `normal_` is a decomposition that imports Dynamo and Inductor (about 2 s `load` need not pay)
         meta = torch.get_default_device().type == "meta"
@@ -374,6 +376,7 @@ class DiffusionGemma(nn.Module):
                                                                          bias=False)
         self.sc_embedding: nn.Linear | None = None  # `quant.quantize`: the embeddings as a [V -> D] projection
         self.vocab_shard = None  # `parallel.shard`: this rank's `parallel.sampler.VocabShard`
+        self.tensor_parallel = None  # `parallel.shard`: the rank's `parallel.shard.TensorParallel`
         self.vision: VisionEncoder | None = VisionEncoder(vision, config.hidden_size) if vision is not None else None
         self.init_buffers(self.embed_tokens.weight.device)
 
