@@ -220,8 +220,8 @@ def _weights(ctx: Context, scheme: str | None) -> None:
     from dgemma_compile.quant.quantize import weight_bytes
 
     if scheme is None:
-        n = weight_bytes(ctx.model)  # a checkpoint stored quantized says so (the loader sets model.quant_scheme)
-        ctx.extra["quant"] = dict(scheme=getattr(ctx.model, "quant_scheme", None) or "none", bytes_before=n,
+        n = weight_bytes(ctx.model)  # a checkpoint stored quantized says so (the loader sets model.checkpoint.quant_scheme)
+        ctx.extra["quant"] = dict(scheme=ctx.model.checkpoint.quant_scheme or "none", bytes_before=n,
                                   bytes_after=n, quantized=0, excluded=0, seconds=0.0)
         return
     import dgemma_compile as dg

@@ -441,9 +441,9 @@ def _quantize(model, scheme: str | None) -> str | None:
         from .quant import quantize
 
         print(quantize(model, scheme).text(), file=sys.stderr)
-    elif getattr(model, "quant_report", None) is not None:
-        print(model.quant_report.text(), file=sys.stderr)
-    return getattr(model, "quant_scheme", None)
+    elif model.checkpoint.quant_report is not None:
+        print(model.checkpoint.quant_report.text(), file=sys.stderr)
+    return model.checkpoint.quant_scheme
 
 
 def generate_command(args: argparse.Namespace, ranks=None) -> int:
@@ -518,7 +518,7 @@ def _shared(ranks, make):
 def _load(model_dir, args: argparse.Namespace, ranks):
     """The model (--dtype); in a tensor-parallel run this rank's shard of it, read slice by slice from the files
     (`parallel.load_sharded`, on the rank's device; a compressed-tensors checkpoint too), or with --quant loaded
-    whole, quantized as one process would and then sharded (`model.quant_report` set), so that every rank holds the
+    whole, quantized as one process would and then sharded (`model.checkpoint.quant_report` set), so that every rank holds the
     one-process quantized weights' slices. Raises ConfigError for a split the model's shapes refuse."""
     import torch
 

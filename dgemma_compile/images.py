@@ -129,7 +129,7 @@ def prepare(model, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[I
             runs before every prompt is checked.
     """
     R = len(prompts)
-    vision = getattr(model, "vision", None)
+    vision = model.vision
     image_id = vision.config.image_token_id if vision is not None else None
     if images is None:
         if image_id is not None:

@@ -15,8 +15,8 @@ every other tensor; `load(..., vision=False)` skips them (one log line), as text
 
 Quantized checkpoints (compressed-tensors, `quantization_config` in config.json): read by `quant/checkpoint.py`
 into the torchao tensors `quant.quantize` builds for the scheme they run as (the stored data as they are, never
-cast); `model.quant_scheme` and `model.quant_report` say what was loaded quantized and what the checkpoint left in
-float. Needs torchao (the `[quant]` extra).
+cast); `model.checkpoint.quant_scheme` and `.quant_report` say what was loaded quantized and what the checkpoint
+left in float. Needs torchao (the `[quant]` extra).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from . import compute_dtype
+from .checkpoint_info import CheckpointInfo, LazyWeights
 from .config import ConfigError, GenerationConfig, ModelConfig, read_json
 from .model import DiffusionGemma
 from .vision import VisionConfig
@@ -147,13 +148,13 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             disk. Without them `model.vision` is None and prompts with images are refused.
         lazy: state-dict names for which it returns True are checked (name, shape, dtype; a quantized one's whole
             stored family) but not read: they stay meta tensors of the checkpoint's (dequantized) shape,
-            `model.weight_sources[name]` = (file, key) and `model.weight_dtype` the dtype they load as; a quantized
-            one's `quant.checkpoint.StoredWeight` in `model.quantized_sources[name]`, its keys' files in
-            `model.weight_files` (`parallel.load_sharded` reads each rank's slices of them).
+            recorded in `model.checkpoint.lazy` (`checkpoint_info.LazyWeights`: each float one's file and key and
+            the dtype they load as, a quantized one's `quant.checkpoint.StoredWeight` and its keys' files), from
+            which `parallel.load_sharded` reads each rank's slices.
     Returns:
-        The model in eval mode, with `.generation_config` (a `GenerationConfig`) and `.checkpoint_dir` set; for a
-        quantized checkpoint also `.quant_scheme` (the `quant.SCHEMES` name it runs as) and `.quant_report` (a
-        `quant.QuantReport`). Quantized data keep their stored dtypes (fp8 weight scales become float32, losslessly);
+        The model in eval mode, with `.generation_config` (a `GenerationConfig`) and `.checkpoint` (a
+        `checkpoint_info.CheckpointInfo`: the directory; for a quantized checkpoint also the `quant.SCHEMES` name it
+        runs as and its `quant.QuantReport`). Quantized data keep their stored dtypes (fp8 weight scales become float32, losslessly);
         `dtype` applies to every other tensor and is the quantized weights' dequantized dtype.
     Raises:
         CheckpointError: missing/corrupt/truncated files, missing or unexpected tensors, wrong shapes or dtypes,
@@ -261,15 +262,14 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
             set(skipped) | set(skipped_quantized))
     model.init_buffers(device)
     model.generation_config = gen
-    model.checkpoint_dir = directory
     model.requires_grad_(False)
-    if lazy is not None:
-        model.weight_sources, model.weight_dtype = skipped, target
-        model.quantized_sources = skipped_quantized
-        model.weight_files = {k: files[k] for s in skipped_quantized.values() for k in s.all_keys()}
-    if fmt is not None:
-        model.quant_scheme = fmt.scheme
-        model.quant_report = checkpoint.report(model, fmt, quantized, kinds, target, hf_names)
+    model.checkpoint = CheckpointInfo(
+        directory=directory,
+        quant_scheme=fmt.scheme if fmt is not None else None,
+        quant_report=checkpoint.report(model, fmt, quantized, kinds, target, hf_names) if fmt is not None else None,
+        lazy=LazyWeights(skipped, target, skipped_quantized,
+                         {k: files[k] for s in skipped_quantized.values() for k in s.all_keys()})
+        if lazy is not None else None)
     return model.eval()
 
 

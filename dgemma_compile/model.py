@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.dgemma.*)
+from .checkpoint_info import CheckpointInfo
 from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import CacheFullError, KVCache, new_cache
 from .masks import flex_block_attention
@@ -361,7 +362,8 @@ class DiffusionGemma(nn.Module):
         self.window_kind = window_kind
         self.attention = attention
         self.moe_impl = moe_impl
-        self.generation_config = GenerationConfig()  # the loader sets the checkpoint's
+        self.generation_config = GenerationConfig()  # the loader sets the checkpoint's (transformers' attribute)
+        self.checkpoint = CheckpointInfo()  # where the weights came from and how they are held (loader, quant)
         # nn.Embedding's N(0, 1) init, except under the loader's `torch.device("meta")`: there is nothing to fill,
         # and torch's meta `normal_` is a decomposition that imports Dynamo and Inductor (about 2 s `load` need not pay)
         meta = torch.get_default_device().type == "meta"
@@ -374,6 +376,7 @@ class DiffusionGemma(nn.Module):
                                                                          bias=False)
         self.sc_embedding: nn.Linear | None = None  # `quant.quantize`: the embeddings as a [V -> D] projection
         self.vocab_shard = None  # `parallel.shard`: this rank's `parallel.sampler.VocabShard`
+        self.tensor_parallel = None  # `parallel.shard`: the rank's `parallel.shard.TensorParallel`
         self.vision: VisionEncoder | None = VisionEncoder(vision, config.hidden_size) if vision is not None else None
         self.init_buffers(self.embed_tokens.weight.device)
 
@@ -479,33 +482,31 @@ class DiffusionGemma(nn.Module):
 
     # ----- the forward entry points (unchecked, no host synchronisation: what the steps call) -------------------
     def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,
-                     self_conditioning_logits: torch.Tensor | None = None, moe_impl: str | None = None,
-                     self_conditioning_embeds: torch.Tensor | None = None,
+                     self_conditioning: torch.Tensor | None = None, moe_impl: str | None = None,
                      input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of rows in different modes (`plan.py`): encoder rows (prefill chunk or commit) embed their
-        ids and commit their real tokens; denoise rows take the self-conditioned embedding of their canvas (the
-        signal of `self_conditioning_logits` [B, T, V] where `plan.self_conditioning`, zero elsewhere); idle rows
-        only pass through. Advances `cache.lengths` by `plan.commit`. Returns the final-norm hidden states
-        [B, T, D] (`logits()` for the denoise rows). `self_conditioning_embeds` [B, T, D]: the signal as its soft
-        embedding (`self_conditioning_embedding`; what the generators carry), in place of `self_conditioning_logits`.
-        Either may cover only the first T' < T tokens ([B, T', ...]: a fused mixed plan's denoise rows hold their
-        canvas there); the signal is zero after them. The model builds no plan: callers do (`plan.build_plan`,
-        `plan.PlanBuffers`; `uniform.py` for the uniform passes). `input_embeds` [B, T, D] (model dtype): the
-        input embeddings of an encoder plan in place of embedding `ids_BT` (a prompt's image soft tokens scattered
-        into its placeholder positions, `images.embed_with_images`)."""
+        ids and commit their real tokens; denoise rows take the self-conditioned embedding of their canvas, whose
+        signal is `self_conditioning` [B, T', D] (model dtype: the soft embedding of the previous step's
+        probabilities, `self_conditioning_embedding`) where `plan.self_conditioning`, zero elsewhere and without it
+        (a block's first step); idle rows only pass through. T' <= T: a fused mixed plan's denoise rows hold their
+        canvas in the first T' tokens; the signal is zero after them. Advances `cache.lengths` by `plan.commit`.
+        Returns the final-norm hidden states [B, T, D] (`logits()` for the denoise rows). The model builds no plan:
+        callers do (`plan.build_plan`, `plan.PlanBuffers`; `uniform.py` for the uniform passes). `input_embeds`
+        [B, T, D] (model dtype): the input embeddings of an encoder plan in place of embedding `ids_BT` (a prompt's
+        image soft tokens scattered into its placeholder positions, `images.embed_with_images`)."""
         embeds = self._embed(ids_BT) if input_embeds is None else input_embeds
-        sc = plan.self_conditioning
         den = plan.denoise_tokens
         if den is False:
             return self._forward_block(embeds, cache, plan, moe_impl)
-        signal = self_conditioning_embeds if self_conditioning_embeds is not None else self_conditioning_logits
         B, T, D = embeds.shape
-        if signal is not None and signal.shape[1] < T:  # the signal of the first T' tokens, zero after them
-            soft = self._soft_embedding(embeds[:, :signal.shape[1]], self_conditioning_logits, sc,
-                                        self_conditioning_embeds)
-            soft = torch.cat([soft, soft.new_zeros(B, T - signal.shape[1], D)], dim=1)
+        if self_conditioning is None:
+            soft = torch.zeros_like(embeds)
         else:
-            soft = self._soft_embedding(embeds, self_conditioning_logits, sc, self_conditioning_embeds)
+            soft = self_conditioning
+            if plan.self_conditioning is not None:
+                soft = torch.where(plan.self_conditioning[:, None, None], soft, torch.zeros_like(soft))
+            if soft.shape[1] < T:  # the signal of the first T' tokens, zero after them
+                soft = torch.cat([soft, soft.new_zeros(B, T - soft.shape[1], D)], dim=1)
         denoised = self.self_conditioning(embeds, soft)
         x = denoised if den is True else torch.where(den[..., None], denoised, embeds)
         return self._forward_block(x, cache, plan, moe_impl)
@@ -544,21 +545,6 @@ class DiffusionGemma(nn.Module):
         return product * self.embed_scale.to(weight.dtype)
 
     # ----- internals --------------------------------------------------------------------------------------------
-    def _soft_embedding(self, embeds_BTD: torch.Tensor, logits_BTV: torch.Tensor | None,
-                        mask_B: torch.Tensor | None, soft_BTD: torch.Tensor | None = None) -> torch.Tensor:
-        """The self-conditioning input: `self_conditioning_embedding(softmax(logits))` (or `soft_BTD` when given),
-        zero for rows outside `mask_B` (when given) and everywhere without either (a block's first step: zero, not
-        uniform)."""
-        if soft_BTD is not None:
-            soft = soft_BTD
-        elif logits_BTV is None:
-            return torch.zeros_like(embeds_BTD)
-        else:
-            soft = self.self_conditioning_embedding(torch.softmax(logits_BTV, dim=-1, dtype=torch.float32))
-        if mask_B is not None:
-            soft = torch.where(mask_B[:, None, None], soft, torch.zeros_like(soft))
-        return soft
-
     def _embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight
         return self.embed_tokens(ids_BT) * self.embed_scale.to(weight.dtype)

@@ -173,17 +173,17 @@ PROCESSOR_SETTINGS = ("max_soft_tokens", "patch_size", "pooling_kernel_size", "r
 def image_processor(model, directory: str | Path | None = None, *, max_soft_tokens: int | None = None):
     """transformers' `Gemma4ImageProcessorPil` for `model`'s vision encoder (see the module docstring), with the
     checkpoint's saved settings (`PROCESSOR_SETTINGS`: resample, rescale, normalisation mean / std, patch and pooling
-    sizes, the soft-token budget); `directory` (default `model.checkpoint_dir`) may hold them; `max_soft_tokens`
+    sizes, the soft-token budget); `directory` (default `model.checkpoint.directory`) may hold them; `max_soft_tokens`
     overrides their budget. Raises `ConfigError`: a model without a vision encoder, a budget not in
     `SOFT_TOKEN_BUDGETS`, unreadable settings, patch or pooling sizes other than the vision tower's."""
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    if getattr(model, "vision", None) is None:
+    if model.vision is None:
         raise ConfigError("image: this model has no vision encoder (a text-only checkpoint, one whose image token id "
                           "is outside its vocabulary, or loaded with vision=False)")
     tower = model.vision.hf_config
     settings = {"patch_size": tower.patch_size, "pooling_kernel_size": tower.pooling_kernel_size}
-    directory = directory if directory is not None else getattr(model, "checkpoint_dir", None)
+    directory = directory if directory is not None else model.checkpoint.directory
     for name in ("processor_config.json", "preprocessor_config.json"):
         path = Path(directory) / name if directory is not None else None
         if path is not None and path.is_file():

@@ -44,8 +44,7 @@ SplitMix64 with an unchunked inverse CDF."""
 
 def step_scheme(model) -> str:
     """The numerics a model's steps sample with: `SCHEME`, or under tensor parallel its `vocab_shard.scheme`."""
-    shard = getattr(model, "vocab_shard", None)
-    return SCHEME if shard is None else shard.scheme
+    return SCHEME if model.vocab_shard is None else model.vocab_shard.scheme
 
 
 GREEDY_BELOW = torch.finfo(torch.float32).tiny

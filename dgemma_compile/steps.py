@@ -327,7 +327,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     steps = steps_in + stepping.long()
     # run uncompiled (a driver's eager step), attention reads dense masks instead of FlexAttention's eager path
     fplan = plan.plan if torch.compiler.is_compiling() else plan.eager_plan()
-    hidden = model.forward_plan(ids, cache, fplan, moe_impl=moe_impl, self_conditioning_embeds=state.sc_embeds)
+    hidden = model.forward_plan(ids, cache, fplan, state.sc_embeds, moe_impl=moe_impl)
     if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
         hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
     logits = model.logits(hidden, local=True)  # under tensor parallel the rank's vocabulary slice, never gathered

@@ -112,7 +112,7 @@ class ImageSlots:
     @classmethod
     def for_model(cls, tokenizer, model, soft_tokens: Sequence[int]) -> "ImageSlots":
         """Raises ConfigError when the model has no vision encoder or the tokenizer lacks one of the ids."""
-        vision = getattr(model, "vision", None)
+        vision = model.vision
         if vision is None:
             raise ConfigError("image: this model has no vision encoder")
         c = vision.config

@@ -36,16 +36,18 @@ def denoise_block(model: "DiffusionGemma", canvas_BC: torch.Tensor, cache: KVCac
     """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
     self-conditioning signal of rows without previous logits (no Python branch). `plan`: the uniform denoise plan
     for the cache's current lengths, built once per block (`plan.PlanBuffers`); None builds it here.
-    `self_conditioning_embeds` [B, C, D]: the signal as its soft embedding
-    (`DiffusionGemma.self_conditioning_embedding`), in place of `self_conditioning_logits` [B, C, V] (pass None
-    there). `kernel_options`: as `encode_block`'s, for a plan built here. `local`: the rank's vocabulary slice
+    `self_conditioning_logits` [B, C, V] (the reference's form, `DiffusionGemma.denoise`) become the soft embedding
+    `self_conditioning_embedding(softmax(logits))` here, the only form the forward takes; `self_conditioning_embeds`
+    [B, C, D] gives that embedding directly (what the generators carry; pass None as the logits then). `kernel_options`: as `encode_block`'s, for a plan built here. `local`: the rank's vocabulary slice
     under tensor parallel (`DiffusionGemma.logits`)."""
     if plan is None:
         plan = build_plan(model, cache, canvas_BC.shape[1], mode="denoise", kernel_options=kernel_options)
     if self_conditioning_mask_B is not None:  # the rows whose input carries the signal
         plan = dataclasses.replace(plan, self_conditioning=self_conditioning_mask_B)
-    hidden = model.forward_plan(canvas_BC, cache, plan, self_conditioning_logits, moe_impl=moe_impl,
-                                self_conditioning_embeds=self_conditioning_embeds)
+    if self_conditioning_embeds is None and self_conditioning_logits is not None:  # the reference's form
+        probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)
+        self_conditioning_embeds = model.self_conditioning_embedding(probs)
+    hidden = model.forward_plan(canvas_BC, cache, plan, self_conditioning_embeds, moe_impl=moe_impl)
     return model.logits(hidden, local=local)
 
 

@@ -450,7 +450,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
 
         model = engine.model
         first = parts[0][0]
-        if getattr(model, "vision", None) is None:
+        if model.vision is None:
             raise ConfigError(f"{first}: image_url parts need a model with a vision encoder; this one has none")
         if len(parts) > MAX_IMAGES:
             raise ConfigError(f"{parts[MAX_IMAGES][0]}: more than the {MAX_IMAGES} images a request may hold")

@@ -43,7 +43,7 @@ def test_the_key_changes_with_what_the_step_depends_on(tiny_model, tmp_path):
         "unit": _parts(tiny_model, unit="step[B2_x]"),
         "structure": _parts(tiny_model, structure={"bucket": [0, False]}),
         "buffers": _parts(tiny_model, tensors=[torch.zeros(2, 4)]),
-        "dtype": _parts(dg.load(tiny_model.checkpoint_dir, dtype=torch.bfloat16)),
+        "dtype": _parts(dg.load(tiny_model.checkpoint.directory, dtype=torch.bfloat16)),
     }
     for what, parts in changed.items():
         assert A.step_key(parts) != base, what

@@ -65,6 +65,25 @@ def test_shared_weights_stored_under_encoder_names(tmp_path, ckpt):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
 
 
+def test_what_the_loader_remembers_is_one_record_and_no_new_attribute(ckpt):
+    """The loader's memory of a checkpoint is `model.checkpoint` (a `CheckpointInfo`), never attributes added to the
+    model: a loaded model, lazily or not, has exactly the attributes of one built in memory (issue 38 item 3)."""
+    from dgemma_compile.checkpoint_info import CheckpointInfo
+    from dgemma_compile.model import DiffusionGemma
+
+    built = DiffusionGemma(dg.load(ckpt).config)
+    assert built.checkpoint == CheckpointInfo()
+    eager = dg.load(ckpt)
+    assert set(vars(eager)) == set(vars(built))
+    assert eager.checkpoint == CheckpointInfo(directory=Path(ckpt))
+    lazy = dg.load(ckpt, lazy=lambda name: name.endswith("q_proj.weight"))
+    assert set(vars(lazy)) == set(vars(built))
+    names = {n for n, _ in lazy.named_parameters() if n.endswith("q_proj.weight")}
+    assert names and set(lazy.checkpoint.lazy.float_sources) == names
+    assert all(lazy.get_parameter(n).is_meta for n in names) and lazy.checkpoint.lazy.dtype == eager.dtype
+    assert {f for f, _ in lazy.checkpoint.lazy.float_sources.values()} == {Path(ckpt) / "model.safetensors"}
+
+
 def test_both_layer_scalar_sets_are_loaded(ckpt):
     state = load_file(ckpt / "model.safetensors")
     model = dg.load(ckpt)

@@ -115,7 +115,7 @@ def test_shard_without_a_process_group_raises(demo):
     model, _ = demo
     with pytest.raises(RuntimeError, match="no process group"):
         parallel.shard(model)
-    assert getattr(model, "tensor_parallel", None) is None
+    assert model.tensor_parallel is None
 
 
 # ----- slow: 2 gloo ranks of the demo model ------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
 
     lazy = parallel.load_sharded(DEMO_MODEL)  # only this rank's slices read from the file: the same model, bitwise
     _same_model(model, lazy, "load_sharded")
-    report = lazy.tensor_parallel_load
+    report = lazy.tensor_parallel.load_report
     # expert parallel: E/N whole experts a rank (the demo's 8: 4 or 2 a rank); 5 experts cannot be split by expert
     bad = _load_demo()
     for p in (bad.layers[1].experts.gate_up_proj, bad.layers[1].experts.down_proj):
@@ -185,7 +185,7 @@ def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
     assert by_expert.layers[0].experts.gate_up_proj.weight.shape[0] == 8 // world
     lazy_ep = parallel.load_sharded(DEMO_MODEL, experts="expert")
     _same_model(by_expert, lazy_ep, "load_sharded(experts='expert')")
-    ep_read = lazy_ep.tensor_parallel_load.largest
+    ep_read = lazy_ep.tensor_parallel.load_report.largest
     from dgemma_compile.sampler import step_scheme
 
     quantized = _quantized_ranks(world)
@@ -228,7 +228,7 @@ def _quantized_ranks(world: int) -> dict:
     dg.quantize(fp8, "fp8")
     fp8 = parallel.shard(fp8)
     return {"out_nvfp4": _forwards(lazy), "out_fp8": _forwards(fp8), "scheme_fp8": step_scheme(fp8),
-            "nvfp4_read": lazy.tensor_parallel_load.bytes_read / lazy.tensor_parallel_load.full_bytes}
+            "nvfp4_read": lazy.tensor_parallel.load_report.bytes_read / lazy.tensor_parallel.load_report.full_bytes}
 
 
 def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:

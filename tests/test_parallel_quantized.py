@@ -123,8 +123,9 @@ def test_an_expert_projection_slices_by_expert_row_and_column(scheme):
 
 
 def _file_source(model) -> FileWeights:
-    return FileWeights(model.weight_sources, model.weight_dtype, torch.device("cpu"),
-                       quantized=model.quantized_sources, files=model.weight_files, scheme=model.quant_scheme)
+    lazy = model.checkpoint.lazy
+    return FileWeights(lazy.float_sources, lazy.dtype, torch.device("cpu"),
+                       quantized=lazy.quantized, files=lazy.files, scheme=model.checkpoint.quant_scheme)
 
 
 def _skewed(name: str, tmp_path: Path) -> Path:
@@ -157,15 +158,15 @@ def test_stored_quantized_slices_equal_the_slices_of_the_loaded_model(name, tmp_
     path = _skewed(name.removesuffix("+skew"), tmp_path) if name.endswith("+skew") else FIXTURES / name
     whole = dg.load(path)
     lazy = dg.load(path, lazy=is_sharded)
-    quantized = {n + ".weight" for n in whole.quant_report.quantized}
-    assert set(lazy.quantized_sources) == {n for n in quantized if is_sharded(n)}
+    quantized = {n + ".weight" for n in whole.checkpoint.quant_report.quantized}
+    assert set(lazy.checkpoint.lazy.quantized) == {n for n in quantized if is_sharded(n)}
     assert any(not is_sharded(n) for n in quantized)  # the replicated ones (self-conditioning MLP) are read whole
-    assert all(p.is_meta for n, p in lazy.named_parameters() if n in lazy.quantized_sources)
+    assert all(p.is_meta for n, p in lazy.named_parameters() if n in lazy.checkpoint.lazy.quantized)
     files, mine = _file_source(lazy), ModelWeights()
     mods, lazy_mods = dict(whole.named_modules()), dict(lazy.named_modules())
     stored = _stored_bytes(lazy)
     checked = 0
-    for n, family in lazy.quantized_sources.items():
+    for n, family in lazy.checkpoint.lazy.quantized.items():
         module, meta = mods[n.removesuffix(".weight")], lazy_mods[n.removesuffix(".weight")]
         whole_bytes = sum(stored[k] for k in family.all_keys())
         data_bytes = sum(stored[k] for role in ("weight", "weight_packed") for k in family.keys.get(role, []))
@@ -196,7 +197,7 @@ def _stored_bytes(lazy) -> dict[str, int]:
     from safetensors import safe_open
 
     sizes = {}
-    for key, path in lazy.weight_files.items():
+    for key, path in lazy.checkpoint.lazy.files.items():
         with safe_open(path, framework="pt") as fh:
             t = fh.get_tensor(key)
             sizes[key] = t.numel() * t.element_size()

@@ -167,7 +167,7 @@ def test_cli_generate_on_2_ranks_equals_one_process(demo, quant):
     """
     model, tok = demo
     if quant is not None:
-        model = dg.load(model.checkpoint_dir)
+        model = dg.load(model.checkpoint.directory)
         dg.quantize(model, quant)
     lines = ["sort 3 1 2 9 5=", '{"prompt": "add 123+045=", "seed": 3}']
     res = _cli("generate", "--prompts-file", "-", "--eager", "--threads", "1", "--max-new-tokens", "12",

@@ -62,6 +62,11 @@ def _separately(model, cache, ids, sc_logits, moe_impl):
     return out
 
 
+def _soft(model, sc_logits):
+    """The self-conditioning signal `forward_plan` takes: the soft embedding of softmax(logits) [B, T, D]."""
+    return model.self_conditioning_embedding(torch.softmax(sc_logits, dim=-1, dtype=torch.float32))
+
+
 def _check(model, mixed_hidden, mixed_cache, expected):
     for r, ((mode, _, n, _), (y, c)) in enumerate(zip(ROWS, expected)):
         if mode == ENCODER:
@@ -86,7 +91,7 @@ def test_mixed_rows_equal_separate_calls_eagerly(tiny_dir, attention):
     before = [(k.clone(), v.clone()) for k, v in zip(cache.keys, cache.values)]
     with torch.no_grad():
         plan = build_plan(model, cache, ids.shape[1], mode=mode, n_new=n_new, self_conditioning=sc)
-        hidden = model.forward_plan(ids, cache, plan, sc_logits, moe_impl="loop")
+        hidden = model.forward_plan(ids, cache, plan, _soft(model, sc_logits), moe_impl="loop")
     _check(model, hidden, cache, expected)
     assert cache.lengths.tolist() == [r[1] + (r[2] if r[0] == ENCODER else 0) for r in ROWS]
     idle = [r for r, row in enumerate(ROWS) if row[0] == IDLE][0]
@@ -106,7 +111,8 @@ def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
     buffers = PlanBuffers(model, cache, ids.shape[1], mixed=True)
     with torch.no_grad():
         torch.compile(lambda: buffers.fill(mode, n_new, sc), fullgraph=True, dynamic=False)()
-        step = torch.compile(lambda: model.forward_plan(ids, cache, buffers.plan, sc_logits, moe_impl="gathered"),
+        soft = _soft(model, sc_logits)
+        step = torch.compile(lambda: model.forward_plan(ids, cache, buffers.plan, soft, moe_impl="gathered"),
                              fullgraph=True, dynamic=False)
         hidden = step()
     _check(model, hidden, cache, expected)
@@ -275,7 +281,7 @@ def test_mixed_plan_buffers_equal_a_freshly_built_plan(tiny_dir, sparsity_in_pla
     def forward(plan):
         keys, values, lengths = snapshot(cache)
         with torch.no_grad():
-            out = model.forward_plan(ids, cache, plan, sc_logits)
+            out = model.forward_plan(ids, cache, plan, _soft(model, sc_logits))
         for t, saved in zip((*cache.keys, *cache.values), (*keys, *values)):
             t.copy_(saved)
         cache.lengths.copy_(lengths)
@@ -398,7 +404,7 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
         plan = build_plan(model, cache, 2 * C, mode=mode, n_new=n_new, canvas=C,
                           self_conditioning=torch.tensor([r[3] for r in FUSED_ROWS]))
         ids = torch.cat([first, torch.where((mode == COMMIT_DENOISE)[:, None], second, 0)], dim=1)
-        hidden = model.forward_plan(ids, cache, plan, moe_impl="dense", self_conditioning_embeds=model.self_conditioning_embedding(sc_probs))
+        hidden = model.forward_plan(ids, cache, plan, model.self_conditioning_embedding(sc_probs), moe_impl="dense")
     for r, ((m, _, _, _), (y, c)) in enumerate(zip(FUSED_ROWS, expected)):
         if m == ENCODER:
             assert torch.equal(hidden[r, :n_new[r]], y), f"row {r} hidden"

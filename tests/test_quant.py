@@ -38,7 +38,7 @@ def test_each_covered_projection_against_bf16_and_the_report(scheme):
                                                    "sc_embedding (the self-conditioning product probs @ embeddings)"]
     assert "27" in report.excluded[0][1] and model.lm_head is None and model.sc_embedding is None
     assert report.excluded[-len(EXCLUDED_PARTS):] == list(EXCLUDED_PARTS)
-    assert report.bytes_after < report.bytes_before and model.quant_scheme == scheme
+    assert report.bytes_after < report.bytes_before and model.checkpoint.quant_scheme == scheme
     assert model.expert_quant == scheme
     g = torch.Generator().manual_seed(0)
     mods, refs = dict(model.named_modules()), dict(original.named_modules())
@@ -104,7 +104,7 @@ def test_refusals_change_nothing():
         quantize(model, "nvfp4")
     with pytest.raises(ConfigError, match="quant scheme: must be one of"):
         quantize(model, "int4")
-    assert getattr(model, "quant_scheme", None) is None
+    assert model.checkpoint.quant_scheme is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     quantize(model, "fp8-weight-only")
     with pytest.raises(ConfigError, match="already quantized"):

@@ -83,8 +83,8 @@ def _per_expert_formula(state, layer_prefix: str, proj: str, E: int) -> torch.Te
 @pytest.mark.parametrize("name", sorted(SCHEME))
 def test_each_fixture_loads_with_every_projection_quantized(name):
     model = _load(name)
-    assert model.quant_scheme == SCHEME[name]
-    report = model.quant_report
+    assert model.checkpoint.quant_scheme == SCHEME[name]
+    report = model.checkpoint.quant_report
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     experts = {n for n, m in model.named_modules() if isinstance(m, ExpertProjection)}
     routers = {n for n in linears if ".router." in f".{n}."}
@@ -109,7 +109,7 @@ def test_dequantized_weights_equal_the_stored_formula(name):
     model, state = _load(name), load_file(FIXTURES / name / "model.safetensors")
     mods = dict(model.named_modules())
     E = model.config.num_experts
-    for n in model.quant_report.quantized:
+    for n in model.checkpoint.quant_report.quantized:
         module = mods[n]
         if isinstance(module, ExpertProjection):
             layer_prefix, proj = _stored_key(n).rsplit("experts.", 1)
@@ -139,7 +139,7 @@ def test_fused_and_per_expert_layouts_load_to_identical_tensors(scheme):
 @pytest.mark.parametrize("name", ["tiny-untied-fp8-dynamic", "tiny-untied-nvfp4a16"])
 def test_untied_lm_head_loads_quantized(name):
     model, state = _load(name), load_file(FIXTURES / name / "model.safetensors")
-    assert "lm_head" in model.quant_report.quantized
+    assert "lm_head" in model.checkpoint.quant_report.quantized
     head = model.lm_head.weight
     assert torch.equal(head.dequantize(torch.float32), _formula(state, "lm_head", reordered=True))
     assert not torch.equal(head.dequantize(torch.float32), model.embed_tokens.weight.float())
@@ -192,7 +192,7 @@ def test_loaded_fp8_equals_quantize_fp8_of_the_float_demo(demo):
     _, tok = demo
     loaded, made = _load("demo-fp8-dynamic"), dg.load(DEMO_MODEL)
     report = quantize(made, "fp8")
-    assert sorted(report.quantized) == sorted(loaded.quant_report.quantized)
+    assert sorted(report.quantized) == sorted(loaded.checkpoint.quant_report.quantized)
     a, b = dict(loaded.named_modules()), dict(made.named_modules())
     for n in report.quantized:
         if isinstance(a[n], ExpertProjection):
@@ -211,7 +211,7 @@ def test_nvfp4_tensors_have_the_settings_quantize_gives():
     loaded, made = _load("demo-nvfp4a16"), dg.load(DEMO_MODEL)
     quantize(made, "nvfp4-w4a16")
     a, b = dict(loaded.named_modules()), dict(made.named_modules())
-    for n in loaded.quant_report.quantized:
+    for n in loaded.checkpoint.quant_report.quantized:
         if isinstance(a[n], ExpertProjection):
             assert a[n].quant == b[n].quant and [t.shape for t in a[n].scales()] == [t.shape for t in b[n].scales()]
             continue
@@ -257,7 +257,7 @@ def test_fp8_without_input_activations_loads_as_fp8_weight_only(tmp_path):
     model, dynamic = dg.load(d), _load("demo-fp8-dynamic")
     made = dg.load(DEMO_MODEL)
     quantize(made, "fp8-weight-only")
-    assert model.quant_scheme == "fp8-weight-only" and model.layers[0].experts.quant == "fp8-weight-only"
+    assert model.checkpoint.quant_scheme == "fp8-weight-only" and model.layers[0].experts.quant == "fp8-weight-only"
     w, v = model.layers[0].mlp.up_proj.weight, made.layers[0].mlp.up_proj.weight
     assert w.act_quant_kwargs is None and w._quantization_type() == v._quantization_type()
     for (n, p), q in zip(model.state_dict().items(), dynamic.state_dict().values()):
@@ -382,7 +382,7 @@ def test_w4a4_checkpoint_runs_as_w4a16_with_a_note(tmp_path, caplog):
         model = dg.load(d)
     notes = [r.getMessage() for r in caplog.records if "W4A4" in r.getMessage()]
     assert len(notes) == 1 and "running it as nvfp4-w4a16" in notes[0] and "config.json" in notes[0]
-    assert model.quant_scheme == "nvfp4-w4a16"
+    assert model.checkpoint.quant_scheme == "nvfp4-w4a16"
     ref = _load("tiny-untied-nvfp4a16")
     for (n, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(_plain(p), _plain(q)), n

@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(spec.threads)
     model = load(spec.model, dtype=getattr(torch, spec.dtype) if spec.dtype else None)
-    if spec.quant is not None and getattr(model, "quant_scheme", None) is None:
+    if spec.quant is not None and model.checkpoint.quant_scheme is None:
         from ..quant import quantize
 
         quantize(model, spec.quant)

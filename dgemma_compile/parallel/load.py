@@ -19,6 +19,7 @@ are exactly the slices of the one-process model's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -59,13 +60,13 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
                  device: str | torch.device = "cpu", experts: str = "tensor",
                  quant: str | None = None) -> "DiffusionGemma":
     """Load this rank's shard of a checkpoint, float or compressed-tensors (module docstring): the model
-    `shard(load(path))` gives, without reading the full sharded tensors. `model.tensor_parallel_load` is a
+    `shard(load(path))` gives, without reading the full sharded tensors. `model.tensor_parallel.load_report` is a
     `LoadReport` (a quantized weight's parts counted under their checkpoint keys); a quantized checkpoint's
-    `model.quant_report` counts the rank's bytes. `experts`: as `shard`'s
+    `model.checkpoint.quant_report` counts the rank's bytes. `experts`: as `shard`'s
     ("tensor" or "expert": with "expert" a rank reads its E/N whole experts, contiguous rows of the files).
     `quant`: a `quant.SCHEMES` name: the float checkpoint is loaded whole instead, quantized as one process would
     (`quant.quantize`) and then sharded, so that the rank holds the one-process quantized weights' slices, at the
-    cost of a full float copy while loading; `model.quant_report` is then the whole model's report.
+    cost of a full float copy while loading; `model.checkpoint.quant_report` is then the whole model's report.
 
     Raises:
         CheckpointError: as `loader.load`.
@@ -81,14 +82,15 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
         model = load(path, dtype=dtype, device=device)
         report = quantize(model, quant)
         shard(model, group, experts=experts)
-        model.quant_report = report
+        model.checkpoint.quant_report = report
         return model
     model = load(path, dtype=dtype, device=device, lazy=is_sharded)
-    source = FileWeights(model.weight_sources, model.weight_dtype, torch.device(device),
-                         quantized=model.quantized_sources, files=model.weight_files,
-                         scheme=getattr(model, "quant_scheme", None))
-    stored = dict(model.weight_sources)  # float: counted by our name
-    stored.update((k, (p, k)) for k, p in model.weight_files.items())  # quantized: by each stored part's key
+    lazy_weights = model.checkpoint.lazy
+    source = FileWeights(lazy_weights.float_sources, lazy_weights.dtype, torch.device(device),
+                         quantized=lazy_weights.quantized, files=lazy_weights.files,
+                         scheme=model.checkpoint.quant_scheme)
+    stored = dict(lazy_weights.float_sources)  # float: counted by our name
+    stored.update((k, (p, k)) for k, p in lazy_weights.files.items())  # quantized: by each stored part's key
     full, nbytes = {}, 0
     sizes = _stored_sizes({p for p, _ in stored.values()})
     for name, (p, k) in stored.items():
@@ -101,11 +103,12 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"{path}: tensor parallel left tensors unread: {left}")
-    model.tensor_parallel_load = LoadReport(source.bytes_read, nbytes, dict(source.largest), full)
-    if getattr(model, "quant_report", None) is not None:  # the rank's bytes, not the meta model's
+    model.tensor_parallel = dataclasses.replace(model.tensor_parallel, load_report=LoadReport(
+        source.bytes_read, nbytes, dict(source.largest), full))
+    if model.checkpoint.quant_report is not None:  # the rank's bytes, not the meta model's
         from ..quant.checkpoint import count_bytes
 
-        count_bytes(model.quant_report, model, model.weight_dtype)
+        count_bytes(model.checkpoint.quant_report, model, lazy_weights.dtype)
     return model
 
 

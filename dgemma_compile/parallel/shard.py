@@ -39,13 +39,15 @@ from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProdu
 
 if TYPE_CHECKING:
     from ..model import DiffusionGemma
+    from .load import LoadReport
 
 
 @dataclass(frozen=True)
 class TensorParallel:
     """How a model was sharded: `group` (the process group), this process's `rank` of `world_size`, the checkpoint's
     `config` (before sharding), per layer the (query heads, KV heads) this rank holds (global head ids), and how
-    the routed experts were split (`experts`: "tensor" or "expert", `expert_parallel.EXPERT_SPLITS`)."""
+    the routed experts were split (`experts`: "tensor" or "expert", `expert_parallel.EXPERT_SPLITS`); `load_report`:
+    what `load.load_sharded` read from the files (a `load.LoadReport`; None when the model was sharded in memory)."""
 
     group: dist.ProcessGroup
     rank: int
@@ -53,6 +55,7 @@ class TensorParallel:
     config: ModelConfig
     heads: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
     experts: str = "tensor"
+    load_report: "LoadReport | None" = None
 
 
 def attention_heads(num_heads: int, num_kv_heads: int, rank: int, world_size: int,
@@ -122,7 +125,7 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
             when it raises.
         RuntimeError: no process group is initialised.
     """
-    if getattr(model, "tensor_parallel", None) is not None:
+    if model.tensor_parallel is not None:
         raise ValueError("tensor parallel: the model is already sharded")
     if not dist.is_initialized():
         raise RuntimeError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
@@ -187,7 +190,7 @@ def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dis
     sc = model.sc_embedding
     product = None if sc is None else local_rows(sc.weight, rank, world, source, "sc_embedding.weight", dim=1)
     shard = VocabShard(group=group, rank=rank, world_size=world, start=start, per=per, vocab_size=V,
-                       quant=getattr(model, "quant_scheme", None))
+                       quant=model.checkpoint.quant_scheme)
     return [(model, "embed_tokens", embed), (model, "lm_head", VocabParallelHead(head, V, group)),
             (model, "sc_embedding", VocabParallelProduct(weight, start, V, group, projection=product)),
             (model, "vocab_shard", shard)]

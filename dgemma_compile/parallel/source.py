@@ -47,11 +47,11 @@ class FileWeights:
     """Slices read straight from the checkpoint's safetensors files (module docstring).
 
     Args:
-        sources: state-dict name -> (file, tensor key) of every float tensor left unread (`model.weight_sources`).
+        sources: state-dict name -> (file, tensor key) of every float tensor left unread (`model.checkpoint.lazy.float_sources`).
         dtype, device: what a float slice is converted to (the model's weight dtype, the rank's device); quantized
             parts keep their stored dtypes.
         quantized: state-dict name -> `quant.checkpoint.StoredWeight` of every quantized weight left unread, with
-            `files` (checkpoint key -> file) and `scheme` (what they run as) (`model.quantized_sources`).
+            `files` (checkpoint key -> file) and `scheme` (what they run as) (`model.checkpoint.lazy.quantized`).
     """
 
     def __init__(self, sources: dict[str, tuple[Path, str]], dtype: torch.dtype, device: torch.device,

@@ -112,10 +112,10 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
     """
     device = next(model.parameters()).device
     check_scheme(scheme, device, next(model.parameters()).dtype)
-    if getattr(model, "quant_scheme", None) is not None:
-        raise ConfigError(f"quant scheme: the model is already quantized ({model.quant_scheme}); quantize a model "
+    if model.checkpoint.quant_scheme is not None:
+        raise ConfigError(f"quant scheme: the model is already quantized ({model.checkpoint.quant_scheme}); quantize a model "
                           "loaded from a float checkpoint")
-    if getattr(model, "tensor_parallel", None) is not None:
+    if model.tensor_parallel is not None:
         raise ConfigError("quant scheme: the model is sharded for tensor parallel (parallel.shard); quantize it "
                           "before sharding (a rank's slice of a row-parallel weight would get scales of its own)")
     try:
@@ -138,7 +138,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             report.excluded.append((name, why))
         else:
             chosen.append(name)
-    if getattr(model, "vision", None) is not None:
+    if model.vision is not None:
         report.excluded.append(VISION_EXCLUDED)
     report.excluded += list(EXCLUDED_PARTS)
     with quiet_torchao():
@@ -162,7 +162,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             chosen.append(name)
     report.quantized = chosen
     report.bytes_after = weight_bytes(model)
-    model.quant_scheme = scheme
+    model.checkpoint.quant_scheme = scheme
     log.debug("%s", report.text())
     return report
 
