@@ -42,6 +42,7 @@ from .steps import DenoiseState, StepInputs, mixed_step, refresh_plan
 
 log = logging.getLogger("dgemma_compile")
 
+
 class Unit(Protocol):
     """A view's step as the drivers see it: `EagerUnit`, or `compile.units.CompiledUnit`."""
 
