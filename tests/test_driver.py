@@ -72,6 +72,7 @@ def batches(draw):
     return prompts, budgets, steps, eos, draw(st.booleans()), constrained
 
 
+@pytest.mark.slow  # ~30 s: 12 examples, each an eager oracle run and an eager bucket's
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=batches())
 def test_the_report_follows_the_eager_oracles_transitions(demo, batch):
