@@ -7,15 +7,18 @@ the first b rows, over views of the same buffers (so rows keep their state whate
 its own. A driver admits requests into the lowest free row and runs, each iteration, the smallest size that holds
 every live row (`size_for`), as vLLM's persistent batch does: a lone request runs at batch 1 in a bucket of 8.
 
-The step of a view is `steps.mixed_step` over it: eager by default, or whatever `unit` makes of it (the compiled
-generator passes `UnitFactory.unit`, which compiles one unit per size, captured as one CUDA graph on CUDA); `unit`
-gets the step's name, function and every tensor it reads (`BucketView.tensors`), given explicitly. Run uncompiled
+The step of a view is `steps.mixed_step` over it, behind one interface (`Unit`): an `EagerUnit` by default, or
+whatever `unit` makes of it (the compiled generator passes `UnitFactory.unit`, which compiles one unit per size,
+captured as one CUDA graph on CUDA: a `compile.units.CompiledUnit`); `unit` gets the step's name, function and every
+tensor it reads (`BucketView.tensors`), given explicitly. A driver asks a view's `unit` (ready, calls, held, source,
+`check_owners`) and the bucket (`warm`, `views`, `made`), nothing else. Run uncompiled
 (no unit, or a unit holding its step eagerly: `CompiledGenerator.defer`), the step runs in inference mode and its
 attention on dense masks (`plan.PlanBuffers.eager_plan`); a bucket without a unit keeps dense masks in its plans
 from the start (`PlanBuffers(dense_masks=True)`: no block sparsity to refill).
 
 Host-side changes to rows (`admit`, `retire`) write the shared buffers; a driver then refreshes the plan of the
-size it runs next (`BucketView.refresh`), which the step itself keeps filled between iterations of one size.
+size it runs next (`BucketView.refresh`), which the step itself keeps filled between iterations of one size. After a
+step the host reads what each row did from the step's report (`BucketView.report`: `rows.Report`), once.
 
 Legend: B rows, b a batch size (<= B), C canvas, S committed slots.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -33,21 +37,70 @@ from .kv_cache import KVCache, PagedKVCache, paged_cache
 from .model import DiffusionGemma
 from .phases import FREE
 from .plan import PlanBuffers
-from .rows import RowState
+from .rows import RowReport, RowState
 from .steps import DenoiseState, StepInputs, mixed_step, refresh_plan
 
 log = logging.getLogger("dgemma_compile")
 
-UnitMaker = Callable[[str, Callable[[], None], list[torch.Tensor]], Callable[[], None]]
-"""unit(name, fn, tensors) -> a callable running fn (compiled, or fn itself); `tensors`: every tensor fn reads."""
+
+class Unit(Protocol):
+    """A view's step as the drivers see it: `EagerUnit`, or `compile.units.CompiledUnit`."""
+
+    name: str
+    calls: int
+    """Calls run by the unit itself (compiled or eager; not those of a held unit)."""
+    held: bool
+    """It runs its function eagerly until released (`CompiledGenerator.defer`)."""
+    source: str | None
+    """Where the step came from: "compiled", "loaded" (the compile cache), None (eager, or not yet run)."""
+
+    @property
+    def ready(self) -> bool:
+        """Runs without compiling first (compiled, loaded, or eager)."""
+
+    def __call__(self) -> None: ...
+
+    def prepare(self) -> None:
+        """Compile (and on CUDA capture) now, with a call whose effect does not matter; eager: nothing."""
+
+    def check_owners(self) -> None:
+        """Before a driver runs it: a unit calling a compiled graph directly checks that its tensors are the same
+        objects (`CompiledUnit.check_owners`); eager: nothing."""
+
+
+class EagerUnit:
+    """The `Unit` of an eager bucket: the step function itself, counted."""
+
+    held = False
+    source = None
+    ready = True
+
+    def __init__(self, name: str, fn: Callable[[], None]):
+        self.name, self.fn, self.calls = name, fn, 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.fn()
+
+    def prepare(self) -> None:
+        pass
+
+    def check_owners(self) -> None:
+        pass
+
+
+UnitMaker = Callable[[str, Callable[[], None], list[torch.Tensor]], Unit]
+"""unit(name, fn, tensors) -> a `Unit` running fn (compiled); `tensors`: every tensor fn reads."""
 
 
 @dataclass
 class BucketView:
     """The step over the first `rows` rows of a bucket: views of its buffers and a plan of its own.
 
-    step: the step (`steps.mixed_step` over these views; compiled where the bucket was given a `unit` maker);
-    refresh: `steps.refresh_plan` for these rows, eager (after a host change, or when this size runs next)."""
+    unit: the step (`steps.mixed_step` over these views) behind the `Unit` interface (compiled where the bucket was
+    given a `unit` maker); step: what a driver calls to run it (the unit, unless a test or bench wraps it);
+    refresh: `steps.refresh_plan` for these rows, eager (after a host change, or when this size runs next);
+    report: the step's per-row report (`rows.RowReport` per row), one host read."""
 
     rows: int
     name: str
@@ -56,10 +109,15 @@ class BucketView:
     inputs: StepInputs
     row_state: RowState
     plan: PlanBuffers
+    unit: Unit
     step: Callable[[], None]
 
     def refresh(self) -> None:
         refresh_plan(self.row_state, self.state, self.plan)
+
+    def report(self) -> list[RowReport]:
+        """What each of the `rows` rows did in the latest step (`rows.Report`), read from the device at once."""
+        return [RowReport.of(r) for r in self.row_state.report.tolist()]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer tensor the step reads or writes (the model's parameters aside), each once."""
@@ -178,11 +236,18 @@ class Bucket:
 
             name = self.step_name(size)
             view = BucketView(rows=size, name=name, cache=cache, state=state, inputs=inputs, row_state=rows,
-                              plan=plan, step=step)
+                              plan=plan, unit=EagerUnit(name, step), step=step)
             if self.unit is not None:
-                view.step = self.unit(name, step, view.tensors())
+                view.unit = self.unit(name, step, view.tensors())
+            view.step = view.unit
             self._views[size] = view
         return self._views[size]
+
+    def warm(self, size: int) -> bool:
+        """Whether the step of `size` rows runs without compiling first: made and ready (`Unit.ready`), or any size of
+        an eager bucket."""
+        view = self._views.get(size)
+        return self.unit is None or (view is not None and view.unit.ready)
 
     def size_for(self, live: int, warm: Callable[[int], bool] | None = None) -> int:
         """The batch size to run when rows [0, live) hold every live row: the smallest size >= live that is `warm`

@@ -756,6 +756,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
         raise ConfigError(f"serve: needs the [serve] extra (pip install 'dgemma-compile[serve]'): {e}") from None
     from . import load_tokenizer
     from dgemma_runtime import build_engine
+    from dgemma_runtime.parallel import ParallelSchedule
 
     for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes",
                  "max_image_bytes", "max_image_pixels", "max_grammar_bytes", "grammar_memory", "grammar_workers"):
@@ -808,7 +809,8 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
                           tokenizer=tokenizer, max_queue=args.max_queue, metrics=metrics, page_size=args.kv_page_size,
                           kv_pages=args.kv_pages, fuse_commit={"auto": None, "on": True, "off": False}[args.fuse_commit],
                           batch_invariant={"auto": None, "on": True, "off": False}[args.batch_invariant],
-                          max_logprobs=args.max_logprobs, channel=None if ranks is None else ranks.channel,
+                          max_logprobs=args.max_logprobs,
+                          schedule=None if ranks is None else ParallelSchedule(ranks.channel),
                           on_fatal=on_fatal, defer_compile=not args.eager and mode != "always")
     if engine.generator is not None and mode == "auto":
         _serve_background(args, engine)

@@ -1,4 +1,5 @@
-"""The end rule of a request's block, on the host (`finalize_row`) beside its device twin (`request_done`).
+"""The end rule of a request's block, on the host (`finalize`: `finalize_row`, or `finalize_constrained` for a
+constrained request) beside its device twin (`request_done`).
 
 A finished block ends its request when it holds an eos id inside the request's token budget ("eos"), or when the
 budget is reached ("length"); transformers' loop ends on eos and counts whole canvases, ours truncates exactly
@@ -39,6 +40,15 @@ def finalize_row(row: list[int], cfg: GenerationConfig, sequence: list[int], sta
         stats.finish_reason = "length"
         return keep, True
     return keep, False
+
+
+def finalize(row: list[int], cfg: GenerationConfig, sequence: list[int], stats, steps: int, grammar=None
+             ) -> tuple[list[int], bool]:
+    """One live request's finished block, whatever the request: `finalize_row`, or `finalize_constrained` when it has
+    a `grammar` (its `constraint.RowGrammar`). Returns (the tokens appended, done); raises as those."""
+    if grammar is None:
+        return finalize_row(row, cfg, sequence, stats, steps)
+    return finalize_constrained(row, cfg, sequence, stats, steps, grammar)
 
 
 def request_done(argmax_BC: torch.Tensor, emitted_B: torch.Tensor, max_new_B: torch.Tensor, eos_E: torch.Tensor,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -30,8 +29,7 @@ from .observe import STEP, Observer, SpanTimer
 from .ops.moe import resolve_moe_impl
 from .sampler import SCHEME, step_scheme
 from .constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
-from .finish import finalize_constrained, finalize_row
-from .kv_cache import KVCache
+from .finish import finalize
 from .plan import PlanBuffers
 from . import rng
 from .steps import DenoiseState, StepInputs, denoise_step, encode_chunk
@@ -263,13 +261,13 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
     return out
 
 
-def run_block_diffusion(model: DiffusionGemma, runner: StepRunner, prompts: list[list[int]],
+def run_block_diffusion(model: DiffusionGemma, runner: "EagerSteps", prompts: list[list[int]],
                         cfgs: list[GenerationConfig], *, on_block: BlockCallback | None = None,
                         stop: StopHook | None = None, timer: SpanTimer | None = None,
                         stop_check: StopCheck | None = None, images: "list[ImagePrompt | None] | None" = None,
                         moe_impl: str | None = None, grammars: Sequence[RowGrammar | None] | None = None
                         ) -> GenerationOutput:
-    """The block loop over validated inputs (see `plan`), driving `runner` (eager or compiled steps, built for these
+    """The block loop over validated inputs (`plan_requests`), driving `runner` (the reference steps, built for these
     requests and seeds): prefill in fixed chunks (a prompt with `images` (`images.prepare`): its image prefix first,
     `images.prefill_images` into the runner's cache with `moe_impl`, then the rest in chunks); per block: start canvases, denoise steps until every row finished
     (stopped early or ran its step budget), finalise (eos, budget, `on_block`, `stop`), commit the argmax canvas of
@@ -348,11 +346,7 @@ def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, cfgs: list[Ge
         if bool(done_B[b]):
             new_tokens.append([])
             continue
-        if grammars[b] is not None:
-            keep, done = finalize_constrained(argmax_BC[b].tolist(), cfgs[b], sequences[b], stats[b],
-                                              int(steps_B[b]), grammars[b])
-        else:
-            keep, done = finalize_row(argmax_BC[b].tolist(), cfgs[b], sequences[b], stats[b], int(steps_B[b]))
+        keep, done = finalize(argmax_BC[b].tolist(), cfgs[b], sequences[b], stats[b], int(steps_B[b]), grammars[b])
         if done:
             done_B[b] = True
         new_tokens.append(keep)
@@ -361,68 +355,38 @@ def _finalize_block(argmax_BC: torch.Tensor, done_B: torch.Tensor, cfgs: list[Ge
 
 # ----- the reference loop's steps: uniform passes over static buffers -------------------------------------------
 
-class StepRunner(Protocol):
-    """What the block loop drives. Tensors are [R, ...] for the R requests of the call."""
+class EagerSteps:
+    """The reference loop's steps: `steps.denoise_step` and `steps.encode_chunk` called eagerly over buffers of
+    exactly R rows (`state`, `inputs`) and a cache of `max_seq_len` committed slots, with the routed experts run by
+    `moe_impl`; every host-side fill of the block loop lives here. With `fuse_commit`, `commit` only fills the
+    inputs and the next `step` runs the fused commit + first denoise step (`denoise_step(commit=True)`: one forward
+    of 2C tokens, the cache holding 2C block slots). Tensors are [R, ...] for the R requests of the call."""
 
-    block_size: int
-    """T: tokens per encoder chunk (prefill chunks, and commits without fusion, are padded to it)."""
-    cache: KVCache
-    """The rows' cache (image prefixes are written into it before the chunked prefill)."""
-    commits: int
-    """Commits run so far as their own encoder pass, per request."""
-    fused_commits: int
-    """Commits run so far inside the next block's first denoise step (commit fusion), per request."""
+    def __init__(self, model: DiffusionGemma, cfgs: Sequence[GenerationConfig], seeds: Sequence[int],
+                 max_seq_len: int, moe_impl: str, fuse_commit: bool = False):
+        structural = cfgs[0]
+        C = model.config.canvas_length
+        self.R, self.fuse_commit = len(cfgs), fuse_commit
+        self.cache = model.new_cache(self.R, max_seq_len, block_size=2 * C if fuse_commit else C)
+        """The rows' cache (image prefixes are written into it before the chunked prefill)."""
+        self.state = DenoiseState.allocate(model, self.R,
+                                           structural.stability_threshold if structural.stop_early else 0)
+        self.inputs = StepInputs.allocate(model, self.R, C, max(c.max_denoising_steps for c in cfgs))
+        self.plan = PlanBuffers(model, self.cache, C)
+        self.model, self.moe_impl, self.stop_early = model, moe_impl, structural.stop_early
+        self.block_size = self.inputs.ids.shape[1]
+        """T: tokens per encoder chunk (prefill chunks, and commits without fusion, are padded to it)."""
+        self.vocab_size = model.config.vocab_size
+        self.commit_pending = False
+        self.commits = self.fused_commits = 0  # commits run as their own encoder pass / fused into a step, per request
+        self.inputs.set_requests(cfgs, seeds)
+        self.cache.reset()
 
     def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
         """Causal pass over T' <= T tokens, n_new_R[r] of row r real: a prefill chunk (or an unfused commit, through
         `commit`); writes the KV."""
-
-    def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
-        """Commit a finished block (its argmax canvas, n_new_R[r] tokens of row r: C, or 0 for a done row) before
-        the next block begins. Either an encoder pass now, or (commit fusion) deferred into the next block's first
-        `step`, which then runs one forward for both."""
-
-    def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
-        """Start block `block` (0-based, per request) from each request's start canvas (`rng.start_canvas`); rows in
-        `frozen_R` (done requests) stay frozen."""
-
-    def step(self) -> torch.Tensor:
-        """One denoise step (every per-step value is already on the device); returns the finished flags, bool [R].
-        A row finishes when it stops early or has run its step budget."""
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's argmax canvas int64 [R, C] (what gets committed) and decoder passes int64 [R]."""
-
-
-def prefill(runner: StepRunner, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
-    """Encode right-padded prompts in fixed chunks of `runner.block_size` (the last one padded), so that prefill
-    runs the same shapes whatever the prompt lengths."""
-    T = runner.block_size
-    for start in range(0, input_ids_RT.shape[1], T):
-        runner.encode_chunk(input_ids_RT[:, start:start + T], (lengths_R - start).clamp(0, T))
-
-
-class BufferSteps:
-    """`StepRunner` over static buffers: every host-side fill lives here, the steps are the callables `denoise`,
-    `encode` and, for commit fusion, `commit_denoise` (zero-argument, over `state`, `inputs` and `cache`; the eager
-    reference's uniform steps, `EagerSteps`). With `commit_denoise`, `commit` only fills the inputs and the next `step` runs
-    `commit_denoise` (`denoise_step(commit=True)`) instead of `denoise`."""
-
-    def __init__(self, *, cfgs: Sequence[GenerationConfig], seeds: Sequence[int], cache: KVCache,
-                 state: DenoiseState, inputs: StepInputs, denoise: Callable[[], None], encode: Callable[[], None],
-                 vocab_size: int, commit_denoise: Callable[[], None] | None = None):
-        self.R, self.cache, self.state, self.inputs = len(cfgs), cache, state, inputs
-        self.denoise, self.encode, self.commit_denoise = denoise, encode, commit_denoise
-        self.block_size = inputs.ids.shape[1]
-        self.vocab_size = vocab_size
-        self.commit_pending = False
-        self.commits = self.fused_commits = 0  # commits run as their own encoder pass / fused into a step
-        inputs.set_requests(cfgs, seeds)
-        cache.reset()
-
-    def encode_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
         self._set_chunk(ids_RT, n_new_R)
-        self.encode()
+        encode_chunk(self.model, self.cache, self.inputs, self.plan, moe_impl=self.moe_impl)
 
     def _set_chunk(self, ids_RT: torch.Tensor, n_new_R: torch.Tensor) -> None:
         inp, R = self.inputs, self.R
@@ -432,8 +396,11 @@ class BufferSteps:
         inp.n_new[:R] = n_new_R
 
     def commit(self, ids_RC: torch.Tensor, n_new_R: torch.Tensor) -> None:
+        """Commit a finished block (its argmax canvas, n_new_R[r] tokens of row r: C, or 0 for a done row) before
+        the next block begins: an encoder pass now, or (commit fusion) deferred into the next block's first `step`,
+        which then runs one forward for both."""
         rows = int((n_new_R > 0).sum())  # the requests whose block this commits
-        if self.commit_denoise is None:
+        if not self.fuse_commit:
             self.encode_chunk(ids_RC, n_new_R)
             self.commits += rows
             return
@@ -442,41 +409,28 @@ class BufferSteps:
         self.fused_commits += rows
 
     def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
+        """Start block `block` (0-based, per request) from each request's start canvas (`rng.start_canvas`); rows in
+        `frozen_R` (done requests) stay frozen."""
         inp, R, C = self.inputs, self.R, self.state.canvas.shape[1]
         inp.block.fill_(block)
         self.state.begin(rng.start_canvas(inp.seeds[:R], inp.block[:R], C, self.vocab_size), frozen_R)
 
     def step(self) -> torch.Tensor:
-        if self.commit_pending:
-            self.commit_denoise()
-            self.commit_pending = False
-        else:
-            self.denoise()
+        """One denoise step (every per-step value is already on the device); returns the finished flags, bool [R].
+        A row finishes when it stops early or has run its step budget."""
+        denoise_step(self.model, self.cache, self.state, self.inputs, self.plan, stop_early=self.stop_early,
+                     moe_impl=self.moe_impl, commit=self.commit_pending)
+        self.commit_pending = False
         return self.state.finished[:self.R]
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's argmax canvas int64 [R, C] (what gets committed) and decoder passes int64 [R]."""
         return self.state.argmax[:self.R], self.state.steps[:self.R]
 
 
-class EagerSteps(BufferSteps):
-    """The reference `StepRunner`: `denoise_step` and `encode_chunk` called eagerly over buffers of exactly R rows
-    and a cache of `max_seq_len` committed slots, with the routed experts run by `moe_impl`; with `fuse_commit`,
-    commits are fused into the next block's first step (`denoise_step(commit=True)`)."""
-
-    def __init__(self, model: DiffusionGemma, cfgs: Sequence[GenerationConfig], seeds: Sequence[int],
-                 max_seq_len: int, moe_impl: str, fuse_commit: bool = False):
-        structural = cfgs[0]
-        C = model.config.canvas_length
-        cache = model.new_cache(len(cfgs), max_seq_len, block_size=2 * C if fuse_commit else C)
-        state = DenoiseState.allocate(model, len(cfgs), structural.stability_threshold if structural.stop_early else 0)
-        inputs = StepInputs.allocate(model, len(cfgs), C, max(c.max_denoising_steps for c in cfgs))
-        plan = PlanBuffers(model, cache, C)
-
-        def denoise(commit: bool) -> Callable[[], None]:
-            return lambda: denoise_step(model, cache, state, inputs, plan, stop_early=structural.stop_early,
-                                        moe_impl=moe_impl, commit=commit)
-
-        super().__init__(cfgs=cfgs, seeds=seeds, cache=cache, state=state, inputs=inputs, denoise=denoise(False),
-                         vocab_size=model.config.vocab_size,
-                         encode=lambda: encode_chunk(model, cache, inputs, plan, moe_impl=moe_impl),
-                         commit_denoise=denoise(True) if fuse_commit else None)
+def prefill(runner: EagerSteps, input_ids_RT: torch.Tensor, lengths_R: torch.Tensor) -> None:
+    """Encode right-padded prompts in fixed chunks of `runner.block_size` (the last one padded), so that prefill
+    runs the same shapes whatever the prompt lengths."""
+    T = runner.block_size
+    for start in range(0, input_ids_RT.shape[1], T):
+        runner.encode_chunk(input_ids_RT[:, start:start + T], (lengths_R - start).clamp(0, T))

@@ -1,6 +1,6 @@
 """Public observation hooks: per-step and per-unit timings delivered to an `Observer`, without syncing inside a block.
 
-The block loop times every denoise step (what `StepRunner.step` does: host-side input fills plus the step itself);
+The block loop times every denoise step (what `EagerSteps.step` does: host-side input fills plus the step itself);
 the compiled generator also times each compile-unit call (`denoise_step[...]`, `encoder_chunk[...]`). Benchmarks
 and the GPU check subscribe through `generate(..., observer=...)` instead of patching library internals.
 

@@ -1,7 +1,7 @@
 """The one vocabulary of a bucket's rows: the row lifecycle (`Phase`), the forward modes (`Mode`) and the mapping.
 
-A row of a bucket is in one phase, held on the device (`rows.RowState.phase`, int64 [B]) and mirrored by the host
-drivers (the compiled generator, the serving engine):
+A row of a bucket is in one phase, held on the device (`rows.RowState.phase`, int64 [B]); the host never mirrors it:
+it learns what a row did from the step's report (`rows.Report`):
 - FREE: no request; the row is IDLE in the forward.
 - PREFILL: its next prompt chunk (up to C tokens) is an ENCODER row.
 - DENOISE: its canvas is a DENOISE row; the sampler and the per-row state update apply to it.
@@ -15,7 +15,6 @@ Both are tensor functions (no host synchronisation): they run inside the compile
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import torch
 
@@ -56,34 +55,3 @@ def stepping(phase_B: torch.Tensor, *, fused: bool) -> torch.Tensor:
     first step of their next block)."""
     out = phase_B == DENOISE
     return out | (phase_B == COMMIT) if fused else out
-
-
-def stepping_phases(fused: bool) -> tuple[Phase, ...]:
-    """The host's twin of `stepping`: the phases whose rows the step samples."""
-    return (Phase.DENOISE, Phase.COMMIT) if fused else (Phase.DENOISE,)
-
-
-@dataclass
-class RowMirror:
-    """The host's mirror of one busy row (the device decides every transition; a driver follows it to know what the
-    row did in a step and which block an event belongs to): its phase, prompt tokens encoded, block index."""
-
-    phase: Phase = Phase.PREFILL
-    prefilled: int = 0
-    block: int = 0
-
-    def advance(self, prompt_len: int, canvas: int, *, fused: bool) -> tuple[int, bool, bool]:
-        """Follow one step's transitions of this row, before its event is read: returns (prompt tokens the step
-        encoded for it, whether it committed a block -- its next block then began --, whether it stepped a canvas).
-        A row whose block ended in the step is set to COMMIT (or retired) by the driver after the event."""
-        if self.phase == Phase.PREFILL:
-            n = min(canvas, prompt_len - self.prefilled)
-            self.prefilled += n
-            if self.prefilled >= prompt_len:
-                self.phase = Phase.DENOISE
-            return n, False, False
-        if self.phase == Phase.COMMIT:
-            self.block += 1
-            self.phase = Phase.DENOISE
-            return 0, True, fused  # fused: the commit's row took its next block's first step too
-        return 0, False, self.phase == Phase.DENOISE

@@ -291,9 +291,11 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     (FREE). Stepping rows (`phases.stepping`): temperature from the row's table at its step counter k, noise from
     `rng.step_noise` at step n = budget - k, `sampler.denoise_update`, step count, finished flags. Transitions: a
     row whose prompt is encoded and (unfused) a commit row begin their next block (start canvas from the request's
-    own stream, `rng.start_canvas`); a stepping row whose block finished (stopped early or ran its budget) raises
-    `rows.event` and becomes COMMIT, or FREE when the request ended on the device (`finish.request_done`, with
-    `rows.done`). Last, the plan of the next iteration. `inputs.block` advances on commit.
+    own stream, `rng.start_canvas`); a stepping row whose block finished (stopped early or ran its budget) becomes
+    COMMIT, or FREE when the request ended on the device (`finish.request_done`). `inputs.block` advances on commit.
+    Then the report (`rows.RowState.report`, int64 [B, K], `rows.Report` columns: prompt tokens encoded, prefilled,
+    stepped, committed, block, steps, event, done): what each row did, the host's only view of the transitions.
+    Last, the plan of the next iteration.
 
     Run uncompiled (an eager bucket, or a compiled one's step held while it compiles), attention reads the plan's
     dense masks (`PlanBuffers.eager_plan`) instead of FlexAttention's slow eager path; the start canvas and the noise
@@ -354,8 +356,9 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     inputs.block.copy_(block)
     rows.prefilled.copy_(prefilled)
     rows.emitted.add_(torch.where(ended, C, 0))
-    rows.event.copy_(ended)
-    rows.done.copy_(done)
+    # what each row did, for the host (`rows.Report` columns): its one read per iteration
+    rows.report.copy_(torch.stack([torch.where(prefill, plan.n_new, 0), prefilled, stepping.long(), commit.long(),
+                                   block, state.steps, ended.long(), done.long()], dim=1))
     phase = torch.where(begin, DENOISE, torch.where(ended, torch.where(done, FREE, COMMIT),
                                                     torch.where(commit, DENOISE, ph)))
     rows.phase.copy_(phase)

@@ -1,4 +1,7 @@
-"""The serving engine: continuous batching of requests over the rows of one `bucket.Bucket`.
+"""The serving engine: continuous batching of requests over the rows of one `bucket.Bucket`, a user of the one
+driver (`driver.Driver`: admit, step, read the report, finalize, retire) with a thread, a queue, KV pages and events
+around it; its admissions, cancellations and stop come from a schedule source (`ScheduleSource`: its own, or under
+tensor parallel rank 0's, `runtime/parallel.py`).
 
 Every iteration (`Engine.step`) runs ONE forward, the bucket's step (`steps.mixed_step`), over the smallest of the
 bucket's batch sizes that holds every busy row (`Bucket.size_for`: requests are admitted into the lowest free row,
@@ -11,11 +14,13 @@ with the phase transitions decided on the device. An iteration:
    host changed any row, or the batch size changes, refills the plan of the size it runs (`BucketView.refresh`);
 2. runs the step (compiled: one unit per batch size, compiled on first use with a log line; `build_engine` compiles
    the smallest before the engine starts);
-3. reads `RowState.event` (bool [b]) -- the per-iteration flag read, chosen over learning finished requests one
-   iteration late because the host can then retire a request (stop string, cancel) before the device commits its
-   block; ~10 us on CPU (`EngineStats.flag_read_s`) -- and, for the rows whose block finished, their argmax canvas,
-   step count and the device's done flag (one more read); finalises those blocks exactly as the eager block loop
-   does (`finish.finalize_row`: eos, exact token budget), runs stop strings (`text.StopStrings`: never shown, also
+3. reads the step's report (`rows.Report`, int64 [b, K]: what each row did -- prompt tokens encoded, stepped,
+   committed, its block and step count, whether its block finished and whether the device ended the request) --
+   the per-iteration read, chosen over learning finished requests one iteration late because the host can then
+   retire a request (stop string, cancel) before the device commits its block; ~10 us on CPU
+   (`EngineStats.flag_read_s`) -- and, for the rows whose block finished, their argmax canvas (one more read);
+   finalises those blocks exactly as the eager block loop does (`finish.finalize`: eos, exact token budget, a
+   constrained request's kept prefix), runs stop strings (`text.StopStrings`: never shown, also
    across a block boundary), emits one `BlockEvent` per finished block, and retires requests only the host can end
    (stop strings, cancellation). Rows the device ended (eos, budget) are already FREE; others go on on the device
    (COMMIT, then the next block) with no host write;
@@ -57,19 +62,19 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.bucket import Bucket
 from dgemma_compile.constraint import Constraint, RowGrammar, row_grammars
-from dgemma_compile.finish import finalize_constrained, finalize_row
+from dgemma_compile.driver import Driver, Finished
 from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
-from dgemma_compile.images import ImagePrompt, prefill_images
+from dgemma_compile.images import ImagePrompt
 from dgemma_compile.images import prepare as prepare_images
 from dgemma_compile.model import DiffusionGemma
-from dgemma_compile.phases import Phase, RowMirror, stepping_phases
+from dgemma_compile.rows import RowReport
 from dgemma_compile.text import StopStrings
 from .kv_memory import PagedMemory
 
@@ -140,21 +145,61 @@ class Request:
 
 
 @dataclass
-class _Row(RowMirror):
-    """A row of the engine: the host's mirror of the device's transitions (`phases.RowMirror`; FREE without a
-    request; `prefilled` counts prompt tokens mapped from the prefix cache too), its request, and the denoise steps
-    of its block in flight (drafts)."""
+class Schedule:
+    """One iteration's host changes, as the leader decided them: requests to queue (in order), ids to cancel, whether
+    to stop (`ScheduleSource`)."""
 
-    phase: Phase = Phase.FREE
-    request: Request | None = None
-    steps: int = 0
+    requests: list[Request] = field(default_factory=list)
+    cancels: list[int] = field(default_factory=list)
+    stop: bool = False
+
+
+class ScheduleSource(Protocol):
+    """Where an engine's schedule comes from: its own submissions (`LocalSchedule`), or, under tensor parallel, rank
+    0's, broadcast to every rank (`runtime.parallel.ParallelSchedule`), so that every rank admits, cancels and stops
+    at the same iteration."""
+
+    shared: bool
+    """The schedule is shared by ranks: submissions and cancellations wait for the leader's next schedule (never
+    applied in place), and a failed iteration is fatal (the ranks can no longer step together)."""
+    leader: bool
+    """This engine takes requests (`submit`) and decides the schedule; a follower receives it (`Engine.follow`)."""
+    heartbeat_s: float | None
+    """The longest the leader idles without sending a schedule (None: no heartbeat)."""
+
+    def send(self, schedule: Schedule | None) -> None:
+        """The leader: hand this iteration's schedule (None: nothing new) to every other rank."""
+
+    def receive(self) -> Schedule | None:
+        """A follower: the leader's next schedule (its requests rebuilt, under the leader's ids)."""
+
+    def describe(self, error: Exception) -> str:
+        """The message of a fatal iteration failure."""
+
+
+class LocalSchedule:
+    """The `ScheduleSource` of a lone engine: its own queue and cancellations, applied in place; nothing to send."""
+
+    shared = False
+    leader = True
+    heartbeat_s = None
+
+    def send(self, schedule: Schedule | None) -> None:
+        pass
+
+    def receive(self) -> Schedule | None:
+        raise RuntimeError("a local engine has no leader to follow")
+
+    def describe(self, error: Exception) -> str:
+        return f"engine iteration failed ({type(error).__name__}: {error})"
 
 
 @dataclass
 class EngineStats:
     """Counters since the engine started. forwards: steps run (one forward each, serving every busy row);
     forwards_by_size: steps per batch size; row_passes: decoder passes summed over rows (the denominator of tokens
-    per forward, as `RequestStats`); flag_read_s: seconds spent in the per-iteration read of the finished flags;
+    per forward, as `RequestStats`); flag_reads / flag_read_s: the per-iteration reads of the step's report
+    (`rows.Report`) and the seconds spent in them;
     prefill_tokens: prompt tokens run through the encoder; prefix_hit_tokens: prompt tokens mapped from the prefix
     cache instead; images_encoded: images run through the vision encoder; image_prefix_tokens: tokens of image
     prefixes encoded in their own forwards (`images.prefill_images`; prefill_tokens counts the step's); plan_refreshes / refresh_s: host refills of the plan after the host changed rows or the size."""
@@ -190,10 +235,13 @@ class Engine:
         metrics: receives per-iteration and per-block observations (`runtime.metrics.ServeMetrics`), optional.
         prefix_cache: share full prompt pages (and committed blocks of prompts of a multiple of C tokens) between
             requests (a paged cache only; see the module docstring).
-        warm: whether a batch size has compiled (`CompiledGenerator.warm(bucket)`): the engine then steps down only
-            to compiled sizes; None: every size is ready (eager).
         poll: called before each iteration (`CompiledGenerator.poll`: switches to the steps a background compile
             finished, between iterations); None: nothing.
+        schedule: where the iteration's admissions, cancellations and stop come from (`ScheduleSource`); default
+            `LocalSchedule` (this engine's own). Under tensor parallel a `runtime.parallel.ParallelSchedule`: rank 0
+            serves (`start`, `submit`, `cancel`, `shutdown`), the other ranks `follow()`.
+        on_fatal: called with the message when an iteration fails under a shared schedule (default: log it); the
+            engine then ends every request with "error" and its loop returns (`follow` raises).
     Raises:
         ConfigError: a prefix cache whose page size is not a multiple of the encoder chunk (hits must start the
             prefill on a chunk boundary).
@@ -201,22 +249,26 @@ class Engine:
 
     def __init__(self, model: DiffusionGemma, bucket: Bucket, *, config: GenerationConfig | None = None,
                  tokenizer=None, max_queue: int = 256, compiles: Callable[[], Counter] | None = None, metrics=None,
-                 prefix_cache: bool = True, warm: Callable[[int], bool] | None = None,
-                 poll: Callable[[], None] | None = None):
+                 prefix_cache: bool = True, poll: Callable[[], None] | None = None,
+                 schedule: ScheduleSource | None = None, on_fatal: Callable[[str], None] | None = None):
         self.model, self.bucket, self.tokenizer = model, bucket, tokenizer
         self.config = (config or model.generation_config).resolved(model.config)
         self.structural = {f: getattr(self.config, f) for f in STRUCTURAL}
-        self.rows = [_Row() for _ in range(bucket.rows)]
+        self.schedule = schedule or LocalSchedule()
+        self.on_fatal = on_fatal or (lambda message: log.error("%s", message))
+        self.fatal: str | None = None
+        """Why the engine stopped (a failed iteration under a shared schedule); None while it can run."""
         self.max_queue = max_queue
         self.compiles = compiles
         self.metrics = metrics
         self.stats = EngineStats()
         self.batch_invariant = False  # whether rows are batch-invariant across buckets (`build_engine` sets it)
         self.C = model.config.canvas_length
-        self._warm = warm
         self._poll = poll
         self.generator = None  # the compiled generator whose bucket this is (`build_engine` sets it)
         self._queue: deque[Request] = deque()
+        self._inbox: list[Request] = []  # a shared schedule's leader: submitted, not yet scheduled
+        self._cancels: list[int] = []  # a shared schedule's leader: ids to cancel at the next schedule
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids = itertools.count(1)
@@ -224,12 +276,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._baseline = Counter(compiles()) if compiles is not None else Counter()
         for view in bucket.views():
-            check = getattr(view.step, "check_owners", None)
-            if check is not None:
-                check()
-        self._dirty = True  # the host changed a row (or the size) since the plan was filled
-        self._size = 0  # the batch size of the latest step
-        bucket.clear()
+            view.unit.check_owners()
+        self.driver = Driver(bucket)  # the row table's host side (clears the bucket)
         self.memory = PagedMemory(bucket.cache, self.C, prefix_cache) if bucket.paged else None
 
     # ----- requests ------------------------------------------------------------------------------------------------
@@ -254,17 +302,17 @@ class Engine:
         out = []
         for size in bk.sizes:
             view = bk.made(size)
-            calls = getattr(view.step, "calls", None) if view is not None else None
+            unit = view.unit if view is not None else None
             if bk.unit is None:
                 step = "eager"
-            elif view is None:
+            elif unit is None:
                 step = None
             else:
-                step = "eager" if getattr(view.step, "held", False) else getattr(view.step, "source", None)
-            ready = getattr(view.step, "strategy", None) is not None if view is not None else False
+                step = "eager" if unit.held else unit.source
+            compiled = None if bk.unit is None else unit is not None and (bool(unit.calls) or unit.ready)
             out.append(dict(rows=size, tokens_per_row=bk.tokens_per_row, fuse_commit=bk.fuse_commit,
-                            kv="paged" if bk.paged else "static", unit=bk.step_name(size),
-                            compiled=None if bk.unit is None else bool(calls) or ready, step=step))
+                            kv="paged" if bk.paged else "static", unit=bk.step_name(size), compiled=compiled,
+                            step=step))
         return out
 
     def compile_state(self) -> dict | None:
@@ -362,32 +410,33 @@ class Engine:
             request.matcher = StopStrings(self.tokenizer, request.stops)
 
     def _enqueue(self, request: Request) -> None:
-        """Queue a validated request (the lock held): give it its id and wake the engine thread. Raises
-        QueueFullError. A tensor-parallel engine (`runtime/parallel.py`) queues through rank 0's schedule instead."""
-        self._stamp_and_queue(request)
-
-    def _stamp_and_queue(self, request: Request) -> None:
-        """The queue-full check, the request's id and submit time, into `_new_requests()`; wakes the engine."""
+        """Queue a validated request (the lock held): the queue-full check, its id and submit time; wakes the engine
+        thread. Raises QueueFullError, or RuntimeError after a fatal failure. Under a shared schedule it waits in
+        the inbox for the leader's next schedule (`run`), which hands it to every rank."""
+        if self.fatal is not None:
+            raise RuntimeError(self.fatal)
+        if not self.schedule.leader:
+            raise RuntimeError("submit: a follower takes its requests from the leader's schedule")
         if self._waiting() >= self.max_queue:
             raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
         request.id = next(self._ids)
         request.submitted = time.perf_counter()
-        self._new_requests().append(request)
+        (self._inbox if self.schedule.shared else self._queue).append(request)
         self._wake.notify()
 
     def _waiting(self) -> int:
         """Requests queued and not yet admitted (what `max_queue` bounds)."""
-        return len(self._queue)
-
-    def _new_requests(self) -> "deque[Request] | list[Request]":
-        """Where `_enqueue` puts a new request: the queue (rank 0 of a tensor-parallel engine: its inbox)."""
-        return self._queue
+        return len(self._queue) + len(self._inbox)
 
     def cancel(self, request: Request) -> None:
         """Ask the engine to drop `request` (thread-safe): a queued request is dropped at admission, a running one
-        frees its row at the next iteration; either gets a final event with finish_reason "cancelled"."""
-        request.cancelled = True
+        frees its row at the next iteration; either gets a final event with finish_reason "cancelled". Under a shared
+        schedule at the iteration of the leader's next schedule, on every rank."""
         with self._wake:
+            if self.schedule.shared:
+                self._cancels.append(request.id)
+            else:
+                request.cancelled = True
             self._wake.notify()
 
     @property
@@ -396,10 +445,15 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return sum(r.phase != Phase.FREE for r in self.rows)
+        return len(self.driver.busy())
+
+    @property
+    def rows(self) -> list[Request | None]:
+        """The request in each row of the bucket (None: FREE)."""
+        return list(self.driver.rows)
 
     def idle(self) -> bool:
-        return not self._queue and self.running == 0
+        return not self._queue and self.driver.idle()
 
     def recompiles(self) -> Counter:
         """Recompiles of the bucket's units since the engine started, per unit ({} when none): compiles beyond a
@@ -416,105 +470,157 @@ class Engine:
         self._thread.start()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stop the engine thread after its current iteration; running and queued requests get "cancelled"."""
+        """Stop the engine thread after its current iteration; running and queued requests get "cancelled" (under a
+        shared schedule, the leader's stop ends every rank's loop)."""
         with self._wake:
             self._stop = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        for row in self.rows:
-            if row.request is not None:
-                self._retire(row, "cancelled")
+        for b in self.driver.busy():
+            self._retire(b, "cancelled")
         while self._queue:
             self._finish(self._queue.popleft(), "cancelled", [], "")
 
     @torch.no_grad()
     def run(self) -> None:
-        """Iterate while there is work; sleep on a condition otherwise; return after `shutdown`."""
-        while True:
-            with self._wake:
-                while not self._stop and self.idle():
-                    # idle with a background compile running: wake each second to switch to its steps when it ends
-                    waiting = self._poll is not None and getattr(self.generator, "deferred", False) and \
-                        self.generator.background is not None
-                    self._wake.wait(1.0 if waiting else None)
-                    if waiting:
-                        self._poll()
-                if self._stop:
+        """The leader's loop (the engine thread): wait while idle (a shared schedule's leader sends an empty schedule
+        every `heartbeat_s`, so the followers' waits never time out), take what arrived as this iteration's
+        schedule, hand it to the other ranks (a shared schedule), apply it, step; return after `shutdown`."""
+        src = self.schedule
+        try:
+            while True:
+                with self._wake:
+                    if not (self._stop or self._inbox or self._cancels) and self.idle():
+                        # idle with a background compile running: wake each second to switch to its steps when it ends
+                        gen = self.generator
+                        waiting = self._poll is not None and gen is not None and gen.deferred and \
+                            gen.background is not None
+                        self._wake.wait(src.heartbeat_s or (1.0 if waiting else None))
+                        if waiting:
+                            self._poll()
+                    mine, self._inbox = self._inbox, []
+                    schedule = Schedule(mine, self._cancels, self._stop) if mine or self._cancels or self._stop \
+                        else None
+                    self._cancels = []
+                if src.shared:
+                    try:
+                        src.send(schedule)
+                    except Exception:
+                        with self._wake:
+                            self._inbox[:0] = mine  # ended with "error" by `_fail`, never lost
+                        raise
+                if schedule is not None and schedule.stop:
                     return
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - a failed iteration ends its requests, never the server
-                log.exception("engine iteration failed; ending the running requests")
-                for row in self.rows:
-                    if row.request is not None:
-                        self._retire(row, "error")
-                self.bucket.clear()
-                self._dirty = True
+                self._apply(schedule)
+                if not self.idle():
+                    self._iterate()
+        except Exception as e:  # noqa: BLE001 - a shared schedule's ranks cannot agree any more: fatal
+            self._fail(e)
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        """A follower's loop (tensor-parallel ranks 1..N-1, main thread): receive each schedule of the leader, apply
+        it, step as the leader does. Returns at the leader's stop; raises RuntimeError (after `on_fatal`) when the
+        leader is gone or an iteration fails."""
+        try:
+            while True:
+                schedule = self.schedule.receive()
+                if schedule is not None and schedule.stop:
+                    return
+                if schedule is not None:
+                    for req in schedule.requests:  # the leader's validation again (deterministic), under its id
+                        self._prepare(req)
+                self._apply(schedule)
+                if not self.idle():
+                    self.step()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+            raise RuntimeError(self.fatal) from e
+
+    def _apply(self, schedule: Schedule | None) -> None:
+        """Queue the schedule's requests (in order) and mark its cancellations (queued or running requests; one that
+        already ended needs nothing)."""
+        if schedule is None:
+            return
+        with self._wake:
+            self._queue.extend(schedule.requests)
+            live = list(self._queue) + [r for r in self.driver.rows if r is not None]
+        cancels = set(schedule.cancels)
+        for req in live:
+            if req.id in cancels:
+                req.cancelled = True
+
+    def _iterate(self) -> None:
+        """One iteration of the leader's loop. A lone engine survives a failed iteration (it ends the running
+        requests with "error"); under a shared schedule the failure is fatal (`run`)."""
+        if self.schedule.shared:
+            self.step()
+            return
+        try:
+            self.step()
+        except Exception:  # noqa: BLE001 - a failed iteration ends its requests, never the server
+            log.exception("engine iteration failed; ending the running requests")
+            for b in self.driver.busy():
+                self._retire(b, "error")
+            self.driver.clear()
+
+    def _fail(self, e: Exception) -> None:
+        """A fatal failure: end every request with "error" without touching the device (which may be
+        mid-collective), then `on_fatal`."""
+        self.fatal = self.schedule.describe(e)
+        log.error("%s", self.fatal)
+        for b in self.driver.busy():
+            req = self.driver.retire(b, device_done=True)  # the host side only
+            self._finish(req, "error", [], "")
+        with self._wake:
+            queued, self._inbox = list(self._queue) + self._inbox, []
+            self._queue.clear()
+        for req in queued:
+            self._finish(req, "error", [], "")
+        self.on_fatal(self.fatal)
 
     @torch.no_grad()
     def step(self) -> None:
-        """One iteration (see the module docstring). Runs on the engine thread only."""
+        """One iteration (see the module docstring): admit, run the driver's step, follow its report. Runs on the
+        engine thread only."""
         self.stats.iterations += 1
         if self._poll is not None:
             self._poll()
         self._admit()
-        busy = [b for b, r in enumerate(self.rows) if r.phase != Phase.FREE]
-        if not busy:
+        it = self.driver.step()
+        if it is None:
             return
-        st, bk = self.stats, self.bucket
-        size = bk.size_for(busy[-1] + 1, self._warm)
-        view = bk.view(size)
-        if self._dirty or size != self._size:
-            if self._warm is not None and not self._warm(size) and not getattr(view.step, "held", False):
-                log.info("engine: batch size %d is used for the first time (compiles now, or loads from the "
-                         "compile cache)", size)
-            t0 = time.perf_counter()
-            view.refresh()
-            st.refresh_s += time.perf_counter() - t0
+        st = self.stats
+        if it.refresh_s is not None:
+            st.refresh_s += it.refresh_s
             st.plan_refreshes += 1
-            self._dirty, self._size = False, size
-        view.step()
         st.forwards += 1
-        st.forwards_by_size[size] += 1
-        events, read_s = self._read_flags(view.row_state.event)
-        stepped = stepping_phases(bk.fuse_commit)  # fused: a commit row steps its next block too
-        denoised = [b for b in busy if self.rows[b].phase in stepped]
-        for b in busy:  # the host's mirror of the device's transitions (metrics, drafts, pages)
-            row = self.rows[b]
-            encoded, committed, _ = row.advance(len(row.request.prompt), self.C, fused=bk.fuse_commit)
-            if encoded:
-                st.prefill_tokens += encoded
+        st.forwards_by_size[it.size] += 1
+        st.flag_read_s += it.read_s
+        st.flag_reads += 1
+        for b, rep in it.reports.items():  # what the step reports each row did (metrics, pages)
+            if rep.encoded:
+                st.prefill_tokens += rep.encoded
                 if self.memory is not None:
-                    self.memory.encoded(b, row.prefilled)
-            if committed:  # its next block began (fused: `_drafts` counts its first step)
-                self._committed(b, row)
-            if committed or (encoded and row.phase == Phase.DENOISE):
-                row.steps = 0
-        done = [b for b in busy if events[b]]
-        asking = [b for b in done if self.rows[b].request.logprobs is not None]
-        lps = dict(zip(asking, bk.read_logprobs(asking, max(self.rows[b].request.logprobs for b in asking))
+                    self.memory.encoded(b, rep.prefilled)
+            if rep.committed:  # its next block began
+                self._committed(b, rep.block)
+        asking = [f.row for f in it.finished if self.driver.rows[f.row].logprobs is not None]
+        lps = dict(zip(asking, self.bucket.read_logprobs(asking, max(self.driver.rows[b].logprobs for b in asking))
                        if asking else []))
-        for b, (device_done, steps, argmax) in zip(done, bk.read_blocks(done)):
-            self._end_block(self.rows[b], argmax, steps, device_free=device_done, logprobs=lps.get(b))
-        self._drafts([b for b in denoised if not events[b]])
+        for f in it.finished:
+            self._end_block(f, logprobs=lps.get(f.row))
+        denoised = [b for b, rep in it.reports.items() if rep.stepped]
+        self._drafts([(b, it.reports[b]) for b in denoised if not it.reports[b].event])
         if self.metrics is not None:
-            self.metrics.iteration(self.queue_depth, self.running, len(denoised), read_s)
-
-    def _read_flags(self, flags: torch.Tensor) -> tuple[list[bool], float]:
-        """The iteration's one host read of flags (bool [B]), timed into `EngineStats.flag_read_s`: (values, s)."""
-        t0 = time.perf_counter()
-        values = flags.tolist()
-        read_s = time.perf_counter() - t0
-        self.stats.flag_read_s += read_s
-        self.stats.flag_reads += 1
-        return values, read_s
+            self.metrics.iteration(self.queue_depth, self.running, len(denoised), it.read_s)
 
     def _admit(self) -> None:
-        for row in self.rows:
-            if row.request is not None and row.request.cancelled:
-                self._retire(row, "cancelled")
-        free = [b for b, row in enumerate(self.rows) if row.phase == Phase.FREE]
+        for b in self.driver.busy():
+            if self.driver.rows[b].cancelled:
+                self._retire(b, "cancelled")
+        free = self.driver.free()
         skipped = 0  # queued requests left waiting for prompt pages a running row is computing
         while free:
             with self._lock:
@@ -534,60 +640,44 @@ class Engine:
                 self._finish(req, "cancelled", [], "")
                 continue
             b = free.pop(0)  # the lowest free row: busy rows stay low, so the step runs at the smallest size
-            row = _Row(request=req, phase=Phase.PREFILL)
-            self.rows[b] = row
             try:
+                mapped = None
                 if pages is not None:
-                    row.prefilled = self.memory.admit(b, pages)
-                    self.stats.prefix_hit_tokens += row.prefilled
-                if req.images is not None:  # the image prefix in forwards of its own; the step prefills the rest
-                    self._prefill_images(b, row, req)
-                self.bucket.admit(b, req.prompt, req.config, req.seed,
-                                  prefilled=row.prefilled if pages is not None or req.images is not None else None)
-                if req.grammar is not None:
-                    self.bucket.constrain(b, req.grammar.bitmask())
-                self._dirty = True
+                    mapped = self.memory.admit(b, pages)
+                    self.stats.prefix_hit_tokens += mapped
+                before = req.images.encodes if req.images is not None else 0
+                encoded = self.driver.admit(b, req, mapped=mapped)
+                if req.images is not None:
+                    self.stats.images_encoded += req.images.encodes - before
+                    self.stats.image_prefix_tokens += encoded
             except Exception:  # noqa: BLE001 - a request that cannot be admitted ends alone; its row is freed
                 log.exception("request %d: admission failed; ending it alone", req.id)
-                self._retire(row, "error")
+                if self.memory is not None:
+                    self.memory.release(b)
+                self._finish(req, "error", [], "")
                 free.insert(0, b)
 
-    def _prefill_images(self, b: int, row: _Row, req: Request) -> None:
-        """Encode the request's image prefix into row b (`images.prefill_images`) after the pages its prefix-cache hit
-        mapped (`row.prefilled` tokens; a hit that covers the prefix encodes nothing, no image runs the tower)."""
-        item, start = req.images, row.prefilled
-        if self.memory is None:
-            self.bucket.cache.reset_row(b)
-        if start < item.prefix:
-            before = item.encodes
-            prefill_images(self.model, self.bucket.cache, b, req.prompt, item, chunk=self.C,
-                           moe_impl=self.bucket.moe_impl, start=start)
-            self.stats.images_encoded += item.encodes - before
-            self.stats.image_prefix_tokens += item.prefix - start
-            row.prefilled = item.prefix
+    def _committed(self, b: int, block: int) -> None:
+        """Row b's commit pass ran and its block `block` began: its cache holds the prompt and every block before
+        (`PagedMemory.committed`; not for a constrained request, whose commits are its kept prefixes, not whole
+        blocks)."""
+        req = self.driver.rows[b]
+        if self.memory is not None and req.grammar is None:
+            self.memory.committed(b, req.prompt, req.sequence[:block * self.C])
 
-    def _committed(self, b: int, row: _Row) -> None:
-        """Row b's commit pass ran: its cache holds the prompt and every block so far (`PagedMemory.committed`; not
-        for a constrained request, whose commits are its kept prefixes, not whole blocks)."""
-        if self.memory is not None and row.request.grammar is None:
-            self.memory.committed(b, row.request.prompt, row.request.sequence[:row.block * self.C])
-
-    def _drafts(self, running: list[int]) -> None:
-        """Draft events of the rows in `running` (denoised this iteration, block still in flight) whose request asks
-        for one at this step (see the module docstring)."""
+    def _drafts(self, running: list[tuple[int, RowReport]]) -> None:
+        """Draft events of the rows in `running` (denoised this iteration, block still in flight, with their report)
+        whose request asks for one at this step (see the module docstring)."""
         asking = []
-        for b in running:
-            row = self.rows[b]
-            row.steps += 1
-            k = row.request.draft_every
-            if k and row.steps % k == 0:
-                asking.append(b)
+        for b, rep in running:
+            k = self.driver.rows[b].draft_every
+            if k and rep.steps % k == 0:
+                asking.append((b, rep))
         if not asking:
             return
-        canvases = self.bucket.state.argmax[torch.tensor(asking)].tolist()
-        for b, canvas in zip(asking, canvases):
-            row = self.rows[b]
-            req = row.request
+        canvases = self.bucket.state.argmax[torch.tensor([b for b, _ in asking])].tolist()
+        for (b, rep), canvas in zip(asking, canvases):
+            req = self.driver.rows[b]
             cfg = req.config
             if req.grammar is not None:  # a constrained request's draft: the prefix its grammar accepts so far
                 canvas = canvas[:req.grammar.peek(canvas)]
@@ -599,20 +689,14 @@ class Engine:
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
                 cut = [text.find(s) for s in req.stops if s in text]
                 text = text[:min(cut)] if cut else text
-            self._emit(req, BlockEvent(req, tokens, text, None, len(req.sequence), draft=True, block=row.block,
-                                       step=row.steps))
+            self._emit(req, BlockEvent(req, tokens, text, None, len(req.sequence), draft=True, block=rep.block,
+                                       step=rep.steps))
 
-    def _end_block(self, row: _Row, argmax: list[int], steps: int, device_free: bool = False,
-                   logprobs: list | None = None) -> None:
-        req, st = row.request, self.stats
+    def _end_block(self, f: Finished, logprobs: list | None = None) -> None:
+        req, st = self.driver.rows[f.row], self.stats
         before = req.stats.num_tokens
-        if req.grammar is None:
-            keep, done = finalize_row(argmax, req.config, req.sequence, req.stats, steps)
-        else:  # the kept prefix is what the row commits; the device never ends a constrained row
-            keep, done = finalize_constrained(argmax, req.config, req.sequence, req.stats, steps, req.grammar)
-            if not done:
-                self.bucket.constrain(self.rows.index(row), req.grammar.bitmask(), commit_len=len(keep))
-                self._dirty = True  # the commit's length is in the plan
+        keep, done = self.driver.finalize(f)
+        steps = f.report.steps
         if logprobs is not None:  # the kept tokens' (a prefix of the canvas), alternatives cut to the request's k
             logprobs = [(t, top[:req.logprobs]) for t, top in logprobs[:len(keep)]]
         st.blocks += 1
@@ -624,24 +708,18 @@ class Engine:
         if req.matcher is not None and req.matcher.stopped:
             req.stats.finish_reason, done = "stop", True
         if req.cancelled:
-            self._retire(row, "cancelled", device_free=device_free)
+            self._retire(f.row, "cancelled", device_done=f.report.done)
         elif done:
-            self._retire(row, req.stats.finish_reason, keep, text, device_free=device_free, logprobs=logprobs)
+            self._retire(f.row, req.stats.finish_reason, keep, text, device_done=f.report.done, logprobs=logprobs)
         else:
-            row.phase = Phase.COMMIT
             self._emit(req, BlockEvent(req, keep, text, None, len(req.sequence), logprobs=logprobs))
 
-    def _retire(self, row: _Row, reason: str, tokens: list[int] | None = None, text: str = "",
-                device_free: bool = False, logprobs: list | None = None) -> None:
-        """Free the row (FREE on the device, which `device_free` says it already is) and end its request."""
-        req = row.request
-        b = self.rows.index(row)
+    def _retire(self, b: int, reason: str, tokens: list[int] | None = None, text: str = "",
+                device_done: bool = False, logprobs: list | None = None) -> None:
+        """Free row b (FREE on the device, which `device_done` says it already is) and end its request."""
         if self.memory is not None:
             self.memory.release(b)
-        if not device_free:
-            self.bucket.retire(b)
-            self._dirty = True
-        self.rows[b] = _Row()
+        req = self.driver.retire(b, device_done=device_done)
         self._finish(req, reason, tokens or [], text, logprobs)
 
     def _finish(self, req: Request, reason: str, tokens: list[int], text: str, logprobs: list | None = None) -> None:
@@ -678,17 +756,21 @@ class Engine:
             self._drop(req)
 
     def _drop(self, req: Request) -> None:
-        """The engine thread cancels `req` (its consumer failed): at once here; a tensor-parallel engine through
-        rank 0's next schedule, so every rank drops it at the same iteration."""
-        req.cancelled = True
+        """The engine thread cancels `req` (its consumer failed): at once, or under a shared schedule through the
+        leader's next one, so every rank drops it at the same iteration."""
+        if self.schedule.shared:
+            self._cancels.append(req.id)
+        else:
+            req.cancelled = True
 
 
 def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int | None = None,
                  max_denoising_steps: int = 256, eager: bool = False, tokenizer=None, max_queue: int = 256,
                  metrics=None, generator=None, page_size: int | None = None, kv_pages: int | None = None,
                  prefix_cache: bool = True, batch_invariant: bool | None = None, fuse_commit: bool | None = None,
-                 batch_sizes: Sequence[int] | None = None, max_logprobs: int = 20, channel=None,
-                 on_fatal: Callable[[str], None] | None = None, defer_compile: bool = False) -> Engine:
+                 batch_sizes: Sequence[int] | None = None, max_logprobs: int = 20,
+                 schedule: ScheduleSource | None = None, on_fatal: Callable[[str], None] | None = None,
+                 defer_compile: bool = False) -> Engine:
     """An engine over one bucket of `max_batch` rows, stepping at batch sizes `batch_sizes` (default: the powers of
     two below `max_batch`, and `max_batch`) over them: compiled (a generator whose `CompileOptions.batch_buckets` are
     those sizes, a cache of `max_seq_len` committed slots -- default the model's context, at most
@@ -703,9 +785,10 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     (batch-invariant), off "loop" (transformers' order); `Engine.batch_invariant` tells which ran. `max_logprobs`: the
     most alternatives per token a request's logprobs may ask for (each step keeps that many per position:
     `steps.logprobs`; vLLM's default 20; compiled, `CompileOptions.max_logprobs`, a given generator's). The engine is
-    not started (`Engine.start`). `channel` (a `parallel.HostChannel`; the model sharded by `parallel.shard`): a
-    `runtime.parallel.TensorParallelEngine`, every rank building it the same way, rank 0 serving and the others
-    `follow()`ing its schedule; `on_fatal` receives the message when its ranks can no longer step together.
+    not started (`Engine.start`). `schedule`: the engine's `ScheduleSource` (default its own); under tensor parallel
+    (the model sharded by `parallel.shard`) a `runtime.parallel.ParallelSchedule` over the ranks' host channel, every
+    rank building its engine the same way, rank 0 serving and the others `follow()`ing its schedule; `on_fatal`
+    receives the message when the ranks can no longer step together.
     `defer_compile`: compile nothing here; every size runs the eager step until `engine.generator.poll()` (called
     before each iteration) finds the background compile given to `engine.generator.defer(...)` finished, or
     `engine.generator.release()` is called (`dgemma serve --compile auto`). `engine.generator`: the compiled generator
@@ -741,8 +824,8 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         bucket = Bucket(model, batch_sizes, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
                         config=config, fuse_commit=fuse, moe_impl="dense" if on else "loop", max_logprobs=max_logprobs,
                         **paging)
-        engine = _engine_class(channel)(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
-                                        prefix_cache=prefix_cache, **_parallel_kw(channel, on_fatal))
+        engine = Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
+                        prefix_cache=prefix_cache, schedule=schedule, on_fatal=on_fatal)
         engine.batch_invariant = on
         return engine
     gen = generator or build(model, CompileOptions(batch_buckets=batch_sizes, max_seq_len=max_seq_len,
@@ -752,22 +835,9 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         gen.defer(None)
     else:
         gen.warmup(1, config, **paging)  # the smallest size: a lone first request never waits for a compile
-    engine = _engine_class(channel)(model, gen.bucket(config, **paging), config=config, tokenizer=tokenizer,
-                                    max_queue=max_queue, compiles=lambda: gen.compiles, metrics=metrics,
-                                    prefix_cache=prefix_cache, warm=gen.warm(gen.bucket(config, **paging)),
-                                    poll=gen.poll, **_parallel_kw(channel, on_fatal))
+    engine = Engine(model, gen.bucket(config, **paging), config=config, tokenizer=tokenizer, max_queue=max_queue,
+                    compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache, poll=gen.poll,
+                    schedule=schedule, on_fatal=on_fatal)
     engine.batch_invariant = gen.batch_invariant
     engine.generator = gen
     return engine
-
-
-def _engine_class(channel) -> type[Engine]:
-    if channel is None:
-        return Engine
-    from .parallel import TensorParallelEngine
-
-    return TensorParallelEngine
-
-
-def _parallel_kw(channel, on_fatal) -> dict:
-    return {} if channel is None else {"channel": channel, "on_fatal": on_fatal}

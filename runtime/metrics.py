@@ -16,7 +16,7 @@ calls `iteration`, `block` and `request_done` from its thread; prometheus-client
 | dgemma_tokens_per_second          | gauge   | generated tokens per second over the last `window_s` seconds        |
 | dgemma_tokens_per_forward         | gauge   | generated tokens / row decoder passes (the field's metric)          |
 | dgemma_steps_per_block            | gauge   | mean decoder passes per block                                       |
-| dgemma_flag_read_seconds          | counter | seconds spent reading the [B] finished flags (once per iteration)   |
+| dgemma_flag_read_seconds          | counter | seconds spent reading the step's [B, K] report (once per iteration) |
 | dgemma_refused_total{limit}       | counter | requests refused, by the limit that refused them (its error code)  |
 | dgemma_grammar_compiles_total{outcome} | counter | grammar requests: compiled, cached, error, refused             |
 | dgemma_grammar_cache_bytes        | gauge   | bytes of compiled grammars kept (`--grammar-cache-bytes`)          |
@@ -48,7 +48,7 @@ class ServeMetrics:
         self.row_passes = Counter("dgemma_row_passes", "Decoder passes summed over rows", registry=r)
         self.tokens = Counter("dgemma_generated_tokens", "Generated non-pad tokens", registry=r)
         self.blocks = Counter("dgemma_blocks", "Finished blocks", registry=r)
-        self.flag_read = Counter("dgemma_flag_read_seconds", "Seconds reading the finished flags", registry=r)
+        self.flag_read = Counter("dgemma_flag_read_seconds", "Seconds reading the step's per-row report", registry=r)
         self.requests = Counter("dgemma_requests", "Ended requests by finish reason", ["reason"], registry=r)
         for reason in REASONS:
             self.requests.labels(reason)
@@ -69,7 +69,7 @@ class ServeMetrics:
 
     def iteration(self, queue_depth: int, running: int, denoising: int, flag_read_s: float = 0.0) -> None:
         """One engine iteration: the queue and rows after it, whether it ran a denoise forward, and the seconds its
-        read of the finished flags took."""
+        read of the step's per-row report (`rows.Report`) took."""
         self.flag_read.inc(flag_read_s)
         self.queue_depth.set(queue_depth)
         self.running_rows.set(running)

@@ -185,7 +185,7 @@ def test_prefix_cache_shared_prefix_computed_once(demo):
     other = Request(prompt=_ids(tok, model, "add 1234567+7654321 = 0 0 0="), config=base, seed=5)
     engine.submit(first), engine.submit(twin), engine.submit(other)
     engine.step()
-    assert [r.request for r in engine.rows] == [first, other, None] and engine.queue_depth == 1
+    assert engine.rows == [first, other, None] and engine.queue_depth == 1
     _run(engine)
     st, prefix = engine.stats, engine.memory.prefix
     assert st.prefix_hit_tokens == 2 * P and prefix.stats.registered == 3  # first's two pages, other's one

@@ -28,8 +28,8 @@ import dgemma_compile as dg
 from dgemma_compile.bucket import Bucket
 from dgemma_compile.parallel.ranks import ParallelError, world_size_for
 from dgemma_compile.text import encode_prompt
-from dgemma_runtime import Request
-from dgemma_runtime.parallel import TensorParallelEngine
+from dgemma_runtime import Engine, Request
+from dgemma_runtime.parallel import ParallelSchedule
 from helpers import wait_for_health
 
 SLOTS = 256
@@ -58,7 +58,7 @@ class PairChannel:
 
 def _engine(model, tok, channel, events=None):
     bucket = Bucket(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64)
-    eng = TensorParallelEngine(model, bucket, tokenizer=tok, channel=channel)
+    eng = Engine(model, bucket, tokenizer=tok, schedule=ParallelSchedule(channel))
     if events is not None:  # record every final event by request id
         base = eng._emit
 

@@ -64,7 +64,7 @@ def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationCon
     reports = []
     with torch.no_grad(), applied(gen.options):
         view.refresh()  # every row FREE: the step changes no row
-        ex = torch._dynamo.explain(view.step.fn)()
+        ex = torch._dynamo.explain(view.unit.fn)()
         reports.append(UnitReport(
             unit=view.name, graph_count=ex.graph_count, graph_break_count=ex.graph_break_count,
             break_reasons=[{"reason": str(b.reason), "user_stack": [str(f) for f in b.user_stack]}

@@ -1,10 +1,11 @@
 """`build(model)`: the compiled block-diffusion generator over one bucket of rows and its batch sizes.
 
-The generator drives the one step (`steps.mixed_step`) over a `bucket.Bucket`: it admits the call's requests into
-the lowest free rows (more requests than rows wait and take rows as earlier ones end), runs each iteration at the
-smallest batch size that holds the live rows (`Bucket.size_for`), reads the rows whose block finished (one [b] flag
-read per iteration, then their canvases), finalises those blocks on the host (`finish.finalize_row`, `on_block`,
-`stop`) and retires rows only the host can end (the `stop` hook). Each batch size is one compile unit
+The generator drives the one step (`steps.mixed_step`) over a `bucket.Bucket` through the one driver
+(`driver.Driver`, which the serving engine uses too): it queues the call's requests and admits them into the lowest
+free rows (more requests than rows wait and take rows as earlier ones end), runs each iteration at the smallest batch
+size that holds the live rows (`Bucket.size_for`), reads the step's per-row report (one [b, K] read per iteration,
+then the canvases of the rows whose block finished), finalises those blocks on the host (`finish.finalize`,
+`on_block`, `stop`) and retires rows only the host can end (the `stop` hook). Each batch size is one compile unit
 (`units.CompiledUnit`, `torch.compile(fullgraph=True, dynamic=False)` over the bucket's static buffers: prefill
 chunks, denoise steps, commits and commit fusion in one graph), compiled on first use or by `warmup`; on CUDA
 captured as one CUDA graph. Per-step scalars (temperature, bounds, lengths, phases) live in device tensors, so
@@ -17,6 +18,7 @@ default; tests/test_compile.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -28,16 +30,16 @@ import torch
 
 from ..bucket import Bucket
 from ..config import ConfigError, GenerationConfig
-from ..constraint import Constraint, resolve_constraints, row_grammars
-from ..finish import finalize_constrained, finalize_row
+from ..constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
+from ..driver import Driver, Finished
 from ..generate import (BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, constrained_slots,
                         plan_requests)
-from ..images import ImagePrompt, prefill_images
+from ..images import ImagePrompt
 from ..images import prepare as prepare_images
 from ..model import DiffusionGemma
 from ..observe import STEP, UNIT, Observer, SpanTimer
 from ..ops.moe import resolve_moe_impl
-from ..phases import Phase, RowMirror
+from ..phases import Phase
 from ..sampler import step_scheme
 from .options import CompileOptions, check_batch_invariant
 from .artifacts import ArtifactStore
@@ -47,13 +49,6 @@ if TYPE_CHECKING:
 from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 log = logging.getLogger("dgemma_compile")
-
-
-@dataclass
-class _Row(RowMirror):
-    """The host's mirror of one busy row (`phases.RowMirror`) and its request (index in the call)."""
-
-    request: int = 0
 
 
 @dataclass
@@ -154,7 +149,7 @@ class CompiledGenerator:
 
     def units_made(self) -> list[CompiledUnit]:
         """Every compiled unit of every bucket made so far."""
-        return [v.step for bk in self._buckets.values() for v in bk.views() if isinstance(v.step, CompiledUnit)]
+        return [v.unit for bk in self._buckets.values() for v in bk.views() if isinstance(v.unit, CompiledUnit)]
 
     def cached(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> bool:
         """Whether the compile cache holds the step that serves `batch_size` requests (then `warmup` loads it in about
@@ -172,7 +167,7 @@ class CompiledGenerator:
     def _unit_for(self, batch_size: int, config: GenerationConfig | None, **paging):
         """The step (a `CompiledUnit`, or the eager step) that serves `batch_size` requests; makes its bucket and view."""
         bucket = self.bucket(config, **paging)
-        return bucket.view(bucket.size_for(self.bucket_for(batch_size))).step
+        return bucket.view(bucket.size_for(self.bucket_for(batch_size))).unit
 
     def load_cached(self, bucket: Bucket) -> list[int]:
         """Load (never compile) every size of `bucket` whose step the compile cache holds, now; returns the sizes
@@ -181,7 +176,7 @@ class CompiledGenerator:
         loaded = []
         for size in bucket.sizes:
             view = bucket.view(size)
-            unit = view.step
+            unit = view.unit
             if not isinstance(unit, CompiledUnit):
                 continue
             if unit.strategy is None and unit.key is not None and self.units.store.has(unit.key):
@@ -248,11 +243,6 @@ class CompiledGenerator:
         """Drop every bucket (after `torch._dynamo.reset()`; the next call recompiles)."""
         self._buckets.clear()
 
-    @staticmethod
-    def warm(bucket: Bucket) -> Callable[[int], bool]:
-        """Whether a size of `bucket` has compiled (for `Bucket.size_for`)."""
-        return lambda b: b in bucket._views and getattr(bucket._views[b].step, "strategy", None) is not None
-
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]],
                  config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
@@ -287,10 +277,9 @@ class CompiledGenerator:
                               f"(CompileOptions.max_denoising_steps={self.options.max_denoising_steps})")
         bucket = self.bucket(cfgs[0])
         for view in bucket.views():
-            if isinstance(view.step, CompiledUnit):
-                view.step.check_owners()
-        return _Driver(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer),
-                       grammars, items).run(on_block, stop)
+            view.unit.check_owners()
+        return _Call(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer),
+                     grammars, items).run(on_block, stop)
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> float:
@@ -302,12 +291,12 @@ class CompiledGenerator:
         start = time.perf_counter()
         bucket = self.bucket(config, **paging)
         view = bucket.view(bucket.size_for(self.bucket_for(batch_size)))
-        if getattr(view.step, "strategy", "eager") is None:
+        if not view.unit.ready:
             busy = bucket.row_state.phase[:view.rows].ne(int(Phase.FREE)).any()
             if bool(busy):
                 raise ConfigError("warmup: the bucket has busy rows (an engine is running on it)")
             view.refresh()
-            view.step.prepare()  # compiles; on CUDA captures its graph here, not inside a request
+            view.unit.prepare()  # compiles; on CUDA captures its graph here, not inside a request
         return time.perf_counter() - start
 
     def explain(self, batch_size: int = 1, config: GenerationConfig | None = None,
@@ -319,105 +308,84 @@ class CompiledGenerator:
         return explain(self, batch_size, config, workload)
 
 
-class _Driver:
-    """One `generate` call over a bucket: admit, step, read the finished blocks, finalise (see the module docstring)."""
+@dataclass(eq=False)
+class _Request:
+    """One request of a `generate` call in a row (`driver.RowRequest`): its index in the call and its output."""
+
+    index: int
+    prompt: list[int]
+    config: GenerationConfig
+    seed: int
+    images: ImagePrompt | None
+    grammar: RowGrammar | None
+    sequence: list[int]
+    stats: RequestStats
+
+
+class _Call:
+    """One `generate` call over a bucket, as a user of the one driver (`driver.Driver`): queue every request, admit
+    into free rows, step until idle, finalise the finished blocks by block index (`on_block`, then `stop`)."""
 
     def __init__(self, gen: CompiledGenerator, bucket: Bucket, prompts: list[list[int]],
                  cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer, grammars: list,
                  images: "list[ImagePrompt | None] | None" = None):
-        self.gen, self.bucket, self.timer = gen, bucket, timer
-        self.grammars = grammars
-        self.prompts, self.cfgs, self.seeds = prompts, cfgs, seeds
-        self.images = images or [None] * len(prompts)
+        self.gen, self.timer = gen, timer
         R = len(prompts)
         self.out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
                                     fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl,
                                     scheme=step_scheme(gen.model))
-        self.queue = deque(range(R))
-        self.rows: list[_Row | None] = [None] * bucket.rows
+        images = images or [None] * R
+        self.queue = deque(_Request(r, prompts[r], cfgs[r], seeds[r], images[r], grammars[r], self.out.sequences[r],
+                                    self.out.stats[r]) for r in range(R))
+        self.R = R
+        self.driver = Driver(bucket, span=self._span)
+
+    def _span(self, name: str):
+        spans = contextlib.ExitStack()
+        spans.enter_context(self.timer.span(STEP))
+        spans.enter_context(self.timer.span(UNIT, name))
+        return spans
 
     def run(self, on_block: BlockCallback | None, stop: StopHook | None) -> GenerationOutput:
-        bucket, out, C = self.bucket, self.out, self.gen.model.config.canvas_length
-        size, dirty = 0, True
-        bucket.clear()
+        out, driver = self.out, self.driver
         while True:
             self.gen.poll()  # a background compile that finished: its steps from this iteration on
-            dirty |= self._admit()
-            busy = [b for b, r in enumerate(self.rows) if r is not None]
-            if not busy:
+            for b in driver.free():
+                if not self.queue:
+                    break
+                driver.admit(b, self.queue.popleft())
+            it = driver.step()
+            if it is None:
                 break
-            new = bucket.size_for(busy[-1] + 1, CompiledGenerator.warm(bucket))
-            view = bucket.view(new)
-            if dirty or new != size:
-                view.refresh()
-                size, dirty = new, False
-            with self.timer.span(STEP), self.timer.span(UNIT, view.name):
-                view.step()
-            events = view.row_state.event.tolist()
             blocks = set()  # block indices some row stepped in this iteration
-            for b in busy:  # the host's mirror of the device's transitions
-                row = self.rows[b]
-                _, committed, stepped = row.advance(len(self.prompts[row.request]), C, fused=bucket.fuse_commit)
-                if committed and bucket.fuse_commit:
+            for rep in it.reports.values():
+                if rep.committed and self.driver.bucket.fuse_commit:
                     out.fused_commits += 1
-                elif committed:
+                elif rep.committed:
                     out.commits += 1
-                if stepped:
-                    blocks.add(row.block)
+                if rep.stepped:
+                    blocks.add(rep.block)
             for blk in blocks:
                 while len(out.forwards_per_block) <= blk:
                     out.forwards_per_block.append(0)
                     out.wasted_forwards.append(0)  # never a frozen-only forward: a finished block leaves at once
                 out.forwards_per_block[blk] += 1
-            ended = [b for b in busy if events[b]]
-            dirty |= self._finalize(ended, bucket.read_blocks(ended), on_block, stop)
+            self._finalize(it.finished, on_block, stop)
         return out
 
-    def _admit(self) -> bool:
-        admitted = False
-        for b, row in enumerate(self.rows):
-            if row is None and self.queue:
-                r = self.queue.popleft()
-                item = self.images[r]
-                if item is None:
-                    self.bucket.admit(b, self.prompts[r], self.cfgs[r], self.seeds[r])
-                    self.rows[b] = _Row(request=r)
-                else:  # the image prefix in forwards of its own, then the row prefills the rest
-                    self.bucket.cache.reset_row(b)
-                    prefill_images(self.gen.model, self.bucket.cache, b, self.prompts[r], item,
-                                   chunk=self.gen.model.config.canvas_length, moe_impl=self.gen.moe_impl)
-                    self.bucket.admit(b, self.prompts[r], self.cfgs[r], self.seeds[r], prefilled=item.prefix)
-                    self.rows[b] = _Row(request=r, prefilled=item.prefix)
-                if self.grammars[r] is not None:
-                    self.bucket.constrain(b, self.grammars[r].bitmask())
-                admitted = True
-        return admitted
-
-    def _finalize(self, ended: list[int], blocks: list[tuple[bool, int, list[int]]], on_block: BlockCallback | None,
-                  stop: StopHook | None) -> bool:
+    def _finalize(self, finished: list[Finished], on_block: BlockCallback | None, stop: StopHook | None) -> None:
         """Finalise the blocks that ended in this iteration, by block index (`on_block`, then `stop`); retire the
-        rows whose request ended. Returns whether the host changed a row (freed one the device had not, or wrote a
-        constrained row's commit length): the plan then refreshes."""
-        out, R = self.out, len(self.prompts)
-        freed = False
-        by_block: dict[int, list[tuple[int, bool, bool, list[int]]]] = {}
-        for b, (device_done, steps, argmax) in zip(ended, blocks):
-            row = self.rows[b]
-            r = row.request
-            g = self.grammars[r]
-            if g is None:
-                keep, done = finalize_row(argmax, self.cfgs[r], out.sequences[r], out.stats[r], steps)
-            else:  # the kept prefix is what the row commits; the device never ends a constrained row
-                keep, done = finalize_constrained(argmax, self.cfgs[r], out.sequences[r], out.stats[r], steps, g)
-                if not done:
-                    self.bucket.constrain(b, g.bitmask(), commit_len=len(keep))
-                freed = True  # the plan holds the commit's length: refresh it
-            by_block.setdefault(row.block, []).append((b, done, device_done, keep))
+        rows whose request ended."""
+        out, R, driver = self.out, self.R, self.driver
+        by_block: dict[int, list[tuple[Finished, bool, list[int]]]] = {}
+        for f in finished:
+            keep, done = driver.finalize(f)
+            by_block.setdefault(f.report.block, []).append((f, done, keep))
         for blk in sorted(by_block):
             self.timer.flush(blk)  # the spans so far, then on_block_end(blk) (the host already waited for the step)
             toks: list[list[int]] = [[] for _ in range(R)]
-            for b, _, _, keep in by_block[blk]:
-                toks[self.rows[b].request] = keep
+            for f, _, keep in by_block[blk]:
+                toks[driver.rows[f.row].index] = keep
             if on_block is not None:
                 on_block(blk, toks)
             stopped: set[int] = set()
@@ -426,18 +394,12 @@ class _Driver:
                     if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < R:
                         raise ValueError(f"stop: returned request index {r!r}, not an integer in [0, {R})")
                     stopped.add(r)
-            for b, done, device_done, _ in by_block[blk]:
-                r = self.rows[b].request
+            for f, done, _ in by_block[blk]:
+                r = driver.rows[f.row].index
                 if r in stopped:
                     out.stats[r].finish_reason = "stop"
-                if done or device_done or r in stopped:  # device_done implies done (tests/test_finish.py)
-                    if not device_done:  # only the host ended it (the stop hook): its row is COMMIT on the device
-                        self.bucket.retire(b)
-                        freed = True
-                    self.rows[b] = None
-                else:
-                    self.rows[b].phase = Phase.COMMIT
-        return freed
+                if done or f.report.done or r in stopped:  # the device's done implies done (tests/test_finish.py)
+                    driver.retire(f.row, device_done=f.report.done)
 
 
 def build(model: DiffusionGemma, options: CompileOptions | None = None, *, graphs: CudaGraphs | None = None

@@ -264,6 +264,12 @@ class CompiledUnit:
         no compile) or "compiled" (Dynamo and Inductor ran, or Inductor's own caches served them)."""
 
     @property
+    def ready(self) -> bool:
+        """Whether the step has compiled or loaded and decided how it is called (`strategy`): a driver picks a
+        ready batch size over one that would compile now (`bucket.Bucket.warm`)."""
+        return self.strategy is not None
+
+    @property
     def compiled(self) -> Callable[[], None]:
         """`torch.compile(fn, ...)` under the unit's options and backend, made on first use."""
         if self._compiled is None:
