@@ -135,12 +135,14 @@ def test_cli_choices_match_their_sources():
 
 
 @pytest.mark.slow  # a CLI answer in a fresh interpreter: ~10 s
-def test_an_eager_answer_imports_no_inductor_compiler():
+def test_an_eager_answer_imports_no_inductor_compiler(tmp_path):
     """`dgemma generate PROMPT` answered by the eager step (no compile) never imports Inductor's compiler
     (`torch._inductor.compile_fx` and its lowerings: seconds): a unit's backend imports it when a graph compiles.
-    (FlexAttention's `create_block_mask` itself imports part of Dynamo; that stays.)"""
+    (FlexAttention's `create_block_mask` itself imports part of Dynamo; that stays.) An empty compile cache: with the
+    step cached, `--compile auto` loads it instead, and loading imports the compiler."""
     r = _run("""
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys
+os.environ["DGEMMA_CACHE_DIR"] = EMPTY_CACHE
 from dgemma_compile.cli import main
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
@@ -148,6 +150,6 @@ with contextlib.redirect_stdout(out):
 print(json.dumps({"code": code, "answer": out.getvalue().strip(),
                   "compiler": sorted(m for m in sys.modules if m.startswith("torch._inductor.compile_fx")
                                      or m.startswith("torch._inductor.lowering"))}))
-""")
+""".replace("EMPTY_CACHE", repr(str(tmp_path / "empty-cache"))))
     assert (r["code"], r["answer"]) == (0, "1 2 3 5 9")
     assert r["compiler"] == []
