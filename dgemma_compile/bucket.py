@@ -296,15 +296,13 @@ class Bucket:
         self.state.finished.fill_(True)
         self.cache.reset()
 
-    def read_blocks(self, rows: list[int]) -> list[tuple[bool, int, list[int]]]:
-        """Per row of `rows` whose block finished in the latest step: (the device ended the request, its decoder
-        passes in the block, its argmax canvas as C ids) -- one host read."""
+    def read_blocks(self, rows: list[int]) -> list[list[int]]:
+        """Per row of `rows` whose block finished in the latest step: its argmax canvas as C ids -- one host read
+        (whether the device ended the request and the block's decoder passes are in the step's report)."""
         if not rows:
             return []
-        idx = torch.tensor(rows, device=self.state.steps.device)
-        host = torch.cat([self.row_state.done[idx, None].long(), self.state.steps[idx, None],
-                          self.state.argmax[idx]], dim=1).tolist()
-        return [(bool(done), steps, argmax) for done, steps, *argmax in host]
+        idx = torch.tensor(rows, device=self.state.argmax.device)
+        return self.state.argmax[idx].tolist()
 
     def read_logprobs(self, rows: list[int], k: int) -> list[list[tuple[float, list[tuple[int, float]]]]]:
         """Per row of `rows` (their block finished in the latest step): per canvas position, (log p of its argmax

@@ -164,7 +164,7 @@ class Driver:
         read_s = time.perf_counter() - t0
         reports = {b: report[b] for b in busy}
         ended = [b for b in busy if reports[b].event]
-        finished = [Finished(b, reports[b], argmax) for b, (_, _, argmax) in zip(ended, bk.read_blocks(ended))]
+        finished = [Finished(b, reports[b], argmax) for b, argmax in zip(ended, bk.read_blocks(ended))]
         return Iteration(size=size, busy=busy, reports=reports, finished=finished, refresh_s=refresh_s, read_s=read_s)
 
     def finalize(self, f: Finished) -> tuple[list[int], bool]:

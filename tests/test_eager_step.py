@@ -226,10 +226,11 @@ def test_an_eager_bucket_serves_the_deferred_steps_tokens(demo):
         sequence, stats, done = [], RequestStats(), False
         while not done:
             view.step()
-            if bool(view.row_state.event[0]):
-                device_done, steps, argmax = bucket.read_blocks([0])[0]
-                _, done = finalize_row(argmax, cfg, sequence, stats, steps)
-                assert done == device_done
+            report = view.report()[0]
+            if report.event:
+                argmax = bucket.read_blocks([0])[0]
+                _, done = finalize_row(argmax, cfg, sequence, stats, report.steps)
+                assert done == report.done
         assert sequence == held.sequences[p] and stats.steps_per_block == held.stats[p].steps_per_block
 
 
