@@ -1,7 +1,7 @@
 """dgemma_compile: DiffusionGemma block-diffusion generation, eager reference and compiled.
 
-Low-level API: `load(path)` -> model; `model.new_cache(B, S)`; `model.encode(ids, cache)`;
-`model.denoise(canvas, cache, self_conditioning_logits)`; `generate(model, prompts, config, seed=...)`;
+Low-level API: `load(path)` -> model; `model.new_cache(B, S)`; `encode(model, ids, cache)`;
+`denoise(model, canvas, cache, self_conditioning_logits)` (the checked uniform passes); `generate(model, prompts, config, seed=...)`;
 `build(model)` -> compiled generator with the same `generate`; `Observer` for per-step and per-unit timings;
 `quantize(model, scheme)` -> `QuantReport` (torchao, the optional `[quant]` extra).
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .model import DiffusionGemma
     from .observe import Observer
     from .quant import QuantReport, quantize
+    from .uniform import denoise, encode
 
 _SOURCES = {
     "compile": ("CompiledGenerator", "CompileOptions", "build"),
@@ -36,6 +37,7 @@ _SOURCES = {
     "model": ("DiffusionGemma",),
     "observe": ("Observer",),
     "quant": ("QuantReport", "quantize"),
+    "uniform": ("denoise", "encode"),
 }
 _SUBMODULE = {name: sub for sub, names in _SOURCES.items() for name in names}
 """Public name -> the submodule (of this package) it is imported from on first use."""
@@ -43,7 +45,7 @@ _SUBMODULE = {name: sub for sub, names in _SOURCES.items() for name in names}
 __all__ = [
     "CacheFullError", "CheckpointError", "CompileOptions", "CompiledGenerator", "ConfigError", "DiffusionGemma",
     "GenerationConfig", "GenerationOutput", "KVCache", "ModelConfig", "Observer", "QuantReport", "RequestStats", "build",
-    "generate", "load", "load_tokenizer", "quantize",
+    "denoise", "encode", "generate", "load", "load_tokenizer", "quantize",
 ]
 
 

@@ -33,6 +33,7 @@ import torch
 
 from .config import ConfigError
 from .kv_cache import KVCache, PagedKVCache
+from . import uniform
 from .plan import build_plan
 
 MAX_GROUP = 1120
@@ -282,7 +283,7 @@ def prefill_images(model, cache, row: int, prompt: Sequence[int], item: ImagePro
 def encode_prompts(model, cache: KVCache, prompts: Sequence[Sequence[int]], items: Sequence[ImagePrompt | None], *,
                    chunk: int | None = None, moe_impl: str | None = None) -> list[torch.Tensor]:
     """Encode a batch of prompts, with or without images, into an empty `cache` (one row each): image prefixes by
-    `prefill_images`, then every row's remaining text by `DiffusionGemma.encode` (chunks of the cache's block size).
+    `prefill_images`, then every row's remaining text by `uniform.encode` (chunks of the cache's block size).
     Returns each prompt's final-norm hidden states [len, D] (what the parity tests compare with transformers'
     encoder). `chunk`: the image prefix's text chunks (default the canvas length, as the generators use)."""
     chunk = chunk or model.config.canvas_length
@@ -297,6 +298,6 @@ def encode_prompts(model, cache: KVCache, prompts: Sequence[Sequence[int]], item
     ids = torch.zeros(R, T, dtype=torch.long, device=dev)
     for r, x in enumerate(rest):
         ids[r, :len(x)] = torch.tensor(x, dtype=torch.long)
-    hidden = model.encode(ids, cache, torch.tensor([len(x) for x in rest], device=dev), moe_impl=moe_impl)
+    hidden = uniform.encode(model, ids, cache, torch.tensor([len(x) for x in rest], device=dev), moe_impl=moe_impl)
     return [hidden[r, :len(x)] if heads[r] is None else torch.cat([heads[r], hidden[r, :len(x)]])
             for r, x in enumerate(rest)]

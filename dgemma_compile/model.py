@@ -28,12 +28,11 @@ from torch import nn
 from . import ops  # noqa: F401  (registers torch.ops.dgemma.*)
 from .checkpoint_info import CheckpointInfo
 from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
-from .kv_cache import CacheFullError, KVCache, new_cache
+from .kv_cache import KVCache, new_cache
 from .masks import flex_block_attention
 from .ops import MOE_IMPLS
 from .ops.moe import run_eager
 from .plan import ForwardPlan
-from .uniform import denoise_block, encode_block
 from .vision import VisionConfig, VisionEncoder
 
 ATTENTION_BACKENDS = ("flex", "dense")
@@ -419,67 +418,6 @@ class DiffusionGemma(nn.Module):
                          block_size=block_size or self.config.canvas_length, layer_shapes=shapes,
                          dtype=self.dtype, device=self.device)
 
-    @torch.no_grad()
-    def encode(self, input_ids: torch.Tensor, cache: KVCache, input_lengths: torch.Tensor | None = None,
-               moe_impl: str | None = None) -> torch.Tensor:
-        """Causal encoder pass (prefill or commit) over `input_ids` placed right after what each row of the cache
-        holds; writes their keys/values and advances `cache.lengths`.
-
-        Args:
-            input_ids: int64 [B, T]. Rows may be right-padded: `input_lengths` [B] (int64, default all T) gives each
-                row's real tokens; padding positions are ignored (their outputs are meaningless).
-            cache: from `new_cache`, batch size B.
-            moe_impl: the experts' implementation (`ops.MOE_IMPLS`); None: `self.moe_impl`.
-        Returns:
-            Final-norm hidden states [B, T, D] in the model dtype (`logits()` turns them into float32 logits).
-        Raises:
-            ValueError: shapes or ids out of range, an unknown moe_impl. CacheFullError: a row would exceed
-            `cache.max_seq_len`. Nothing is written when an error is raised.
-        """
-        self._check_moe_impl(moe_impl)
-        B, T = self._check_ids(input_ids, cache, "input_ids")
-        n_B = torch.full((B,), T, dtype=torch.long, device=input_ids.device) if input_lengths is None else input_lengths
-        if (not isinstance(n_B, torch.Tensor) or n_B.dtype not in (torch.int64, torch.int32) or n_B.shape != (B,)
-                or bool(((n_B < 0) | (n_B > T)).any())):
-            got = f"{n_B.dtype} {list(n_B.shape)} {n_B.tolist()}" if isinstance(n_B, torch.Tensor) else repr(n_B)
-            raise ValueError(f"input_lengths must be an integer tensor [B={B}] with values in [0, {T}], got {got}")
-        n_B = n_B.to(device=cache.lengths.device, dtype=torch.long)
-        over = cache.lengths + n_B > cache.max_seq_len
-        if bool(over.any()):
-            rows = over.nonzero().flatten().tolist()
-            raise CacheFullError(f"cache: rows {rows} would hold {(cache.lengths + n_B)[over].tolist()} tokens, "
-                                 f"more than max_seq_len={cache.max_seq_len}")
-        outs = []
-        for start in range(0, T, cache.block_size):
-            chunk = input_ids[:, start:start + cache.block_size]
-            outs.append(encode_block(self, chunk, cache, (n_B - start).clamp(0, chunk.shape[1]), moe_impl))
-        return torch.cat(outs, dim=1)
-
-    @torch.no_grad()
-    def denoise(self, canvas: torch.Tensor, cache: KVCache, self_conditioning_logits: torch.Tensor | None = None,
-                moe_impl: str | None = None) -> torch.Tensor:
-        """Bidirectional denoiser pass over `canvas` placed right after each row's cached tokens. Reads the committed
-        cache and never changes it (the canvas keys/values only pass through the cache's block slots, scratch space).
-        With nothing committed yet, the canvas attends only to itself.
-
-        Args:
-            canvas: int64 [B, C] token ids, C <= cache.block_size.
-            self_conditioning_logits: [B, C, V] logits of the previous step (the generator passes the
-                temperature-scaled ones), or None on a block's first step (the soft embedding is then zero, not
-                uniform).
-            moe_impl: the experts' implementation (`ops.MOE_IMPLS`); None: `self.moe_impl`.
-        Returns:
-            float32 logits [B, C, V], soft-capped.
-        """
-        self._check_moe_impl(moe_impl)
-        B, C = self._check_ids(canvas, cache, "canvas")
-        V = self.config.vocab_size
-        sc = self_conditioning_logits
-        if sc is not None and (sc.shape != (B, C, V) or not sc.is_floating_point()):
-            raise ValueError(f"self_conditioning_logits must be floating point [B={B}, C={C}, V={V}], "
-                             f"got {sc.dtype} {tuple(sc.shape)}")
-        return denoise_block(self, canvas, cache, self_conditioning_logits, moe_impl=moe_impl)
-
     # ----- the forward entry points (unchecked, no host synchronisation: what the steps call) -------------------
     def forward_plan(self, ids_BT: torch.Tensor, cache: KVCache, plan: ForwardPlan,
                      self_conditioning: torch.Tensor | None = None, moe_impl: str | None = None,
@@ -548,34 +486,6 @@ class DiffusionGemma(nn.Module):
     def _embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight
         return self.embed_tokens(ids_BT) * self.embed_scale.to(weight.dtype)
-
-    def _check_ids(self, ids: torch.Tensor, cache: KVCache, name: str) -> tuple[int, int]:
-        self._check_cache(cache)
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ValueError(f"{name} must be an integer tensor [B, T], got {got}")
-        B, T = ids.shape
-        if B != cache.batch_size:
-            raise ValueError(f"{name} has batch {B} but the cache was made for batch {cache.batch_size}")
-        if T == 0:
-            raise ValueError(f"{name} is empty")
-        if name == "canvas" and T > cache.block_size:
-            raise ValueError(f"canvas length {T} exceeds the cache's block_size {cache.block_size}")
-        if bool(((ids < 0) | (ids >= self.config.vocab_size)).any()):
-            raise ValueError(f"{name} holds token ids outside [0, {self.config.vocab_size})")
-        return B, T
-
-    def _check_moe_impl(self, moe_impl: str | None) -> None:
-        if moe_impl is not None and moe_impl not in MOE_IMPLS:
-            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
-
-    def _check_cache(self, cache: KVCache) -> None:
-        shapes = [(self.config.num_kv_heads[i], self.config.head_dims[i]) for i in range(self.config.num_layers)]
-        got = [(k.shape[1], k.shape[3]) for k in cache.keys]
-        k0 = cache.keys[0] if cache.keys else None
-        if got != shapes or k0.dtype != self.dtype or k0.device != self.device:
-            raise ValueError(f"cache: made for another model (layers (kv heads, head dim) {got}, {k0.dtype if k0 is not None else None} "
-                             f"on {k0.device if k0 is not None else None}); use this model's new_cache()")
 
     def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, plan: ForwardPlan,
                        moe_impl: str | None = None) -> torch.Tensor:

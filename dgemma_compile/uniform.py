@@ -1,6 +1,9 @@
 """The uniform passes: every row of one forward in one mode, as the reference loop runs them (`generate.py`'s
-oracle steps, `DiffusionGemma.encode` / `denoise`, tests and benchmarks). Each builds its uniform plan
-(`plan.build_plan`) and runs `DiffusionGemma.forward_plan`; unchecked (no host synchronisation), like the forward.
+oracle steps, tests and benchmarks). `encode` and `denoise` are the checked public passes (`dgemma_compile.encode` /
+`dgemma_compile.denoise`: they validate their inputs on the host); `encode_block`, `denoise_block` and
+`commit_denoise_block` are unchecked (no host synchronisation), like the forward. Each builds its uniform plan
+(`plan.build_plan`) and runs `DiffusionGemma.forward_plan`: the model is only its forward, and this module is its
+caller (the model imports nothing from here).
 
 Legend: B rows, T block tokens, C canvas, V vocab, D hidden.
 """
@@ -12,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import CacheFullError, KVCache
+from .ops import MOE_IMPLS
 from .plan import ForwardPlan, build_plan
 
 if TYPE_CHECKING:
@@ -36,7 +40,7 @@ def denoise_block(model: "DiffusionGemma", canvas_BC: torch.Tensor, cache: KVCac
     """One denoiser pass; float32 logits [B, C, V]. `self_conditioning_mask_B` (bool [B]) zeroes the
     self-conditioning signal of rows without previous logits (no Python branch). `plan`: the uniform denoise plan
     for the cache's current lengths, built once per block (`plan.PlanBuffers`); None builds it here.
-    `self_conditioning_logits` [B, C, V] (the reference's form, `DiffusionGemma.denoise`) become the soft embedding
+    `self_conditioning_logits` [B, C, V] (the reference's form, `denoise`) become the soft embedding
     `self_conditioning_embedding(softmax(logits))` here, the only form the forward takes; `self_conditioning_embeds`
     [B, C, D] gives that embedding directly (what the generators carry; pass None as the logits then). `kernel_options`: as `encode_block`'s, for a plan built here. `local`: the rank's vocabulary slice
     under tensor parallel (`DiffusionGemma.logits`)."""
@@ -69,3 +73,104 @@ def commit_denoise_block(model: "DiffusionGemma", ids_BC: torch.Tensor, canvas_B
     plan = build_plan(model, cache, 2 * C, mode="commit+denoise", n_new=n_new_B, kernel_options=kernel_options)
     hidden = model.forward_plan(torch.cat([ids_BC, canvas_BC], dim=1), cache, plan, moe_impl=moe_impl)
     return model.logits(hidden[:, C:], local=local)
+
+
+@torch.no_grad()
+def encode(model: "DiffusionGemma", input_ids: torch.Tensor, cache: KVCache, input_lengths: torch.Tensor | None = None,
+           moe_impl: str | None = None) -> torch.Tensor:
+    """Causal encoder pass (prefill or commit) over `input_ids` placed right after what each row of the cache
+    holds; writes their keys/values and advances `cache.lengths`.
+
+    Args:
+        model: the `DiffusionGemma` that runs the pass.
+        input_ids: int64 [B, T]. Rows may be right-padded: `input_lengths` [B] (int64, default all T) gives each
+            row's real tokens; padding positions are ignored (their outputs are meaningless).
+        cache: from `model.new_cache`, batch size B. T > cache.block_size is encoded in chunks of block_size.
+        moe_impl: the experts' implementation (`ops.MOE_IMPLS`); None: `model.moe_impl`.
+    Returns:
+        Final-norm hidden states [B, T, D] in the model dtype (`model.logits()` turns them into float32 logits).
+    Raises:
+        ValueError: shapes or ids out of range, an unknown moe_impl, a cache made for another model.
+        CacheFullError: a row would exceed `cache.max_seq_len`. Nothing is written when an error is raised.
+    """
+    _check_moe_impl(moe_impl)
+    B, T = _check_ids(model, input_ids, cache, "input_ids")
+    n_B = torch.full((B,), T, dtype=torch.long, device=input_ids.device) if input_lengths is None else input_lengths
+    if (not isinstance(n_B, torch.Tensor) or n_B.dtype not in (torch.int64, torch.int32) or n_B.shape != (B,)
+            or bool(((n_B < 0) | (n_B > T)).any())):
+        got = f"{n_B.dtype} {list(n_B.shape)} {n_B.tolist()}" if isinstance(n_B, torch.Tensor) else repr(n_B)
+        raise ValueError(f"input_lengths must be an integer tensor [B={B}] with values in [0, {T}], got {got}")
+    n_B = n_B.to(device=cache.lengths.device, dtype=torch.long)
+    over = cache.lengths + n_B > cache.max_seq_len
+    if bool(over.any()):
+        rows = over.nonzero().flatten().tolist()
+        raise CacheFullError(f"cache: rows {rows} would hold {(cache.lengths + n_B)[over].tolist()} tokens, "
+                             f"more than max_seq_len={cache.max_seq_len}")
+    outs = []
+    for start in range(0, T, cache.block_size):
+        chunk = input_ids[:, start:start + cache.block_size]
+        outs.append(encode_block(model, chunk, cache, (n_B - start).clamp(0, chunk.shape[1]), moe_impl))
+    return torch.cat(outs, dim=1)
+
+
+@torch.no_grad()
+def denoise(model: "DiffusionGemma", canvas: torch.Tensor, cache: KVCache,
+            self_conditioning_logits: torch.Tensor | None = None, moe_impl: str | None = None) -> torch.Tensor:
+    """Bidirectional denoiser pass over `canvas` placed right after each row's cached tokens. Reads the committed
+    cache and never changes it (the canvas keys/values only pass through the cache's block slots, scratch space).
+    With nothing committed yet, the canvas attends only to itself.
+
+    Args:
+        model: the `DiffusionGemma` that runs the pass.
+        canvas: int64 [B, C] token ids, C <= cache.block_size.
+        cache: from `model.new_cache`, batch size B.
+        self_conditioning_logits: [B, C, V] logits of the previous step (the generator passes the
+            temperature-scaled ones), or None on a block's first step (the soft embedding is then zero, not
+            uniform).
+        moe_impl: the experts' implementation (`ops.MOE_IMPLS`); None: `model.moe_impl`.
+    Returns:
+        float32 logits [B, C, V], soft-capped.
+    Raises:
+        ValueError: shapes or ids out of range, self-conditioning logits not floating point [B, C, V], an unknown
+        moe_impl, a cache made for another model.
+    """
+    _check_moe_impl(moe_impl)
+    B, C = _check_ids(model, canvas, cache, "canvas")
+    V = model.config.vocab_size
+    sc = self_conditioning_logits
+    if sc is not None and (sc.shape != (B, C, V) or not sc.is_floating_point()):
+        raise ValueError(f"self_conditioning_logits must be floating point [B={B}, C={C}, V={V}], "
+                         f"got {sc.dtype} {tuple(sc.shape)}")
+    return denoise_block(model, canvas, cache, self_conditioning_logits, moe_impl=moe_impl)
+
+
+def _check_ids(model: "DiffusionGemma", ids: torch.Tensor, cache: KVCache, name: str) -> tuple[int, int]:
+    _check_cache(model, cache)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be an integer tensor [B, T], got {got}")
+    B, T = ids.shape
+    if B != cache.batch_size:
+        raise ValueError(f"{name} has batch {B} but the cache was made for batch {cache.batch_size}")
+    if T == 0:
+        raise ValueError(f"{name} is empty")
+    if name == "canvas" and T > cache.block_size:
+        raise ValueError(f"canvas length {T} exceeds the cache's block_size {cache.block_size}")
+    if bool(((ids < 0) | (ids >= model.config.vocab_size)).any()):
+        raise ValueError(f"{name} holds token ids outside [0, {model.config.vocab_size})")
+    return B, T
+
+
+def _check_moe_impl(moe_impl: str | None) -> None:
+    if moe_impl is not None and moe_impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {moe_impl!r}")
+
+
+def _check_cache(model: "DiffusionGemma", cache: KVCache) -> None:
+    shapes = [(model.config.num_kv_heads[i], model.config.head_dims[i]) for i in range(model.config.num_layers)]
+    got = [(k.shape[1], k.shape[3]) for k in cache.keys]
+    k0 = cache.keys[0] if cache.keys else None
+    if got != shapes or k0.dtype != model.dtype or k0.device != model.device:
+        raise ValueError(f"cache: made for another model (layers (kv heads, head dim) {got}, "
+                         f"{k0.dtype if k0 is not None else None} on {k0.device if k0 is not None else None}); "
+                         f"use this model's new_cache()")

@@ -199,9 +199,9 @@ def test_released_width_bf16_logits_are_bitwise_batch_invariant():
 
     def run(rows: list[int], moe_impl: str) -> list[torch.Tensor]:
         cache = model.new_cache(len(rows), slots)
-        model.encode(ids[rows], cache, torch.tensor([lengths[r] for r in rows]), moe_impl=moe_impl)
-        first = model.denoise(canvas[rows], cache, None, moe_impl=moe_impl)
-        return [first, model.denoise(canvas2[rows], cache, first, moe_impl=moe_impl)]
+        dg.encode(model, ids[rows], cache, torch.tensor([lengths[r] for r in rows]), moe_impl=moe_impl)
+        first = dg.denoise(model, canvas[rows], cache, None, moe_impl=moe_impl)
+        return [first, dg.denoise(model, canvas2[rows], cache, first, moe_impl=moe_impl)]
 
     for moe_impl in ("dense", "grouped"):
         batch = run([0, 1], moe_impl)

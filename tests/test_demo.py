@@ -29,9 +29,9 @@ def test_demo_logits_equal_transformers(demo):
             h_ref = ref.model.encoder(input_ids=ids, **hf_cache(cache_ref)).last_hidden_state
             d_ref = ref(decoder_input_ids=canvas, **hf_cache(cache_ref)).logits
         cache = model.new_cache(1, 128)
-        h = model.encode(ids, cache)
+        h = dg.encode(model, ids, cache)
         torch.testing.assert_close(model.logits(h), softcap(ref, ref.lm_head(h_ref)), atol=1e-4, rtol=0)
-        torch.testing.assert_close(model.denoise(canvas, cache), d_ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(dg.denoise(model, canvas, cache), d_ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

@@ -99,7 +99,7 @@ def test_vision_is_optional_and_text_logits_do_not_change(mm, caplog):
     outs = []
     for model in (text_only, full):
         cache = model.new_cache(1, 16)
-        outs.append((model.logits(model.encode(ids, cache)), model.denoise(torch.arange(8)[None] + 3, cache)))
+        outs.append((model.logits(dg.encode(model, ids, cache)), dg.denoise(model, torch.arange(8)[None] + 3, cache)))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     with pytest.raises(CheckpointError, match="vision: must be None, True or False"):
         dg.load(ckpt, vision="yes")
@@ -188,7 +188,7 @@ def _parity(ref, model, prompts, imgs, canvases):
     items = prepare(model, prompts, imgs)
     cache = model.new_cache(len(prompts), 96)
     hidden = encode_prompts(model, cache, prompts, items)
-    den = model.denoise(torch.stack(canvases), cache)
+    den = dg.denoise(model, torch.stack(canvases), cache)
     for r, p in enumerate(prompts):
         want_h, want_logits, want_den = reference(ref, p, imgs[r] or [], canvases[r])
         assert hidden[r].shape == want_h.shape

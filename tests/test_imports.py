@@ -94,7 +94,7 @@ def test_public_names_resolve_to_their_objects():
                "GenerationOutput": "generate", "RequestStats": "generate", "generate": "generate",
                "CacheFullError": "kv_cache", "KVCache": "kv_cache", "CheckpointError": "loader", "load": "loader",
                "load_tokenizer": "loader", "DiffusionGemma": "model", "Observer": "observe", "QuantReport": "quant",
-               "quantize": "quant"}
+               "quantize": "quant", "encode": "uniform", "denoise": "uniform"}
     assert set(sources) == set(dg.__all__)
     for name, sub in sources.items():
         assert getattr(dg, name) is getattr(importlib.import_module(f"dgemma_compile.{sub}"), name), name

@@ -122,9 +122,9 @@ def test_paged_cache_equals_static_cache(demo):
     paged.map_pages(1, pool[2:4])
     paged.fill_pages(pool[4:], float("nan"))
     for cache in (static, paged):
-        model.encode(ids, cache, input_lengths=n)
+        dg.encode(model, ids, cache, input_lengths=n)
     canvas = torch.randint(3, V, (B, model.config.canvas_length), generator=g)
-    assert torch.equal(model.denoise(canvas, paged), model.denoise(canvas, static))
+    assert torch.equal(dg.denoise(model, canvas, paged), dg.denoise(model, canvas, static))
     assert torch.equal(paged.lengths, static.lengths)
     C = model.config.canvas_length
     for layer in range(model.config.num_layers):
@@ -252,7 +252,7 @@ def test_prefix_cache_committed_blocks(demo, fuse):
     assert prefix.stats.hit_pages == 1 and prefix.stats.registered == 4  # odd maps first's page 0 (the same tokens)
     # the committed page holds bitwise what a prefill of the same tokens writes (chunks of C from 0)
     static, page = model.new_cache(1, SLOTS), prefix.lookup(whole[0], 3)[2]
-    model.encode(torch.tensor([whole[0][:3 * P]]), static, moe_impl="dense")
+    dg.encode(model, torch.tensor([whole[0][:3 * P]]), static, moe_impl="dense")
     for layer in range(model.config.num_layers):
         for pool, want in ((engine.bucket.cache.keys, static.keys), (engine.bucket.cache.values, static.values)):
             assert torch.equal(pool[layer][page], want[layer][0, :, 2 * P:3 * P])

@@ -106,3 +106,46 @@ def test_pyproject_lists_every_package():
              if "__pycache__" not in p.parts}
     assert set(cfg["packages"]) == found
     assert not (ROOT / "dgemma_compile" / "runtime").exists()
+
+
+
+def _module_level_imports(path: Path, modules: set[str], types: bool) -> set[str]:
+    """The modules of `modules` that `path` imports at module level (outside functions; with `types`, the
+    `if TYPE_CHECKING:` imports too). `from x import name` is an import of `x.name` where that is a module, else of
+    `x`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if not types and isinstance(child, ast.If) and ast.unparse(child.test) == "TYPE_CHECKING":
+                continue
+            if isinstance(child, ast.ImportFrom):
+                base = package[:len(package) - (child.level - 1)] if child.level > 1 else package
+                mod = ".".join((base if child.level else []) + ([child.module] if child.module else []))
+                out.update(f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in child.names)
+            elif isinstance(child, ast.Import):
+                out.update(a.name for a in child.names)
+            visit(child)
+
+    visit(tree)
+    return out & modules
+
+
+def test_the_model_imports_no_caller_of_itself():
+    """`model.py` is only the forward: no module it imports (directly or through others) refers to the model, not
+    even for a type (issue 38: `model.py` imported `uniform.py`, whose passes call the model's forward)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in _py_files("dgemma_compile")}
+    imports = {m: _module_level_imports(p, set(modules), types=False) - {m} for m, p in modules.items()}
+    refers = {m: _module_level_imports(p, set(modules), types=True) - {m} for m, p in modules.items()}
+    seen, todo = set(), ["dgemma_compile.model"]
+    while todo:
+        for dep in imports[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    assert not [m for m in seen if "dgemma_compile.model" in refers[m]]
+    assert "dgemma_compile.model" in refers["dgemma_compile.uniform"]  # the caller refers to the model, not back

@@ -26,8 +26,8 @@ def copy(src: Path, dst: Path) -> Path:
 
 def logits_of(model, ids=((2, 5, 9, 11, 3),)):
     cache = model.new_cache(1, 16)
-    enc = model.logits(model.encode(torch.tensor(ids), cache))
-    return enc, model.denoise(torch.arange(8)[None] + 3, cache)
+    enc = model.logits(dg.encode(model, torch.tensor(ids), cache))
+    return enc, dg.denoise(model, torch.arange(8)[None] + 3, cache)
 
 
 def edit_weights(directory: Path, fn) -> None:

@@ -71,13 +71,13 @@ def test_logits_match_transformers(tmp_path_factory, cfg, prompt_lens, blocks, a
     ids = torch.zeros(B, T, dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
-    enc_logits = model.logits(model.encode(ids, cache, torch.tensor(prompt_lens)))
+    enc_logits = model.logits(dg.encode(model, ids, cache, torch.tensor(prompt_lens)))
     ours = []
     for canvas, temp in zip(canvases, temps):
-        first = model.denoise(canvas, cache)
-        second = model.denoise(canvas, cache, first / temp)
+        first = dg.denoise(model, canvas, cache)
+        second = dg.denoise(model, canvas, cache, first / temp)
         ours.append((first, second))
-        model.encode(canvas, cache)
+        dg.encode(model, canvas, cache)
 
     for b, p in enumerate(prompts):
         ref_enc, ref_outs = reference_run(ref, p[None], [c[b:b + 1] for c in canvases], temps)
@@ -94,17 +94,17 @@ def test_long_prompt_is_chunked_like_one_pass(tiny_dir):
     ids = torch.randint(0, 48, (2, 29), generator=torch.Generator().manual_seed(1))
     small = model.new_cache(2, 40, block_size=8)
     big = model.new_cache(2, 40, block_size=32)
-    torch.testing.assert_close(model.encode(ids, small), model.encode(ids, big), atol=1e-5, rtol=0)
+    torch.testing.assert_close(dg.encode(model, ids, small), dg.encode(model, ids, big), atol=1e-5, rtol=0)
     canvas = torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(model.denoise(canvas, small), model.denoise(canvas, big), atol=1e-5, rtol=0)
+    torch.testing.assert_close(dg.denoise(model, canvas, small), dg.denoise(model, canvas, big), atol=1e-5, rtol=0)
 
 
 def test_denoise_never_commits(tiny_dir):
     model = dg.load(tiny_dir)
     cache = model.new_cache(1, 32)
-    model.encode(torch.tensor([[2, 5, 6, 7]]), cache)
+    dg.encode(model, torch.tensor([[2, 5, 6, 7]]), cache)
     committed = [k[:, :, :32].clone() for k in cache.keys]
-    model.denoise(torch.randint(0, 48, (1, 8)), cache)
+    dg.denoise(model, torch.randint(0, 48, (1, 8)), cache)
     assert cache.lengths.tolist() == [4]
     for before, after in zip(committed, cache.keys):
         assert torch.equal(before, after[:, :, :32])
@@ -113,10 +113,10 @@ def test_denoise_never_commits(tiny_dir):
 def test_encode_rejects_overflow_without_writing(tiny_dir):
     model = dg.load(tiny_dir)
     cache = model.new_cache(2, 10)
-    model.encode(torch.tensor([[2, 5, 6], [2, 7, 8]]), cache)
+    dg.encode(model, torch.tensor([[2, 5, 6], [2, 7, 8]]), cache)
     snapshot = [k.clone() for k in cache.keys]
     try:
-        model.encode(torch.zeros(2, 9, dtype=torch.long), cache, torch.tensor([1, 9]))
+        dg.encode(model, torch.zeros(2, 9, dtype=torch.long), cache, torch.tensor([1, 9]))
     except dg.CacheFullError as e:
         assert "rows [1]" in str(e) and "max_seq_len=10" in str(e)
     else:
@@ -130,16 +130,16 @@ def test_bad_inputs_name_the_argument_and_write_nothing(tiny_dir):
 
     model = dg.load(tiny_dir)
     cache = model.new_cache(2, 16)
-    model.encode(torch.tensor([[2, 5], [2, 6]]), cache)
+    dg.encode(model, torch.tensor([[2, 5], [2, 6]]), cache)
     before = [k.clone() for k in cache.keys], cache.lengths.clone()
     ids = torch.tensor([[2, 5, 6], [2, 7, 8]])
     for bad in (torch.tensor([2.7, 1.0]), torch.tensor([True, True]), [3, 3], torch.tensor([4, 1]), torch.tensor([1])):
         with pytest.raises(ValueError, match="input_lengths"):
-            model.encode(ids, cache, bad)
+            dg.encode(model, ids, cache, bad)
     with pytest.raises(ValueError, match="cache: made for another model"):
-        model.encode(ids, dg.load(tiny_dir, dtype=torch.bfloat16).new_cache(2, 16))
+        dg.encode(model, ids, dg.load(tiny_dir, dtype=torch.bfloat16).new_cache(2, 16))
     with pytest.raises(ValueError, match="self_conditioning_logits"):
-        model.denoise(torch.zeros(2, 8, dtype=torch.long), cache, torch.zeros(2, 8, 48, dtype=torch.long))
+        dg.denoise(model, torch.zeros(2, 8, dtype=torch.long), cache, torch.zeros(2, 8, 48, dtype=torch.long))
     with pytest.raises(ValueError, match="canvas has batch 1"):
-        model.denoise(torch.zeros(1, 8, dtype=torch.long), cache)
+        dg.denoise(model, torch.zeros(1, 8, dtype=torch.long), cache)
     assert torch.equal(cache.lengths, before[1]) and all(torch.equal(a, b) for a, b in zip(before[0], cache.keys))

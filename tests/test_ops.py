@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dgemma_compile as dg
 from dgemma_compile import ops
 from dgemma_compile.compile.options import CompileOptions
 from dgemma_compile.compile.units import UnitFactory
@@ -228,17 +229,17 @@ def test_model_moe_impl(tiny_dir):
         DiffusionGemma(model.config, moe_impl="auto")
     cache = model.new_cache(1, 32)
     prompt = torch.tensor([[3, 5, 7, 9, 11]])
-    model.encode(prompt, cache)
+    dg.encode(model, prompt, cache)
     canvas = torch.randint(0, model.config.vocab_size, (1, model.config.canvas_length))
-    ref = model.denoise(canvas, cache)
+    ref = dg.denoise(model, canvas, cache)
     for impl in ("grouped", "dense"):
-        torch.testing.assert_close(model.denoise(canvas, cache, moe_impl=impl), ref, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(dg.denoise(model, canvas, cache, moe_impl=impl), ref, atol=1e-4, rtol=1e-5)
     model.moe_impl = "dense"
-    torch.testing.assert_close(model.denoise(canvas, cache), model.denoise(canvas, cache, moe_impl="dense"),
+    torch.testing.assert_close(dg.denoise(model, canvas, cache), dg.denoise(model, canvas, cache, moe_impl="dense"),
                                atol=0, rtol=0)
     keys = [k.clone() for k in cache.keys]
     with pytest.raises(ValueError, match="moe_impl"):
-        model.encode(prompt, cache, moe_impl="fast")
+        dg.encode(model, prompt, cache, moe_impl="fast")
     assert int(cache.lengths[0]) == 5 and all(torch.equal(a, b) for a, b in zip(keys, cache.keys))
 
 

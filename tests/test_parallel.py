@@ -130,14 +130,14 @@ def _forwards(model) -> dict[str, torch.Tensor]:
     out = {}
     with torch.no_grad():
         out["embed"] = model._embed(prompt)  # bitwise: one rank contributes each row
-        pre = model.logits(model.encode(prompt, cache, lengths))
+        pre = model.logits(dg.encode(model, prompt, cache, lengths))
         out["prefill_row0"], out["prefill_row1"] = pre[0], pre[1, :13]
         canvas = torch.randint(0, V, (2, C), generator=g)
-        out["denoise"] = model.denoise(canvas, cache)
+        out["denoise"] = dg.denoise(model, canvas, cache)
         sc = torch.randn(2, C, V, generator=g) * 3
-        out["denoise_self_conditioned"] = model.denoise(canvas, cache, sc)
-        out["commit"] = model.logits(model.encode(torch.randint(3, V, (2, C), generator=g), cache))
-        out["denoise_after_commit"] = model.denoise(canvas, cache, sc)
+        out["denoise_self_conditioned"] = dg.denoise(model, canvas, cache, sc)
+        out["commit"] = model.logits(dg.encode(model, torch.randint(3, V, (2, C), generator=g), cache))
+        out["denoise_after_commit"] = dg.denoise(model, canvas, cache, sc)
     return out
 
 

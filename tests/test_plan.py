@@ -30,7 +30,7 @@ def _setup(model, seed=0):
     B, T, V = len(ROWS), model.config.canvas_length, model.config.vocab_size
     before = torch.tensor([r[1] for r in ROWS])
     cache = model.new_cache(B, S)
-    model.encode(torch.randint(3, V, (B, int(before.max())), generator=g), cache, input_lengths=before)
+    dg.encode(model, torch.randint(3, V, (B, int(before.max())), generator=g), cache, input_lengths=before)
     ids = torch.randint(3, V, (B, T), generator=g)
     sc_logits = torch.randn(B, T, V, generator=g) * 3
     mode = torch.tensor([r[0] for r in ROWS])
@@ -152,15 +152,15 @@ def test_reset_cache_leaves_nothing_of_a_previous_request(tiny_dir):
     prompt, canvas = torch.randint(3, V, (1, 13), generator=g), torch.randint(3, V, (1, C), generator=g)
 
     def run(cache):
-        model.encode(prompt, cache)
-        return model.denoise(canvas, cache)
+        dg.encode(model, prompt, cache)
+        return dg.denoise(model, canvas, cache)
 
     fresh = run(model.new_cache(1, S))
     cache = model.new_cache(1, S)
-    model.encode(prompt, cache)
+    dg.encode(model, prompt, cache)
     for t in (*cache.keys, *cache.values):
         t[:, :, 13:S] = float("nan")
-    assert model.denoise(canvas, cache).isnan().all()
+    assert dg.denoise(model, canvas, cache).isnan().all()
     cache.reset()
     assert torch.equal(run(cache), fresh)
 
@@ -175,7 +175,7 @@ def _commit_setup(model, seed):
     before = torch.tensor([0, 7, 19, 30])
     n_new = torch.tensor([C, C, 0, C])
     cache = model.new_cache(len(before), S, block_size=2 * C)
-    model.encode(torch.randint(3, V, (len(before), int(before.max())), generator=g), cache, input_lengths=before)
+    dg.encode(model, torch.randint(3, V, (len(before), int(before.max())), generator=g), cache, input_lengths=before)
     return cache, torch.randint(3, V, (len(before), C), generator=g), torch.randint(3, V, (len(before), C), generator=g), n_new
 
 
@@ -245,7 +245,7 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
     canvas = torch.randint(3, V, (3, C), generator=g)
     for lengths in ([4, 19, 0], [11, 3, 30]):
         cache.reset()
-        model.encode(torch.randint(3, V, (3, max(lengths)), generator=g), cache, input_lengths=torch.tensor(lengths))
+        dg.encode(model, torch.randint(3, V, (3, max(lengths)), generator=g), cache, input_lengths=torch.tensor(lengths))
         plan.fill()
         fresh = build_plan(model, cache, C, mode="denoise")
         assert torch.equal(plan.plan.positions, fresh.positions)
@@ -382,7 +382,7 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
     before = torch.tensor([r[1] for r in FUSED_ROWS])
     n_new = torch.tensor([C if r[2] is None else r[2] for r in FUSED_ROWS])
     cache = model.new_cache(B, S, block_size=2 * C)
-    model.encode(torch.randint(3, V, (B, int(before.max())), generator=g), cache, input_lengths=before)
+    dg.encode(model, torch.randint(3, V, (B, int(before.max())), generator=g), cache, input_lengths=before)
     first, second = torch.randint(3, V, (B, C), generator=g), torch.randint(3, V, (B, C), generator=g)
     sc_probs = torch.softmax(torch.randn(B, C, V, generator=g) * 3, dim=-1)
     mode = torch.tensor([r[0] for r in FUSED_ROWS])

@@ -133,7 +133,7 @@ def test_fused_and_per_expert_layouts_load_to_identical_tensors(scheme):
         assert n == m and type(p) is type(q) and torch.equal(_plain(p), _plain(q)), n
     ids = torch.tensor([[2, 5, 9, 11, 3]])
     ca, cb = a.new_cache(1, 32), b.new_cache(1, 32)
-    assert torch.equal(a.logits(a.encode(ids, ca)), b.logits(b.encode(ids, cb)))
+    assert torch.equal(a.logits(dg.encode(a, ids, ca)), b.logits(dg.encode(b, ids, cb)))
 
 
 @pytest.mark.parametrize("name", ["tiny-untied-fp8-dynamic", "tiny-untied-nvfp4a16"])
@@ -144,7 +144,7 @@ def test_untied_lm_head_loads_quantized(name):
     assert torch.equal(head.dequantize(torch.float32), _formula(state, "lm_head", reordered=True))
     assert not torch.equal(head.dequantize(torch.float32), model.embed_tokens.weight.float())
     cache = model.new_cache(1, 32)
-    logits = model.logits(model.encode(torch.tensor([[2, 5, 9, 11, 3]]), cache))
+    logits = model.logits(dg.encode(model, torch.tensor([[2, 5, 9, 11, 3]]), cache))
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
 
 
@@ -162,8 +162,8 @@ def _demo_logits(model, tok, seed=0):
     g, out = torch.Generator().manual_seed(seed), []
     for _, prompt, _ in _heldout(4, seed):
         cache = model.new_cache(1, 128)
-        enc = model.logits(model.encode(torch.tensor([tok(prompt)["input_ids"]]), cache))
-        out += [enc.flatten(), model.denoise(torch.randint(0, V, (1, C), generator=g), cache).flatten()]
+        enc = model.logits(dg.encode(model, torch.tensor([tok(prompt)["input_ids"]]), cache))
+        out += [enc.flatten(), dg.denoise(model, torch.randint(0, V, (1, C), generator=g), cache).flatten()]
     return torch.cat(out)
 
 
@@ -263,7 +263,7 @@ def test_fp8_without_input_activations_loads_as_fp8_weight_only(tmp_path):
     for (n, p), q in zip(model.state_dict().items(), dynamic.state_dict().values()):
         assert torch.equal(_plain(p), _plain(q)), n
     cache = model.new_cache(1, 32)
-    assert torch.isfinite(model.logits(model.encode(torch.tensor([[2, 5, 9, 11, 3]]), cache))).all()
+    assert torch.isfinite(model.logits(dg.encode(model, torch.tensor([[2, 5, 9, 11, 3]]), cache))).all()
 
 
 def test_sharded_quantized_checkpoint_loads_the_same(tmp_path):

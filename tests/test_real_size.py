@@ -242,7 +242,7 @@ def prefilled(reference, model32):
         if attention not in runs:
             model = model32 if attention == model32.attention else variant(model32, attention=attention)
             cache = model.new_cache(1, SLOTS)
-            runs[attention] = (model, cache, model.encode(reference.prompt, cache)[0])
+            runs[attention] = (model, cache, dg.encode(model, reference.prompt, cache)[0])
         return runs[attention]
 
     return get
@@ -285,7 +285,7 @@ def test_bfloat16_logits_within_epsilon_bound(reference):
     share of S (the symmetric window alone: see the symmetric test), far above S / 16."""
     model = dg.load(reference.directory, dtype=torch.bfloat16, vision=False)
     cache = model.new_cache(1, SLOTS)
-    model.encode(reference.prompt, cache)
+    dg.encode(model, reference.prompt, cache)
     logits = model.logits(denoise_hidden(model, cache, reference.canvas)[POS][None])[0]
     assert logits.dtype == torch.float32
     ref = reference.f64["denoise logits"]

@@ -70,12 +70,12 @@ def test_resumed_training_equals_uninterrupted_and_exports_a_loadable_checkpoint
     canvas = torch.randint(0, ours.config.vocab_size, (1, ours.config.canvas_length),
                            generator=torch.Generator().manual_seed(0))
     cache = ours.new_cache(1, 64)
-    ours.encode(ids, cache)
+    dg.encode(ours, ids, cache)
     hf_cache = DynamicCache(config=ref.config.text_config)
     with torch.no_grad():
         ref.model.encoder(input_ids=ids, **hf_cache_kw(hf_cache))
         want = ref(decoder_input_ids=canvas, **hf_cache_kw(hf_cache)).logits
-    torch.testing.assert_close(ours.denoise(canvas, cache), want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(dg.denoise(ours, canvas, cache), want, atol=1e-4, rtol=0)
 
 
 def _schedule(**kw):
