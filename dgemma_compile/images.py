@@ -34,7 +34,8 @@ import torch
 from .config import ConfigError
 from .kv_cache import KVCache, PagedKVCache
 from . import uniform
-from .plan import build_plan
+from .phases import ENCODER
+from .plan import build_plan, every_row
 
 MAX_GROUP = 1120
 """The largest image group served (soft tokens of one image): the processor's largest budget (70/140/280/560/1120)."""
@@ -230,7 +231,8 @@ def encode_prefix(model, cache: KVCache, prompt: torch.Tensor, item: ImagePrompt
         ids = prompt[s:e].to(dev)[None]
         n_new = torch.tensor([T], device=dev)
         groups = torch.zeros(1, T, dtype=torch.long, device=dev) if k is not None and bidirectional else None
-        plan = build_plan(model, cache, T, mode="encoder", n_new=n_new, groups=groups)
+        plan = build_plan(model, cache, T, mode=every_row(cache, ENCODER), n_new=n_new, groups=groups,
+                          check_values=False)
         embeds = item.feature(k).to(dev)[None] if k is not None else None
         outs.append(model.forward_plan(ids, cache, plan, moe_impl=moe_impl, input_embeds=embeds)[0])
     return torch.cat(outs) if outs else torch.zeros(0, model.config.hidden_size, dtype=model.dtype, device=dev)

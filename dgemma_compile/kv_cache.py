@@ -79,17 +79,13 @@ class KVCache:
         span = self.max_seq_len + T
         return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
 
-    def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor | None) -> None:
-        """Store a block's keys/values in the block slots and, with `slots_BT` (int64 [B, T], a `ForwardPlan`'s
-        `slots`: `commit_slots` for the static cache), each token's also at its slot: committed tokens land in the
-        committed slots, the others rewrite their own block slot. Does not advance `lengths` (the model does, once
-        per pass)."""
+    def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor) -> None:
+        """Store a block's keys/values in the block slots and each token's also at its slot `slots_BT` (int64 [B, T],
+        a `ForwardPlan`'s `slots`: `commit_slots` for the static cache): committed tokens land in the committed
+        slots, the others rewrite their own block slot. Does not advance `lengths` (the model does, once per
+        pass)."""
         S, T = self.max_seq_len, k_BHTD.shape[2]
         kc, vc = self.keys[layer], self.values[layer]
-        if slots_BT is None:
-            kc[:, :, S:S + T] = k_BHTD
-            vc[:, :, S:S + T] = v_BHTD
-            return
         B = k_BHTD.shape[0]
         if not torch.compiler.is_compiling():  # eagerly: the block slots, then each token's slot (~40% less time)
             row_B1 = torch.arange(B, device=slots_BT.device)[:, None]
@@ -264,16 +260,14 @@ class PagedKVCache:
         self.keys[layer][page, :, off] = k_HTD.transpose(0, 1)
         self.values[layer][page, :, off] = v_HTD.transpose(0, 1)
 
-    def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor | None) -> None:
-        """`KVCache.write_block` through the page table: the block's keys/values to the row's block slots, then, with
-        `slots_BT` (logical slots, int64 [B, T]), each token's also at its slot."""
+    def write_block(self, layer: int, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor, slots_BT: torch.Tensor) -> None:
+        """`KVCache.write_block` through the page table: the block's keys/values to the row's block slots and each
+        token's also at its slot `slots_BT` (logical slots, int64 [B, T])."""
         B, _, T, _ = k_BHTD.shape
         block_BT = (self.max_seq_len + torch.arange(T, device=k_BHTD.device))[None, :].expand(B, T)
-        if slots_BT is None:
-            self._scatter(layer, block_BT, k_BHTD, v_BHTD)
-        else:  # one index_put per pool, as `KVCache.write_block` (a padding token writes its block slot twice)
-            self._scatter(layer, torch.cat([block_BT, slots_BT], dim=1), torch.cat([k_BHTD, k_BHTD], dim=2),
-                          torch.cat([v_BHTD, v_BHTD], dim=2))
+        # one index_put per pool, as `KVCache.write_block` (a padding token writes its block slot twice)
+        self._scatter(layer, torch.cat([block_BT, slots_BT], dim=1), torch.cat([k_BHTD, k_BHTD], dim=2),
+                      torch.cat([v_BHTD, v_BHTD], dim=2))
 
     def _scatter(self, layer: int, slots_BT: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor) -> None:
         P = self.page_size

@@ -5,9 +5,9 @@ One set of layers runs in two modes:
   prefill and for committing a finished canvas. Plain token embeddings.
 - denoiser (`denoise`): bidirectional attention over the whole canvas plus the cached context; reads the cache and
   never commits to it. Adds self-conditioning; returns float32 soft-capped logits.
-`encode` / `denoise` are checked wrappers over uniform plans (`uniform.py`); the forward entry points every step
-uses are `forward_plan` (rows in any mix of modes, under a `plan.ForwardPlan` built outside the model), `logits` and
-`self_conditioning_embedding`.
+The model is only its forward: the checked passes `encode` / `denoise` live with the uniform plans' other callers
+(`uniform.py`, public as `dgemma_compile.encode` / `denoise`); every step and pass calls `forward_plan` (rows in any
+mix of modes, under a `plan.ForwardPlan` built outside the model), `logits` and `self_conditioning_embedding`.
 
 Numerics follow transformers' `modeling_diffusion_gemma.py` (the test oracle; its `configuration_diffusion_gemma.py`
 for the model's fields).
@@ -318,10 +318,7 @@ class Layer(nn.Module):
         w_NK, idx_NK = self.router(h_ND, n_ND)
         moe = self.experts(self.pre_feedforward_layernorm_2.scale(n_ND, h_ND), w_NK, idx_NK, moe_impl).reshape(h.shape)
         h = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
-        enc = plan.encoder_tokens
-        if isinstance(enc, bool):
-            return h * (self.encoder_layer_scalar if enc else self.decoder_layer_scalar)
-        return h * torch.where(enc[..., None], self.encoder_layer_scalar, self.decoder_layer_scalar)
+        return h * torch.where(plan.encoder_tokens[..., None], self.encoder_layer_scalar, self.decoder_layer_scalar)
 
 
 class SelfConditioning(GatedMLP):
@@ -374,7 +371,6 @@ class DiffusionGemma(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
         self.sc_embedding: nn.Linear | None = None  # `quant.quantize`: the embeddings as a [V -> D] projection
-        self.vocab_shard = None  # `parallel.shard`: this rank's `parallel.sampler.VocabShard`
         self.tensor_parallel = None  # `parallel.shard`: the rank's `parallel.shard.TensorParallel`
         self.vision: VisionEncoder | None = VisionEncoder(vision, config.hidden_size) if vision is not None else None
         self.init_buffers(self.embed_tokens.weight.device)
@@ -409,6 +405,13 @@ class DiffusionGemma(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @property
+    def vocab_shard(self):
+        """Under tensor parallel, this rank's slice of the vocabulary (`parallel.sampler.VocabShard`), held by the
+        sharded lm_head it slices (`parallel.vocab.VocabParallelHead.shard`: `parallel.shard` makes the lm_head one
+        whenever it sets `tensor_parallel`); None in one process."""
+        return None if self.tensor_parallel is None else self.lm_head.shard
+
     def new_cache(self, batch_size: int, max_seq_len: int, block_size: int | None = None) -> KVCache:
         """A zeroed static cache for `batch_size` rows of up to `max_seq_len` committed tokens each.
         `block_size` (default: the canvas length) bounds the tokens one forward processes; longer prompts are
@@ -433,20 +436,16 @@ class DiffusionGemma(nn.Module):
         [B, T, D] (model dtype): the input embeddings of an encoder plan in place of embedding `ids_BT` (a prompt's
         image soft tokens scattered into its placeholder positions, `images.embed_with_images`)."""
         embeds = self._embed(ids_BT) if input_embeds is None else input_embeds
-        den = plan.denoise_tokens
-        if den is False:
-            return self._forward_block(embeds, cache, plan, moe_impl)
         B, T, D = embeds.shape
         if self_conditioning is None:
             soft = torch.zeros_like(embeds)
         else:
-            soft = self_conditioning
-            if plan.self_conditioning is not None:
-                soft = torch.where(plan.self_conditioning[:, None, None], soft, torch.zeros_like(soft))
+            soft = torch.where(plan.self_conditioning[:, None, None], self_conditioning,
+                               torch.zeros_like(self_conditioning))
             if soft.shape[1] < T:  # the signal of the first T' tokens, zero after them
                 soft = torch.cat([soft, soft.new_zeros(B, T - soft.shape[1], D)], dim=1)
         denoised = self.self_conditioning(embeds, soft)
-        x = denoised if den is True else torch.where(den[..., None], denoised, embeds)
+        x = torch.where(plan.denoise_tokens[..., None], denoised, embeds)
         return self._forward_block(x, cache, plan, moe_impl)
 
     def rope_tables(self, layer_type: str, positions_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,7 +497,6 @@ class DiffusionGemma(nn.Module):
         for layer in self.layers:
             cos, sin = plan.rope[layer.layer_type]
             x_BTD = layer(x_BTD, cos, sin, cache, plan.masks[layer.layer_type], plan, moe_impl, flex)
-        if plan.commit is not None:
-            cache.lengths.add_(plan.commit)  # in place: the compiled units read this very tensor on every call
+        cache.lengths.add_(plan.commit)  # in place: the compiled units read this very tensor on every call
         return self.norm(x_BTD)
 

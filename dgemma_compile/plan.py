@@ -7,11 +7,10 @@ A forward processes one block of T token slots per row (the cache layout of `kv_
   nothing is committed (its keys/values only pass through the block slots). Its input is the self-conditioned
   embedding, with the previous step's signal where `self_conditioning[b]` (zero otherwise).
 - IDLE: no real token, nothing committed; its outputs are meaningless.
-- COMMIT_DENOISE (commit fusion: every row of a uniform "commit+denoise" plan, or some rows of a fused mixed plan):
-  2C block tokens, the first C a commit (encoder mode, `n_new[b]` real, committed) and the last C the next block's
-  start canvas (denoise mode, no self-conditioning), which sees the committed context including the tokens
-  committed by this very forward (`masks.commit_denoise_mask_mod`). One forward instead of a commit and a block's
-  first denoise step.
+- COMMIT_DENOISE (commit fusion, rows of a fused plan): 2C block tokens, the first C a commit (encoder mode,
+  `n_new[b]` real, committed) and the last C the next block's start canvas (denoise mode, no self-conditioning),
+  which sees the committed context including the tokens committed by this very forward
+  (`masks.commit_denoise_mask_mod`). One forward instead of a commit and a block's first denoise step.
 
 The plan holds, per row, the mode and what follows from it (the masks' real-token count, the committed count, the
 causal flag, the self-conditioning flag), per block token its logical position and the physical slot its key/value
@@ -19,14 +18,13 @@ goes to (`slots`: position -> slot, the identity for the static cache: committed
 others in their own block slot; a paged cache supplies another mapping), and per layer type the RoPE tables and the
 attention mask. The model reads only the plan, so one forward serves rows in different phases.
 
-Two kinds of plan:
-- uniform (`mode` a string, every row the same mode): the mode is a Python constant of the mask (and the real count
-  is None for a canvas), exactly the masks the generator's compiled units have always used;
-- mixed (`mode` an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE`): per-row tensors. Inductor's CPU flex
-  template rejects mask tensors computed inside a compiled graph, so build a mixed plan outside the compiled region
-  and pass it in (its tensors are then graph inputs). A fused mixed plan (T = 2C, `canvas=C`) also takes
-  `COMMIT_DENOISE` rows; its DENOISE rows hold their canvas in the first C tokens (C real, the rest idle: the keys
-  a canvas sees are those of a [B, C] denoise step plus masked ones), its encoder rows chunks of up to 2C tokens.
+One form: `mode` is an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE` codes, and every per-row field is a tensor;
+a uniform pass (`uniform.py`: every row one mode) gives every row one code (`every_row`). Inductor's CPU flex
+template rejects mask tensors computed inside a compiled graph, so a compiled step builds its plan outside the
+compiled region or into preallocated buffers (`PlanBuffers`), whose tensors are then graph inputs. A fused plan
+(T = 2C, `canvas=C`) also takes `COMMIT_DENOISE` rows; its DENOISE rows hold their canvas in the first C tokens (C
+real, the rest idle: the keys a canvas sees are those of a [B, C] denoise step plus masked ones), its encoder rows
+chunks of up to 2C tokens.
 
 Legend: B rows, T block length, S committed slots per row.
 """
@@ -47,27 +45,24 @@ from .ops.moe import materialize_many
 from .phases import COMMIT_DENOISE, ENCODER, IDLE  # the forward modes (`phases.Mode`)
 from .phases import DENOISE_MODE as DENOISE
 
-UNIFORM_MODES = ("encoder", "denoise", "commit+denoise")
-
 
 @dataclass
 class ForwardPlan:
-    """One forward's per-row plan (see the module docstring).
+    """One forward's per-row plan (see the module docstring). Every per-row field is a tensor: a uniform pass is a
+    plan whose rows all have one mode code (`every_row`), so the model never dispatches on a field's type.
 
     Attributes:
         mode: int64 [B], `IDLE` / `ENCODER` / `DENOISE` / `COMMIT_DENOISE` per row.
-        encoder_tokens: one bool (uniform) or a bool tensor broadcastable to [B, T] ([B, 1] per row for mixed
-            plans, [1, T] per token for commit fusion, [B, T] for a fused mixed plan): tokens in encoder mode (the
-            layers' encoder scalar).
+        encoder_tokens: bool, broadcastable to [B, T] ([B, 1] per row, [B, T] for a fused plan): tokens in encoder
+            mode (the layers' encoder scalar).
         denoise_tokens: like `encoder_tokens`, tokens in denoise mode (they take the self-conditioned embedding).
-        real: int64 [B], real block tokens per row (the masks' count; for commit fusion the committed tokens of the
-            first half), or None when every block token is real.
-        commit: int64 [B], tokens committed per row (n_new for encoder and commit + denoise rows, 0 otherwise), or
-            None when no row commits (a uniform denoise plan); `cache.lengths` grows by it after the forward.
-        slots: int64 [B, T], the cache slot each block token's key/value is written to, or None when nothing is
-            committed (keys/values stay in the block slots).
-        self_conditioning: bool [B], denoise rows whose input carries the previous step's signal (mixed plans),
-            or None (uniform plans: `uniform.denoise_block`'s own mask decides).
+        real: int64 [B], real block tokens per row (the masks' count: n_new for encoder rows, C for denoise rows, 0
+            for idle and commit + denoise rows, whose mask reads n_new).
+        commit: int64 [B], tokens committed per row (n_new for encoder and commit + denoise rows, 0 otherwise);
+            `cache.lengths` grows by it after the forward.
+        slots: int64 [B, T], the cache slot each block token's key/value is written to (`kv_cache.commit_slots`:
+            the committed slots for committed tokens, the block slots for the others).
+        self_conditioning: bool [B], denoise rows whose input carries the previous step's signal.
         positions: int64 [B, T], the block tokens' logical positions (lengths[b] + i; the canvas half of commit
             fusion: lengths[b] + n_new[b] + i - C).
         rope: per layer type, (cos, sin) [B, T, rotary dim] in the model dtype.
@@ -78,184 +73,149 @@ class ForwardPlan:
     """
 
     mode: torch.Tensor
-    encoder_tokens: torch.Tensor | bool
-    denoise_tokens: torch.Tensor | bool
-    real: torch.Tensor | None
-    commit: torch.Tensor | None
-    slots: torch.Tensor | None
-    self_conditioning: torch.Tensor | None
+    encoder_tokens: torch.Tensor
+    denoise_tokens: torch.Tensor
+    real: torch.Tensor
+    commit: torch.Tensor
+    slots: torch.Tensor
+    self_conditioning: torch.Tensor
     positions: torch.Tensor
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
     masks: dict[str, BlockMask | torch.Tensor]
     kernel_options: dict[str, dict] = dataclasses.field(default_factory=dict)
     mask_rows: tuple[torch.Tensor, ...] = ()
-    """Per-row tensors the masks capture that no other field holds (a mixed plan's encoder rows, bool [B]; a fused
-    one's commit + denoise rows too), so that `PlanBuffers` refills them."""
+    """Per-row tensors the masks capture that no other field holds (encoder rows, bool [B]; a fused plan's commit +
+    denoise rows too), so that `PlanBuffers` refills them."""
     groups: torch.Tensor | None = None
-    """int64 [B, T]: the image group of each block token (-1: text) of an encoder plan whose prompt holds images
-    (`masks.py`'s image-group overlay, `images.py`), or None."""
+    """int64 [B, T]: the image group of each block token (-1: text) of a plan whose encoder rows hold a prompt's
+    images (`masks.py`'s image-group overlay, `images.py`), or None."""
 
 
 QUERY_KINDS = ("encoder", "canvas")
 """The query kinds that attention kernel options are chosen by: "encoder" (prefill chunks and unfused commits) and
-"canvas" (denoise steps, mixed and commit + denoise forwards, whose queries are a canvas)."""
+"canvas" (denoise steps, mixed and commit + denoise forwards, whose queries are a canvas). The caller of
+`build_plan` chooses (`CompileOptions.attention_kernels()[kind]`): a plan's kind is not in its tensors."""
 
 
-def query_kind(mode: str | torch.Tensor) -> str:
-    """The query kind of a plan of `mode` (see `build_plan`): "encoder" for "encoder", else "canvas"."""
-    return "encoder" if isinstance(mode, str) and mode == "encoder" else "canvas"
+def every_row(cache: KVCache, mode: int) -> torch.Tensor:
+    """int64 [B] of one mode code (`ENCODER`, `DENOISE`, `COMMIT_DENOISE`) for every row of `cache`: the `mode` of a
+    uniform pass (`uniform.py`)."""
+    return torch.full((cache.batch_size,), mode, dtype=torch.long, device=cache.lengths.device)
 
 
-def build_plan(model, cache: KVCache, T: int, *, mode: str | torch.Tensor, n_new: torch.Tensor | None = None,
-               self_conditioning: torch.Tensor | None = None, check_values: bool = True,
-               kernel_options: dict | None = None, block_masks: bool = True, canvas: int | None = None,
-               groups: torch.Tensor | None = None, dense_masks: bool = False) -> ForwardPlan:
+def build_plan(model, cache: KVCache, T: int, *, mode: torch.Tensor, n_new: torch.Tensor | None = None,
+               self_conditioning: torch.Tensor | None = None, canvas: int | None = None, check_values: bool = True,
+               kernel_options: dict | None = None, block_masks: bool = True, groups: torch.Tensor | None = None,
+               dense_masks: bool = False) -> ForwardPlan:
     """The plan of one forward of T block tokens per row over `cache` (its current `lengths`).
 
     Args:
         model: the `DiffusionGemma` that will run the plan (its config, attention backend, window kind, RoPE).
         cache: the cache the forward reads and writes; T <= cache.block_size.
-        mode: "encoder", "denoise" or "commit+denoise" (T = 2C: commit fusion, see the module docstring) for every
-            row, or an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE`.
-        n_new: int64 [B], real tokens of encoder rows (0 <= n_new <= T; ignored for other rows), or tokens committed
-            by a "commit+denoise" row (0 <= n_new <= C, and lengths + n_new <= S: a precondition, not checked);
-            required when a row is in encoder mode.
-        self_conditioning: bool [B], denoise rows that receive the previous step's logits (mixed plans; default
-            none).
-        check_values: check a mixed plan's mode values and that encoder rows have `n_new` (reads the device: a
-            host synchronisation).
-        kernel_options: {query kind: {layer type: FlexAttention kernel options}} (`QUERY_KINDS`); the plan keeps
-            the entry of its own query kind (`query_kind(mode)`). None: none.
+        mode: int64 [B], each row's `IDLE` / `ENCODER` / `DENOISE` (and `COMMIT_DENOISE` in a fused plan); a
+            uniform pass gives every row one code (`every_row`).
+        n_new: int64 [B], real tokens of encoder rows (0 <= n_new <= T), or tokens committed by a commit + denoise
+            row (0 <= n_new <= C, and lengths + n_new <= S: a precondition, not checked); ignored for other rows;
+            required when a row commits. None: zeros.
+        self_conditioning: bool [B], denoise rows that receive the previous step's signal (default none).
+        canvas: C, the canvas length (default T). T = 2C makes a fused plan (commit fusion): `COMMIT_DENOISE` rows
+            commit their first n_new tokens and denoise the next block's canvas in the second half (`masks.
+            commit_denoise_mask_mod`); DENOISE rows hold their canvas in the first half (C real tokens, the second
+            half idle), encoder rows chunks of up to T tokens.
+        check_values: check the mode values and that committing rows have `n_new` (reads the device: a host
+            synchronisation; the uniform passes and `PlanBuffers.fill`, which may run compiled, turn it off).
+        kernel_options: {layer type: FlexAttention kernel options} of this forward's query kind (`QUERY_KINDS`,
+            chosen by the caller). None: none.
         block_masks: False leaves out the FlexAttention block masks (`masks` is then empty for a flex model; what
             `PlanBuffers(sparsity_in_place=True)` rebuilds: everything but its masks, whose sparsity it refills).
-        canvas: C, a mixed plan's canvas length (default T). T = 2C makes it a fused mixed plan (the serving
-            engine's commit fusion): `COMMIT_DENOISE` rows as in a uniform "commit+denoise" plan (n_new <= C
-            committed tokens, the canvas in the second half), DENOISE rows with their canvas in the first half
-            (C real tokens, the second half idle), encoder rows over all T.
-        groups: int64 [B, T], the image group of each block token (-1: text) for mode "encoder": the encoder's
-            bidirectional image-group overlay in every layer type's mask (`masks.block_mask_mod`); a group must lie
-            whole in this block (`images.py` encodes each group in one forward). None: none.
+        groups: int64 [B, T], the image group of each block token (-1: text): the encoder rows' bidirectional
+            image-group overlay in every layer type's mask (`masks.block_mask_mod`); a group must lie whole in this
+            block (`images.py` encodes each group in one forward). Not with a fused plan. None: none.
         dense_masks: dense bool masks [B, T, S+T] (`masks.dense_block_mask`, the same visibility as the block
             masks' mask_mods) for a flex model too, so that its attention runs FlexAttention's eager math on them
             (`model.eager_attention`, bitwise) without FlexAttention's vmapped eager path (~9 ms a call at the
             demo's sizes): what an uncompiled step wants. A model with `attention == "dense"` always gets them.
     Returns:
-        A `ForwardPlan`. Tensor ops only (no host synchronisation), so it can be built inside a compiled region for
-        a uniform plan.
+        A `ForwardPlan`. Tensor ops only with `check_values=False` (no host synchronisation), so it can be built
+        inside a compiled region.
     Raises:
-        ValueError: an unknown mode (a mixed plan's mode values only with `check_values`, which reads the device),
-            a missing `n_new`, per-row tensors whose shape is not [B], an odd T for "commit+denoise", a `canvas`
-            given with a uniform mode or other than T or T / 2, or `groups` with a mode other than "encoder" or not
-            int64 [B, T].
+        ValueError: `mode` not an int64 tensor [B], per-row tensors whose shape is not [B], a non-bool
+            `self_conditioning`, a `canvas` other than T or T / 2, `groups` not int64 [B, T] or given with a fused
+            plan; with `check_values`, mode values out of range or a committing row without `n_new`.
     """
     B, S, dev = cache.batch_size, cache.max_seq_len, cache.lengths.device
     lengths = cache.lengths
+    C = T if canvas is None else canvas
+    if C != T and 2 * C != T:
+        raise ValueError(f"canvas: a plan's canvas is T or T / 2 (commit fusion), got {canvas} for T = {T}")
+    fused = C != T
+    if not isinstance(mode, torch.Tensor) or mode.shape != (B,) or mode.dtype != torch.long:
+        raise ValueError(f"mode must be an int64 tensor [B={B}], got {getattr(mode, 'dtype', type(mode).__name__)} "
+                         f"{tuple(getattr(mode, 'shape', ()))}")
+    for name, t in (("n_new", n_new), ("self_conditioning", self_conditioning)):
+        if t is not None and t.shape != (B,):
+            raise ValueError(f"{name} must be [B={B}], got {tuple(t.shape)}")
+    if self_conditioning is not None and self_conditioning.dtype != torch.bool:
+        raise ValueError(f"self_conditioning must be bool, got {self_conditioning.dtype}")
+    if groups is not None and (fused or not isinstance(groups, torch.Tensor) or groups.dtype != torch.long
+                               or groups.shape != (B, T)):
+        got = f"{groups.dtype} {tuple(groups.shape)}" if isinstance(groups, torch.Tensor) else type(groups).__name__
+        raise ValueError(f"groups: an int64 tensor [B={B}, T={T}] of a plan that is not fused; got {got}"
+                         f"{' with canvas = T / 2' if fused else ''}")
+    if check_values:
+        top = COMMIT_DENOISE if fused else DENOISE
+        if bool(((mode < IDLE) | (mode > top)).any()):
+            raise ValueError(f"mode: per-row modes are IDLE, ENCODER, DENOISE ({IDLE}, {ENCODER}, {DENOISE}; "
+                             f"COMMIT_DENOISE ({COMMIT_DENOISE}) only in a fused plan, T = 2 x canvas), got "
+                             f"{mode.tolist()}")
+        if n_new is None and bool(((mode == ENCODER) | (mode == COMMIT_DENOISE)).any()):
+            raise ValueError("n_new: required for encoder and commit + denoise rows")
     i_T = torch.arange(T, device=dev)
     positions = lengths[:, None] + i_T[None, :]
-    mask_args = None  # (real, causal) of `block_mask_mod`; None: the commit fusion mask
-    fused = False  # a fused mixed plan (`canvas` = T / 2): per-row commit fusion
-    mask_rows: tuple[torch.Tensor, ...] = ()
-    if groups is not None and (not isinstance(mode, str) or mode != "encoder" or not isinstance(groups, torch.Tensor)
-                               or groups.dtype != torch.long or groups.shape != (B, T)):
-        got = f"{groups.dtype} {tuple(groups.shape)}" if isinstance(groups, torch.Tensor) else type(groups).__name__
-        raise ValueError(f"groups: only for mode 'encoder', an int64 tensor [B={B}, T={T}]; got {got} with mode "
-                         f"{mode if isinstance(mode, str) else 'mixed'!r}")
-    group_kw = {} if groups is None else {"groups_BT": groups}
-    if isinstance(mode, str):
-        if canvas is not None:
-            raise ValueError(f"canvas: only for a mixed plan (mode a tensor), got {canvas} with mode {mode!r}")
-        if mode not in UNIFORM_MODES:
-            raise ValueError(f"mode must be one of {UNIFORM_MODES} or an int64 tensor [B], got {mode!r}")
-        if mode != "denoise" and n_new is None:
-            raise ValueError(f"n_new: required for mode {mode!r}")
-        if mode == "commit+denoise":
-            if T % 2:
-                raise ValueError(f"T must be 2C for mode 'commit+denoise', got {T}")
-            C = T // 2
-            mode_B = torch.full((B,), COMMIT_DENOISE, dtype=torch.long, device=dev)
-            encoder_tokens: torch.Tensor | bool = (i_T < C)[None, :]
-            denoise_tokens: torch.Tensor | bool = ~encoder_tokens
-            # the canvas follows what this forward commits: lengths + n_new + (i - C)
-            positions = torch.where(encoder_tokens, positions, positions + n_new[:, None] - C)
-        else:
-            encoder = mode == "encoder"
-            mode_B = torch.full((B,), ENCODER if encoder else DENOISE, dtype=torch.long, device=dev)
-            encoder_tokens, denoise_tokens = encoder, not encoder
-            mask_args = (n_new, True) if encoder else (None, False)
-        real = n_new if mode != "denoise" else None
-        commit = real
-        slots = commit_slots(lengths, n_new, T, S) if commit is not None else None
+    encoder_rows, denoise_rows = mode == ENCODER, mode == DENOISE
+    n_B = n_new if n_new is not None else torch.zeros(B, dtype=torch.long, device=dev)
+    real = torch.where(encoder_rows, n_B, torch.where(denoise_rows, C, 0))
+    if fused:  # per token: a commit + denoise row is encoder in its first half, denoise in its second
+        fused_rows = mode == COMMIT_DENOISE
+        first_half = (i_T < C)[None, :]
+        encoder_tokens = encoder_rows[:, None] | (fused_rows[:, None] & first_half)
+        denoise_tokens = denoise_rows[:, None] | (fused_rows[:, None] & ~first_half)
+        commit = torch.where(encoder_rows | fused_rows, n_B, 0)
+        mask_rows: tuple[torch.Tensor, ...] = (encoder_rows, fused_rows)
+        # the canvas follows what this forward commits: lengths + n_new + (i - C)
+        positions = torch.where(fused_rows[:, None] & ~first_half, positions + n_B[:, None] - C, positions)
     else:
-        C = T if canvas is None else canvas
-        if C != T and 2 * C != T:
-            raise ValueError(f"canvas: a mixed plan's canvas is T or T / 2 (commit fusion), got {canvas} for T = {T}")
-        fused = C != T
-        if not isinstance(mode, torch.Tensor) or mode.shape != (B,) or mode.dtype != torch.long:
-            raise ValueError(f"mode must be an int64 tensor [B={B}], got {getattr(mode, 'dtype', type(mode))} "
-                             f"{tuple(getattr(mode, 'shape', ()))}")
-        for name, t in (("n_new", n_new), ("self_conditioning", self_conditioning)):
-            if t is not None and t.shape != (B,):
-                raise ValueError(f"{name} must be [B={B}], got {tuple(t.shape)}")
-        if self_conditioning is not None and self_conditioning.dtype != torch.bool:
-            raise ValueError(f"self_conditioning must be bool, got {self_conditioning.dtype}")
-        if check_values:  # they read the device: `PlanBuffers.fill`, which may run compiled, turns them off
-            top = COMMIT_DENOISE if fused else DENOISE
-            if bool(((mode < IDLE) | (mode > top)).any()):
-                raise ValueError(f"mode: per-row modes are IDLE, ENCODER, DENOISE ({IDLE}, {ENCODER}, {DENOISE}; "
-                                 f"COMMIT_DENOISE ({COMMIT_DENOISE}) only in a fused plan, T = 2 x canvas), got "
-                                 f"{mode.tolist()}")
-            if n_new is None and bool(((mode == ENCODER) | (mode == COMMIT_DENOISE)).any()):
-                raise ValueError("n_new: required for encoder and commit + denoise rows")
-        mode_B = mode
-        encoder_rows, denoise_rows = mode == ENCODER, mode == DENOISE
-        n_B = n_new if n_new is not None else torch.zeros(B, dtype=torch.long, device=dev)
-        real = torch.where(encoder_rows, n_B, torch.where(denoise_rows, C, 0))
-        if fused:  # per token: a commit + denoise row is encoder in its first half, denoise in its second
-            fused_rows = mode == COMMIT_DENOISE
-            first_half = (i_T < C)[None, :]
-            encoder_tokens = encoder_rows[:, None] | (fused_rows[:, None] & first_half)
-            denoise_tokens = denoise_rows[:, None] | (fused_rows[:, None] & ~first_half)
-            commit = torch.where(encoder_rows | fused_rows, n_B, 0)
-            mask_rows = (encoder_rows, fused_rows)
-            positions = torch.where(fused_rows[:, None] & ~first_half, positions + n_B[:, None] - C, positions)
-        else:
-            # tensors of their own, not views of the rows' flags: a compiled step whose weights are tensor subclasses
-            # (torchao) refuses mutated graph inputs that alias each other, and `PlanBuffers.fill` rewrites both
-            encoder_tokens, denoise_tokens = encoder_rows[:, None].clone(), denoise_rows[:, None].clone()
-            mask_rows = (encoder_rows,)
-            commit = torch.where(encoder_rows, n_B, 0)
-        slots = commit_slots(lengths, commit, T, S)
-        if self_conditioning is None:
-            self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
-        self_conditioning = self_conditioning & denoise_rows
-        mask_args = (real, encoder_rows)
+        # tensors of their own, not views of the rows' flags: a compiled step whose weights are tensor subclasses
+        # (torchao) refuses mutated graph inputs that alias each other, and `PlanBuffers.fill` rewrites both
+        encoder_tokens, denoise_tokens = encoder_rows[:, None].clone(), denoise_rows[:, None].clone()
+        mask_rows = (encoder_rows,)
+        commit = torch.where(encoder_rows, n_B, 0)
+    slots = commit_slots(lengths, commit, T, S)
+    if self_conditioning is None:
+        self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
+    self_conditioning = self_conditioning & denoise_rows
+    group_kw = {} if groups is None else {"groups_BT": groups}
     rope, masks = {}, {}
     dense = dense_masks or model.attention == "dense"
     for lt in sorted(set(model.config.layer_types)):
         rope[lt] = model.rope_tables(lt, positions)
         window = dict(sliding_window=model.config.sliding_window if lt == SLIDING else None,
                       window_kind=model.window_kind)
-        if mask_args is None:  # commit fusion
-            if dense:
-                masks[lt] = dense_commit_denoise_mask(lengths, n_new, canvas=T // 2, cache_slots=S, **window)
-            else:
-                mask_mod = commit_denoise_mask_mod(lengths, n_new, canvas=T // 2, cache_slots=S, **window)
-                masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
-        elif dense:
-            masks[lt] = dense_block_mask(lengths, *mask_args, block_len=T, cache_slots=S, **window, **group_kw)
+        if dense:
+            masks[lt] = dense_block_mask(lengths, real, encoder_rows, block_len=T, cache_slots=S, **window,
+                                         **group_kw)
             if fused:
                 cd = dense_commit_denoise_mask(lengths, n_B, canvas=C, cache_slots=S, **window)
                 masks[lt] = torch.where(fused_rows[:, None, None], cd, masks[lt])
         elif block_masks:
-            mask_mod = block_mask_mod(lengths, *mask_args, cache_slots=S, **window, **group_kw)
+            mask_mod = block_mask_mod(lengths, real, encoder_rows, cache_slots=S, **window, **group_kw)
             if fused:
                 mask_mod = select_mask_mod(fused_rows, commit_denoise_mask_mod(lengths, n_B, canvas=C, cache_slots=S,
                                                                                **window), mask_mod)
             masks[lt] = make_block_mask(mask_mod, B, T, S, dev)
-    return ForwardPlan(mode=mode_B, encoder_tokens=encoder_tokens, denoise_tokens=denoise_tokens, real=real,
+    return ForwardPlan(mode=mode, encoder_tokens=encoder_tokens, denoise_tokens=denoise_tokens, real=real,
                        commit=commit, slots=slots, self_conditioning=self_conditioning, positions=positions, rope=rope,
-                       masks=masks, kernel_options=dict((kernel_options or {}).get(query_kind(mode), {})),
-                       mask_rows=mask_rows, groups=groups)
+                       masks=masks, kernel_options=dict(kernel_options or {}), mask_rows=mask_rows, groups=groups)
 
 
 class PlanBuffers:
@@ -289,15 +249,16 @@ class PlanBuffers:
     def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None,
                  sparsity_in_place: bool = False, canvas: int | None = None, dense_masks: bool = False):
         self.model, self.cache, self.T, self.canvas = model, cache, T, canvas
-        self.kernel_options = kernel_options
+        self.kernel_options = (kernel_options or {}).get("canvas")  # a step's queries are a canvas (`QUERY_KINDS`)
         self.dense_masks = dense_masks or model.attention == "dense"
         """Dense bool masks instead of block masks (`build_plan(dense_masks=True)`): the plan of an eager step."""
         B, dev = cache.batch_size, cache.lengths.device
         self.mixed = mixed
-        if mixed:
-            self.mode = torch.full((B,), IDLE, dtype=torch.long, device=dev)
-            self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
-            self.self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
+        # the per-row inputs: a mixed plan's `fill` rewrites them (every row IDLE until then); the uniform denoise
+        # plan's stay every row DENOISE
+        self.mode = torch.full((B,), IDLE if mixed else DENOISE, dtype=torch.long, device=dev)
+        self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
+        self.self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
         self._dense: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None  # `eager_plan`'s masks, their key
         self.plan = self._build()  # fresh tensors: these become the buffers
         self.sparsity_in_place = sparsity_in_place and mixed and not self.dense_masks
@@ -308,12 +269,9 @@ class PlanBuffers:
         self._refilled = _plan_tensors(self.plan, masks=not self.sparsity_in_place)  # what `fill` rewrites
 
     def _build(self, block_masks: bool = True) -> ForwardPlan:
-        if self.mixed:
-            return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new, check_values=False,
-                              self_conditioning=self.self_conditioning, kernel_options=self.kernel_options,
-                              block_masks=block_masks, canvas=self.canvas, dense_masks=self.dense_masks)
-        return build_plan(self.model, self.cache, self.T, mode="denoise", kernel_options=self.kernel_options,
-                          dense_masks=self.dense_masks)
+        return build_plan(self.model, self.cache, self.T, mode=self.mode, n_new=self.n_new, check_values=False,
+                          self_conditioning=self.self_conditioning, kernel_options=self.kernel_options,
+                          block_masks=block_masks, canvas=self.canvas, dense_masks=self.dense_masks)
 
     def fill(self, mode: torch.Tensor | None = None, n_new: torch.Tensor | None = None,
              self_conditioning: torch.Tensor | None = None) -> None:
@@ -328,8 +286,7 @@ class PlanBuffers:
             raise ValueError("fill: per-row inputs (mode, n_new, self_conditioning) need PlanBuffers(..., mixed=True)")
         if self._holds(mode, n_new, self_conditioning):
             return
-        for buf, value in ((getattr(self, "mode", None), mode), (getattr(self, "n_new", None), n_new),
-                           (getattr(self, "self_conditioning", None), self_conditioning)):
+        for buf, value in ((self.mode, mode), (self.n_new, n_new), (self.self_conditioning, self_conditioning)):
             if value is not None:
                 buf.copy_(value)
         new = self._build(block_masks=not self.sparsity_in_place)
@@ -355,8 +312,8 @@ class PlanBuffers:
 
     def _mask_inputs(self) -> list[torch.Tensor]:
         """The per-row tensors the masks' mask_mods capture, each once."""
-        return list({id(t): t for t in (self.cache.lengths, self.plan.real, *self.plan.mask_rows,
-                                        getattr(self, "n_new", None), self.plan.groups)
+        return list({id(t): t for t in (self.cache.lengths, self.plan.real, *self.plan.mask_rows, self.n_new,
+                                        self.plan.groups)
                      if isinstance(t, torch.Tensor)}.values())
 
     def _fill_sparsity(self) -> None:

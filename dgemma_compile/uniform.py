@@ -2,7 +2,7 @@
 oracle steps, tests and benchmarks). `encode` and `denoise` are the checked public passes (`dgemma_compile.encode` /
 `dgemma_compile.denoise`: they validate their inputs on the host); `encode_block`, `denoise_block` and
 `commit_denoise_block` are unchecked (no host synchronisation), like the forward. Each builds its uniform plan
-(`plan.build_plan`) and runs `DiffusionGemma.forward_plan`: the model is only its forward, and this module is its
+(`plan.build_plan` with every row one mode code, `plan.every_row`) and runs `DiffusionGemma.forward_plan`: the model is only its forward, and this module is its
 caller (the model imports nothing from here).
 
 Legend: B rows, T block tokens, C canvas, V vocab, D hidden.
@@ -17,7 +17,9 @@ import torch
 
 from .kv_cache import CacheFullError, KVCache
 from .ops import MOE_IMPLS
-from .plan import ForwardPlan, build_plan
+from .phases import COMMIT_DENOISE, ENCODER
+from .phases import DENOISE_MODE as DENOISE
+from .plan import ForwardPlan, build_plan, every_row
 
 if TYPE_CHECKING:
     from .model import DiffusionGemma
@@ -27,8 +29,10 @@ def encode_block(model: "DiffusionGemma", ids_BT: torch.Tensor, cache: KVCache, 
                  moe_impl: str | None = None, kernel_options: dict | None = None) -> torch.Tensor:
     """One encoder pass over T <= cache.block_size tokens, n_new_B [B] of them real per row; commits them and
     advances `cache.lengths`. Returns the final-norm hidden states [B, T, D]. `moe_impl` None: the model's;
-    `kernel_options`: FlexAttention kernel options by query kind and layer type (`plan.build_plan`)."""
-    plan = build_plan(model, cache, ids_BT.shape[1], mode="encoder", n_new=n_new_B, kernel_options=kernel_options)
+    `kernel_options`: FlexAttention kernel options by query kind and layer type (`plan.QUERY_KINDS`; this pass's
+    queries are "encoder")."""
+    plan = build_plan(model, cache, ids_BT.shape[1], mode=every_row(cache, ENCODER), n_new=n_new_B,
+                      check_values=False, kernel_options=(kernel_options or {}).get("encoder"))
     return model.forward_plan(ids_BT, cache, plan, moe_impl=moe_impl)
 
 
@@ -45,12 +49,16 @@ def denoise_block(model: "DiffusionGemma", canvas_BC: torch.Tensor, cache: KVCac
     [B, C, D] gives that embedding directly (what the generators carry; pass None as the logits then). `kernel_options`: as `encode_block`'s, for a plan built here. `local`: the rank's vocabulary slice
     under tensor parallel (`DiffusionGemma.logits`)."""
     if plan is None:
-        plan = build_plan(model, cache, canvas_BC.shape[1], mode="denoise", kernel_options=kernel_options)
-    if self_conditioning_mask_B is not None:  # the rows whose input carries the signal
-        plan = dataclasses.replace(plan, self_conditioning=self_conditioning_mask_B)
+        plan = build_plan(model, cache, canvas_BC.shape[1], mode=every_row(cache, DENOISE), check_values=False,
+                          kernel_options=(kernel_options or {}).get("canvas"))
     if self_conditioning_embeds is None and self_conditioning_logits is not None:  # the reference's form
         probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)
         self_conditioning_embeds = model.self_conditioning_embedding(probs)
+    if self_conditioning_embeds is not None:  # the rows whose input carries the signal: the given ones, else all
+        rows = self_conditioning_mask_B
+        if rows is None:
+            rows = torch.ones(canvas_BC.shape[0], dtype=torch.bool, device=canvas_BC.device)
+        plan = dataclasses.replace(plan, self_conditioning=rows)
     hidden = model.forward_plan(canvas_BC, cache, plan, self_conditioning_embeds, moe_impl=moe_impl)
     return model.logits(hidden, local=local)
 
@@ -60,7 +68,7 @@ def commit_denoise_block(model: "DiffusionGemma", ids_BC: torch.Tensor, canvas_B
                          kernel_options: dict | None = None, local: bool = False) -> torch.Tensor:
     """Commit fusion: one forward of 2C tokens that commits `ids_BC` (the first `n_new_B[b]` of each row, as
     `encode_block` does, advancing `cache.lengths`) and runs the first denoise step of the next block's `canvas_BC`
-    after them (no self-conditioning; `plan.py`, mode "commit+denoise"). Returns the canvas's float32 logits
+    after them (no self-conditioning; `plan.py`, every row COMMIT_DENOISE). Returns the canvas's float32 logits
     [B, C, V] (`local`: the rank's vocabulary slice, as `denoise_block`), equal within float32 reduction-order noise
     to `encode_block` then `denoise_block`.
 
@@ -70,7 +78,8 @@ def commit_denoise_block(model: "DiffusionGemma", ids_BC: torch.Tensor, canvas_B
     if ids_BC.shape != canvas_BC.shape or cache.block_size < 2 * C:
         raise ValueError(f"commit fusion needs ids and canvas of one shape [B, C] and a cache with block_size >= "
                          f"2C; got {tuple(ids_BC.shape)}, {tuple(canvas_BC.shape)}, block_size {cache.block_size}")
-    plan = build_plan(model, cache, 2 * C, mode="commit+denoise", n_new=n_new_B, kernel_options=kernel_options)
+    plan = build_plan(model, cache, 2 * C, mode=every_row(cache, COMMIT_DENOISE), n_new=n_new_B, canvas=C,
+                      check_values=False, kernel_options=(kernel_options or {}).get("canvas"))
     hidden = model.forward_plan(torch.cat([ids_BC, canvas_BC], dim=1), cache, plan, moe_impl=moe_impl)
     return model.logits(hidden[:, C:], local=local)
 

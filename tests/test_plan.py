@@ -11,7 +11,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 import dgemma_compile as dg
 from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask
-from dgemma_compile.plan import COMMIT_DENOISE, DENOISE, ENCODER, IDLE, PlanBuffers, build_plan
+from dgemma_compile.plan import COMMIT_DENOISE, DENOISE, ENCODER, IDLE, PlanBuffers, build_plan, every_row
 from dgemma_compile.uniform import commit_denoise_block, denoise_block, encode_block
 
 S = 48  # committed slots per row
@@ -118,8 +118,7 @@ def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
     _check(model, hidden, cache, expected)
 
 
-@pytest.mark.parametrize("kw,msg", [(dict(mode="commit"), "mode must be one of"),
-                                    (dict(mode="encoder"), "n_new: required"),
+@pytest.mark.parametrize("kw,msg", [(dict(mode="encoder"), "mode must be an int64 tensor"),
                                     (dict(mode=torch.tensor([1, 2])), r"mode must be an int64 tensor \[B=5\]"),
                                     (dict(mode=torch.ones(5, dtype=torch.long), n_new=torch.ones(3, dtype=torch.long)),
                                      r"n_new must be \[B=5\]"),
@@ -130,12 +129,14 @@ def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
                                     (dict(mode=torch.full((5,), 4), n_new=torch.ones(5, dtype=torch.long), canvas=8,
                                           T=16), "per-row modes are IDLE"),
                                     (dict(mode=torch.full((5,), 3), canvas=8, T=16), "n_new: required for encoder"),
-                                    (dict(mode=torch.full((5,), 2), canvas=5), "canvas: a mixed plan's canvas is T"),
-                                    (dict(mode="denoise", canvas=8), "canvas: only for a mixed plan"),
+                                    (dict(mode=torch.full((5,), 2), canvas=5), "canvas: a plan's canvas is T or T / 2"),
                                     (dict(mode=torch.full((5,), -1)), "per-row modes are IDLE, ENCODER, DENOISE"),
-                                    (dict(mode="commit+denoise"), "n_new: required for mode 'commit\\+denoise'"),
-                                    (dict(mode="commit+denoise", n_new=torch.ones(5, dtype=torch.long), T=7),
-                                     "T must be 2C")])
+                                    (dict(mode=torch.full((5,), 2), groups=torch.zeros(5, 16, dtype=torch.long),
+                                          canvas=8, T=16), "groups: .* not fused"),
+                                    (dict(mode=torch.full((5,), 1), groups=torch.zeros(5, 3, dtype=torch.long),
+                                          n_new=torch.ones(5, dtype=torch.long)), r"groups: an int64 tensor \[B=5, T=\d+\]"),
+                                    (dict(mode=torch.full((5,), 3), n_new=torch.ones(5, dtype=torch.long), canvas=3,
+                                          T=7), "canvas: a plan's canvas is T or T / 2")])
 def test_bad_plans_are_refused(tiny_dir, kw, msg):
     model = dg.load(tiny_dir)
     T = kw.pop("T", model.config.canvas_length)
@@ -247,7 +248,7 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
         cache.reset()
         dg.encode(model, torch.randint(3, V, (3, max(lengths)), generator=g), cache, input_lengths=torch.tensor(lengths))
         plan.fill()
-        fresh = build_plan(model, cache, C, mode="denoise")
+        fresh = build_plan(model, cache, C, mode=every_row(cache, DENOISE))
         assert torch.equal(plan.plan.positions, fresh.positions)
         with torch.no_grad():
             assert torch.equal(denoise_block(model, canvas, cache, None, plan=plan.plan),
@@ -461,3 +462,22 @@ def test_fused_mixed_masks_are_the_unfused_passes_masks(tiny_flex_and_dense, dat
                                        torch.tensor([enc]), block_len=C, cache_slots=S, **window)[0]
                 assert torch.equal(got[b, :C, :S + C], ref), (lt, b)
                 assert not got[b, :C, S + C:].any(), (lt, b)
+
+
+def test_every_plan_holds_tensors_per_row(tiny_dir):
+    """One form (issue 38): a uniform pass's plan is every row one mode code, and each per-row field is a tensor of
+    the rows' shape, as a mixed plan's; the model never dispatches on a field's type."""
+    model = dg.load(tiny_dir)
+    C = model.config.canvas_length
+    cache = model.new_cache(3, S, block_size=2 * C)
+    n_new = torch.tensor([2, 0, 5])
+    for mode, T, canvas in ((ENCODER, C, None), (DENOISE, C, None), (COMMIT_DENOISE, 2 * C, C)):
+        plan = build_plan(model, cache, T, mode=every_row(cache, mode), n_new=n_new, canvas=canvas)
+        assert plan.mode.tolist() == [mode] * 3
+        for name in ("real", "commit", "self_conditioning"):
+            assert getattr(plan, name).shape == (3,), (mode, name)
+        for name in ("encoder_tokens", "denoise_tokens"):
+            t = getattr(plan, name)
+            assert t.dtype == torch.bool and t.shape in ((3, 1), (3, T)), (mode, name)
+        assert plan.slots.shape == (3, T) and plan.positions.shape == (3, T)
+        assert plan.commit.tolist() == ([0, 0, 0] if mode == DENOISE else n_new.tolist())

@@ -42,7 +42,8 @@ from ..sampler import MASKED_LOGIT, SAMPLE_CHUNK, SCHEME, SampleStep, _finite, _
 @dataclass(frozen=True, eq=False)
 class VocabShard:
     """One rank's slice of the vocabulary: ids [start, start + per) of `vocab_size` (ids past it are padding), over
-    `group` (rank `rank` of `world_size`). Set on a sharded model as `model.vocab_shard` (`shard.shard`)."""
+    `group` (rank `rank` of `world_size`). Held by a sharded model's lm_head (`vocab.VocabParallelHead.shard`), read
+    as `model.vocab_shard`."""
 
     group: dist.ProcessGroup
     rank: int

@@ -9,8 +9,8 @@ What each rank keeps (Megatron's split, transformers' `base_model_tp_plan`: q/k/
 - routed experts: every expert's intermediate slice I/N (`experts.py`, experts="tensor", the default) or E/N whole
   experts (`expert_parallel.py`, experts="expert"); one all-reduce per layer either way.
 - vocabulary: table rows Vp/N of the padded vocabulary for the lookup, the logits and the self-conditioning product
-  (`vocab.py`); the step's sampler works on the rank's slice of the logits (`sampler.VocabShard`, set as
-  `model.vocab_shard`): the logits are never gathered in a step (`model.logits(hidden)` without `local` still
+  (`vocab.py`); the step's sampler works on the rank's slice of the logits (`sampler.VocabShard`, held by the
+  sharded lm_head, `VocabParallelHead.shard`; the model reads it as `model.vocab_shard`): the logits are never gathered in a step (`model.logits(hidden)` without `local` still
   gathers, for tests and callers that want [.., V]).
 - replicated, unchanged: norms, router, self-conditioning MLP, vision tower.
 So every rank's residual stream is the full [B, T, D] and bitwise the same on every rank.
@@ -178,7 +178,7 @@ def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dis
     """The lookup, the logits and the self-conditioning product over the rank's rows of the padded vocabulary
     (`vocab.py`), as `shard`'s changes: `embed_tokens` becomes a `VocabParallelEmbedding` (its `weight` the local
     rows), `lm_head` a `VocabParallelHead` (over the same rows when tied, over the lm_head's rows otherwise: the
-    untied one, or `quant.quantize`'s quantized copy) and `sc_embedding` a `VocabParallelProduct` (the input
+    untied one, or `quant.quantize`'s quantized copy; holding the rank's `VocabShard`) and `sc_embedding` a `VocabParallelProduct` (the input
     embeddings, as transformers' self-conditioning; a quantized model's `sc_embedding` sliced to the rank's
     columns)."""
     V = model.config.vocab_size
@@ -191,6 +191,5 @@ def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dis
     product = None if sc is None else local_rows(sc.weight, rank, world, source, "sc_embedding.weight", dim=1)
     shard = VocabShard(group=group, rank=rank, world_size=world, start=start, per=per, vocab_size=V,
                        quant=model.checkpoint.quant_scheme)
-    return [(model, "embed_tokens", embed), (model, "lm_head", VocabParallelHead(head, V, group)),
-            (model, "sc_embedding", VocabParallelProduct(weight, start, V, group, projection=product)),
-            (model, "vocab_shard", shard)]
+    return [(model, "embed_tokens", embed), (model, "lm_head", VocabParallelHead(head, V, group, shard)),
+            (model, "sc_embedding", VocabParallelProduct(weight, start, V, group, projection=product))]

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quantized import is_quantized, narrow_tensor
+from .sampler import VocabShard
 from .source import ModelWeights
 
 
@@ -69,13 +70,17 @@ class VocabParallelHead(nn.Module):
     """forward(hidden [..., D]) -> logits [..., V] in the weight's dtype (the model casts and soft-caps them): this
     rank's [..., V/N] slice `hidden @ weight.T`, gathered over the ranks (an all-reduce of the placed slices), the
     padding columns cut. `weight`
-    [ceil(V/N), D]: this rank's rows of the tied table (shared with the embedding) or of the untied lm_head."""
+    [ceil(V/N), D]: this rank's rows of the tied table (shared with the embedding) or of the untied lm_head.
+    `shard`: the rank's slice of the vocabulary these rows are (`sampler.VocabShard`: what the step's sampler works
+    on), held here, by the product it shards; the model reads it as `DiffusionGemma.vocab_shard`."""
 
-    def __init__(self, weight: nn.Parameter | torch.Tensor, vocab_size: int, group: dist.ProcessGroup):
+    def __init__(self, weight: nn.Parameter | torch.Tensor, vocab_size: int, group: dist.ProcessGroup,
+                 shard: "VocabShard"):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.vocab_size = vocab_size
         self.group = group
+        self.shard = shard
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
