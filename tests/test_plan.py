@@ -213,11 +213,16 @@ def test_commit_fusion_equals_commit_then_denoise_eagerly(tiny_dir, attention, w
 
 @pytest.mark.slow
 def test_commit_fusion_equals_commit_then_denoise_compiled(tiny_dir):
+    """The fused forward compiled over a commit + denoise plan built outside the graph (its per-row tensors graph
+    inputs, as `PlanBuffers` gives a step: Inductor's CPU flex template refuses mask tensors computed in the graph)."""
     model = dg.load(tiny_dir)
     cache, ids, canvas, n_new = _commit_setup(model, seed=4)
     expected = _unfused(model, cache, ids, canvas, n_new, "loop")
+    C = canvas.shape[1]
     with torch.no_grad():
-        step = torch.compile(lambda: commit_denoise_block(model, ids, canvas, cache, n_new, moe_impl="gathered"),
+        plan = build_plan(model, cache, 2 * C, mode=every_row(cache, COMMIT_DENOISE), n_new=n_new, canvas=C)
+        both = torch.cat([ids, canvas], dim=1)
+        step = torch.compile(lambda: model.logits(model.forward_plan(both, cache, plan, moe_impl="gathered")[:, C:]),
                              fullgraph=True, dynamic=False)
         logits = step()
     _check_fused(logits, cache, *expected)
