@@ -248,3 +248,25 @@ def test_live_off_when_stdout_is_not_a_terminal(tmp_path):
     assert live.stdout == plain.stdout and plain.stdout.strip()
     assert b"--live draws only on a terminal" in live.stderr
     assert b"--live" not in plain.stderr
+
+
+def test_live_view_styles_accepted_and_renoised_positions(demo):
+    """`--live`'s view (on a terminal): committed text, then each canvas position in its style, then the status line;
+    transient (nothing left once it closes)."""
+    import io
+
+    from dgemma_compile.live import ACCEPTED, RENOISED, LiveView
+
+    model, tok = demo
+    frame = CanvasFrame(block=1, step=3, tokens=[5, 14, 6, 14], accepted=[True, False, True, True], mean_entropy=0.25)
+    out = io.StringIO()
+    view = LiveView(tok, max_steps=16, file=out)
+    view.commit("1 0 9 ")
+    text = view.render(frame)
+    assert text.plain == "1 0 9 " + "".join(frame.pieces(tok)) + \
+        "\nblock 1 · step 3/16 · accepted 3/4 · mean entropy 0.250 nats"
+    styles = [str(s.style) for s in text.spans]
+    assert styles[:4] == [ACCEPTED, RENOISED, ACCEPTED, ACCEPTED]
+    with view:
+        view.frame(0, frame)
+    assert view.frames == 1
