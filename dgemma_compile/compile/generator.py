@@ -251,16 +251,16 @@ class CompiledGenerator:
                  observer: Observer | None = None, images: Sequence | None = None,
                  constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None,
                  on_frame: FrameCallback | Sequence[FrameCallback | None] | None = None) -> GenerationOutput:
-        """Same contract as `dgemma_compile.generate(model, ...)` (`on_frame` included: the driver reads a live canvas
-        frame after each denoise step of the requests that asked, in one read per iteration, and no read for the
-        others; `on_frame(i, frame)` runs before the `on_block` of the block that step ended; `images` included: a request's image prefix is
+        """Same contract as `dgemma_compile.generate(model, ...)` (`images` included: a request's image prefix is
         encoded by `images.prefill_images` into its row when it is admitted, eagerly and outside the compiled step,
         which then prefills the rest of the prompt as any prompt's, so the step's graphs are those of text-only
         requests: no recompile when a request with images follows one without; `constraint` and `tokenizer` too: a
         grammar is data in the bucket's buffers, never a recompile); requests progress independently here, so `on_block`
         and `stop` are called once per block index and iteration for the requests whose block ended in it (the
         others' entries empty; `stop`'s verdict applies to those requests only). `observer` also receives per-unit
-        timings.
+        timings. `on_frame` too: the driver reads the live canvas frames of the requests that asked in one read per
+        iteration and nothing for the others; `on_frame(i, frame)` runs before the `on_block` of the block that step
+        ended.
 
         Raises:
             ConfigError: as the eager generator; `max_seq_len` when a request needs more committed slots than
