@@ -4,7 +4,8 @@ events, the server's `stream_options.include_canvas_frames` and `dgemma generate
 - Each framed request gets one frame per denoise step of each block (steps 1..n), the last one holding the canvas
   its block committed; with a hot schedule the accepted positions grow over a block's steps.
 - Frames never change tokens: a framed request's tokens equal its unframed run's (same seed), on the eager oracle
-  and on the driver (the compiled generator's eager step), and a batch mate without frames gets no frame.
+  and on the driver (the compiled generator's eager step; slow tier: its compiled step, whose frames are the
+  oracle's), and a batch mate without frames gets no frame.
 - The server: without the option a stream is byte for byte the stream recorded before frames existed
   (tests/fixtures/frames/*.sse, recorded on main at a2f4c90 by the same bodies, `id` and `created` normalised); with
   it, `canvas_frame` chunks come before each block's own chunk and the text is unchanged; without `stream` the
@@ -101,6 +102,28 @@ def test_driver_frames_equal_the_oracles(demo):
     assert [(f.block, f.step, f.tokens, f.accepted) for f in frames[0]] == \
         [(f.block, f.step, f.tokens, f.accepted) for f in oracle[0]]
     assert [f.mean_entropy for f in frames[0]] == pytest.approx([f.mean_entropy for f in oracle[0]], abs=1e-4)
+
+
+@pytest.mark.slow  # compiles the demo's step (the session's `demo_gen`, shared with other slow tests)
+def test_compiled_frames_equal_the_oracles(demo, demo_gen):
+    """The compiled step writes the frames the eager oracle reads (tokens and accepted positions exactly, entropy to
+    float tolerance), and a framed request's tokens are its unframed run's."""
+    model, tok = demo
+    cfg = _hot(model)
+    prompts = [_ids(tok, model, REV), _ids(tok, model, SORT)]
+    frames: dict[int, list[CanvasFrame]] = {}
+    out = demo_gen.generate(prompts, cfg, seed=[3, 4], on_frame=_collect(frames))
+    plain = demo_gen.generate(prompts, cfg, seed=[3, 4])
+    assert out.sequences == plain.sequences
+    for r in range(2):
+        _check_frames(frames[r], out, r, model.config.canvas_length)
+        oracle: dict[int, list[CanvasFrame]] = {}
+        ref = dg.generate(model, prompts[r:r + 1], cfg, seed=3 + r, on_frame=_collect(oracle), max_seq_len=SLOTS,
+                          moe_impl=demo_gen.moe_impl)
+        assert ref.sequences[0] == out.sequences[r]
+        assert [(f.block, f.step, f.tokens, f.accepted) for f in frames[r]] == \
+            [(f.block, f.step, f.tokens, f.accepted) for f in oracle[0]]
+        assert [f.mean_entropy for f in frames[r]] == pytest.approx([f.mean_entropy for f in oracle[0]], abs=1e-3)
 
 
 def test_on_frame_is_checked(demo):
