@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 
 from .config import ConfigError, GenerationConfig
+from .frames import frame_rows
 from .kv_cache import KVCache, PagedKVCache, paged_cache
 from .model import DiffusionGemma
 from .phases import FREE
@@ -303,6 +304,17 @@ class Bucket:
             return []
         idx = torch.tensor(rows, device=self.state.argmax.device)
         return self.state.argmax[idx].tolist()
+
+    def read_frames(self, rows: list[int]) -> list[tuple[list[int], list[bool], float]]:
+        """Per row of `rows` (each stepped in the latest step): (its argmax canvas, C ids; which positions the step
+        accepted, C bools; the step's mean entropy) -- `steps.DenoiseState.accepted` / `entropy`, what a live canvas
+        frame shows (`frames.py`); one host read for all of them (float64: token ids are exact)."""
+        if not rows:
+            return []
+        st = self.state
+        idx = torch.tensor(rows, device=st.argmax.device)
+        both = torch.cat([st.argmax[idx].double(), st.accepted[idx].double(), st.entropy[idx].double()[:, None]], 1)
+        return frame_rows(both.tolist(), st.argmax.shape[1])
 
     def read_logprobs(self, rows: list[int], k: int) -> list[list[tuple[float, list[tuple[int, float]]]]]:
         """Per row of `rows` (their block finished in the latest step): per canvas position, (log p of its argmax

@@ -16,6 +16,7 @@ traces eager FlexAttention makes on first use of each shape are done before the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -81,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op CPU threads (default: OMP_NUM_THREADS if set, else dgemma_compile.threads."
                         "recommended_threads: 1 for small models, else the CPUs free now)")
+    g.add_argument("--live", action="store_true",
+                   help="redraw the block in flight at every denoise step (accepted and renoised positions, the step "
+                        "count, the mean entropy), then print the text as usual; only when stdout is a terminal")
     c = g.add_mutually_exclusive_group()  # constrained output (docs/constrained.md); one kind per invocation
     c.add_argument("--regex", default=None, metavar="R", help="the text must fully match the regex R")
     c.add_argument("--choice", action="append", default=None, metavar="S",
@@ -461,6 +465,8 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
         raise ConfigError("batch_size: --batch-size applies to --prompts-file only")
     if args.image and args.prompts_file is not None:
         raise ConfigError("image: --image applies to one prompt, not to --prompts-file")
+    if args.live and args.prompts_file is not None:
+        raise ConfigError("live: --live draws one prompt's canvas, not --prompts-file's")
     if args.max_soft_tokens is not None and not args.image:
         raise ConfigError("max_soft_tokens: --max-soft-tokens applies to --image only")
     if args.batch_size is not None and args.batch_size < 1:
@@ -589,17 +595,26 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     run, costs = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
 
     first_block: list[float] = []
+    view = _live_view(args, tokenizer, config)
 
     def on_block(_: int, new_tokens: list[list[int]]) -> None:
         if not first_block:
             first_block.append(time.perf_counter())
-        sys.stdout.write(matcher.push(new_tokens[0]))
+        text = matcher.push(new_tokens[0])
+        if view is not None:  # shown in the live view; the whole text is printed when it closes
+            view.commit(text)
+            return
+        sys.stdout.write(text)
         sys.stdout.flush()
 
     start = time.perf_counter()
-    out = run([ids], config, seed=args.seed, on_block=on_block, stop=lambda *_: [0] if matcher.stopped else [],
-              constraint=args.constraint, tokenizer=tokenizer, **({"images": images} if images else {}))
+    with view if view is not None else contextlib.nullcontext():
+        out = run([ids], config, seed=args.seed, on_block=on_block, stop=lambda *_: [0] if matcher.stopped else [],
+                  constraint=args.constraint, tokenizer=tokenizer, **({"images": images} if images else {}),
+                  **({"on_frame": view.frame} if view is not None else {}))
     elapsed = time.perf_counter() - start
+    if view is not None:
+        sys.stdout.write(view.committed)
     sys.stdout.write(matcher.finish() + "\n")
     sys.stdout.flush()  # the answer before the stats line
     st = out.stats[0]
@@ -610,6 +625,20 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
           f"moe={out.moe_impl} commit={'fused' if out.fuse_commit else 'separate'} quant={args.quant or 'none'}",
           file=sys.stderr)
     return 0
+
+
+def _live_view(args: argparse.Namespace, tokenizer, config):
+    """--live's `live.LiveView` when stdout is a terminal; else None (with a note on stderr when --live was given:
+    the text is printed as without it, and no frame is read)."""
+    if not args.live:
+        return None
+    if not sys.stdout.isatty():
+        print("dgemma: --live draws only on a terminal; stdout is not one, so the text is printed as usual",
+              file=sys.stderr, flush=True)
+        return None
+    from .live import LiveView
+
+    return LiveView(tokenizer, config.max_denoising_steps)
 
 
 def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: list[PromptLine]) -> int:

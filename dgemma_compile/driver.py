@@ -6,7 +6,9 @@ the lowest free row; each iteration runs the smallest batch size that holds ever
 preferring sizes whose step is ready: `Bucket.warm`), refreshing the plan first when the host changed a row or the
 size changed; the device owns every transition of a row and reports what each row did (`rows.Report`), which the
 host reads once per iteration (`BucketView.report`) and then, only for the rows whose block finished, their argmax
-canvases (`Bucket.read_blocks`). Nothing on the host replays a device transition.
+canvases (`Bucket.read_blocks`), and only for the rows that stepped and whose request asked for live canvas frames
+(`RowRequest.frames`), their frames (`Bucket.read_frames`: one read for all of them; `frames.py`). Nothing on the
+host replays a device transition.
 
 Users: `CompiledGenerator.generate` (queue every request of the call, step until idle: `compile/generator.py`) and
 `runtime/engine.py`'s `Engine` (a thread, a queue, KV pages and events around it). The eager reference generator
@@ -22,13 +24,14 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .bucket import Bucket
 from .config import GenerationConfig
 from .constraint import RowGrammar
 from .finish import finalize
+from .frames import CanvasFrame
 from .images import ImagePrompt, prefill_images
 from .rows import RowReport
 
@@ -38,7 +41,9 @@ log = logging.getLogger("dgemma_compile")
 class RowRequest(Protocol):
     """What the driver reads and writes of a request in a row (the engine's `Request`, the generator's `_Call`
     entries): its prompt ids, resolved config and seed, images (`images.prepare`) and grammar (`constraint.py`), and
-    the output it accumulates (`sequence`, its `generate.RequestStats`)."""
+    the output it accumulates (`sequence`, its `generate.RequestStats`); `frames`: it asked for a live canvas frame
+    after each of its denoise steps (`frames.py`; a request without costs nothing more; an object without
+    the attribute: False)."""
 
     prompt: list[int]
     config: GenerationConfig
@@ -47,6 +52,7 @@ class RowRequest(Protocol):
     grammar: RowGrammar | None
     sequence: list[int]
     stats: object
+    frames: bool
 
 
 @dataclass
@@ -62,8 +68,9 @@ class Finished:
 @dataclass
 class Iteration:
     """One step of the driver: the batch size it ran, the busy rows and what each did (`rows.RowReport`), the rows
-    whose block finished (canvases read), and the host's seconds in the plan refresh (None: none) and the report
-    read."""
+    whose block finished (canvases read), the frames of the rows that stepped and asked for them (row -> its
+    `frames.CanvasFrame`; empty when none asked), and the host's seconds in the plan refresh (None: none), the report
+    read and the frames read (0.0: none read)."""
 
     size: int
     busy: list[int]
@@ -71,6 +78,8 @@ class Iteration:
     finished: list[Finished]
     refresh_s: float | None
     read_s: float
+    frames: dict[int, CanvasFrame] = field(default_factory=dict)
+    frames_s: float = 0.0
 
 
 class Driver:
@@ -165,7 +174,16 @@ class Driver:
         reports = {b: report[b] for b in busy}
         ended = [b for b in busy if reports[b].event]
         finished = [Finished(b, reports[b], argmax) for b, argmax in zip(ended, bk.read_blocks(ended))]
-        return Iteration(size=size, busy=busy, reports=reports, finished=finished, refresh_s=refresh_s, read_s=read_s)
+        framed = [b for b in busy if reports[b].stepped and getattr(self.rows[b], "frames", False)]
+        frames, frames_s = {}, 0.0
+        if framed:  # only rows that asked: a request without frames adds no read
+            t0 = time.perf_counter()
+            for b, (tokens, accepted, entropy) in zip(framed, bk.read_frames(framed)):
+                frames[b] = CanvasFrame(block=reports[b].block, step=reports[b].steps, tokens=tokens,
+                                        accepted=accepted, mean_entropy=entropy)
+            frames_s = time.perf_counter() - t0
+        return Iteration(size=size, busy=busy, reports=reports, finished=finished, refresh_s=refresh_s, read_s=read_s,
+                         frames=frames, frames_s=frames_s)
 
     def finalize(self, f: Finished) -> tuple[list[int], bool]:
         """The one finalize of a finished block (`finish.finalize`: eos, the exact budget; a constrained request's

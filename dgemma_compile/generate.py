@@ -30,6 +30,7 @@ from .ops.moe import resolve_moe_impl
 from .sampler import SCHEME, step_scheme
 from .constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
 from .finish import finalize
+from .frames import CanvasFrame, FrameCallback, frame_callbacks, frame_rows
 from .plan import PlanBuffers
 from . import rng
 from .steps import DenoiseState, StepInputs, denoise_step, encode_chunk
@@ -206,7 +207,8 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
              observer: Observer | None = None, moe_impl: str = "auto",
              max_seq_len: int = DEFAULT_MAX_SEQ_LEN, fuse_commit: bool = False,
              images: Sequence[Sequence["Image"] | None] | None = None,
-             constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None) -> GenerationOutput:
+             constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None,
+             on_frame: FrameCallback | Sequence[FrameCallback | None] | None = None) -> GenerationOutput:
     """Generate continuations of `prompts` (lists of token ids) by block diffusion, eagerly.
 
     Args:
@@ -236,16 +238,21 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
             schema when it ends with "eos", and a valid prefix of one when it ends with "length" (the budget ran out
             first). Unconstrained requests get exactly the tokens they get without (docs/constrained.md).
         tokenizer: the checkpoint's tokenizer (`dg.load_tokenizer`); required with a constraint.
+        on_frame: live canvas frames (`frames.py`): one `frames.FrameCallback` for every request, or one (or None)
+            per request; `on_frame(i, frame)` after each denoise step request i took (its block's argmax canvas,
+            accepted positions, mean entropy), before the `on_block` of the block that step ended. One host read
+            per step for the requests that asked; frames never change tokens.
     Returns:
         `GenerationOutput` with sequences and per-request statistics.
     Raises:
         ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context);
             `max_seq_len` not a positive integer or smaller than the committed slots a request needs; `fuse_commit`
             not a bool; images that do not fit their prompts (`images.prepare`); a constraint without a tokenizer,
-            with `ignore_eos`, or malformed (`constraint.Constraint`).
+            with `ignore_eos`, or malformed (`constraint.Constraint`); `on_frame` not callables.
         constraint.ConstraintError: a constraint the grammar library cannot compile.
     """
     cfgs, prompts, seeds, needed = plan_requests(model, prompts, config, seed)
+    frames = frame_callbacks(on_frame, len(prompts))
     grammars = row_grammars(model, resolve_constraints(constraint, len(prompts)), cfgs, tokenizer)
     check_slots(max(needed, constrained_slots(prompts, cfgs, grammars)), max_seq_len, "max_seq_len")
     items = prepare_images(model, prompts, images)
@@ -256,7 +263,7 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
     runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl, fuse_commit)
     out = run_block_diffusion(model, runner, prompts, cfgs, on_block=on_block, stop=stop,
                               timer=SpanTimer(model.device, observer), images=items, moe_impl=impl,
-                              grammars=grammars)
+                              grammars=grammars, on_frame=frames)
     out.moe_impl, out.fuse_commit = impl, fuse_commit
     return out
 
@@ -265,8 +272,8 @@ def run_block_diffusion(model: DiffusionGemma, runner: "EagerSteps", prompts: li
                         cfgs: list[GenerationConfig], *, on_block: BlockCallback | None = None,
                         stop: StopHook | None = None, timer: SpanTimer | None = None,
                         stop_check: StopCheck | None = None, images: "list[ImagePrompt | None] | None" = None,
-                        moe_impl: str | None = None, grammars: Sequence[RowGrammar | None] | None = None
-                        ) -> GenerationOutput:
+                        moe_impl: str | None = None, grammars: Sequence[RowGrammar | None] | None = None,
+                        on_frame: "Sequence[FrameCallback | None] | None" = None) -> GenerationOutput:
     """The block loop over validated inputs (`plan_requests`), driving `runner` (the reference steps, built for these
     requests and seeds): prefill in fixed chunks (a prompt with `images` (`images.prepare`): its image prefix first,
     `images.prefill_images` into the runner's cache with `moe_impl`, then the rest in chunks); per block: start canvases, denoise steps until every row finished
@@ -275,7 +282,9 @@ def run_block_diffusion(model: DiffusionGemma, runner: "EagerSteps", prompts: li
     per step, when `stop_check` says (default: "sync", every step); everything else stays on the device.
     `grammars`: per request its `constraint.RowGrammar` (fresh) or None: a constrained request's blocks keep and
     commit the prefix its grammar accepts (`finish.finalize_constrained`), its next block's first position masked
-    with the grammar's next-token bitmask; it may take up to max_new_tokens blocks."""
+    with the grammar's next-token bitmask; it may take up to max_new_tokens blocks. `on_frame`: per request its
+    `frames.FrameCallback` or None: after each step, one host read of the asking rows' frames (`EagerSteps.frames`),
+    each passed on where the row stepped."""
     dev, C = model.device, model.config.canvas_length
     R = len(prompts)
     timer = timer or SpanTimer(dev, None)
@@ -301,13 +310,19 @@ def run_block_diffusion(model: DiffusionGemma, runner: "EagerSteps", prompts: li
         if g is not None:
             runner.inputs.constrain(r, g.bitmask().to(dev))
 
+    framed = [r for r, cb in enumerate(on_frame or []) if cb is not None]
     done = torch.zeros(R, dtype=torch.bool, device=dev)
     for block in range(num_blocks):
         runner.begin_block(block, done)
         stop_check.begin_block()
+        seen = [0] * R  # steps of this block each framed row had taken at its latest frame
         for _ in range(max_steps):
             with timer.span(STEP):
                 finished = runner.step()
+            for r, (steps, frame) in zip(framed, runner.frames(framed, block)):
+                if steps > seen[r]:  # the row stepped (a finished row is frozen: no step, no frame)
+                    seen[r] = steps
+                    on_frame[r](r, frame)
             if stop_check.done(finished.all()):
                 break
         argmax, block_steps = runner.result()
@@ -422,6 +437,18 @@ class EagerSteps:
                      moe_impl=self.moe_impl, commit=self.commit_pending)
         self.commit_pending = False
         return self.state.finished[:self.R]
+
+    def frames(self, rows: list[int], block: int) -> list[tuple[int, CanvasFrame]]:
+        """Per row of `rows`: (its steps of block `block` so far, its live canvas frame after the latest step); one
+        host read for all of them (float64: token ids are exact)."""
+        if not rows:
+            return []
+        st, C = self.state, self.state.canvas.shape[1]
+        idx = torch.tensor(rows, device=st.argmax.device)
+        values = torch.cat([st.argmax[idx].double(), st.accepted[idx].double(), st.entropy[idx].double()[:, None],
+                            st.steps[idx].double()[:, None]], 1).tolist()
+        return [(int(v[-1]), CanvasFrame(block, int(v[-1]), tokens, accepted, entropy))
+                for v, (tokens, accepted, entropy) in zip(values, frame_rows([v[:-1] for v in values], C))]
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's argmax canvas int64 [R, C] (what gets committed) and decoder passes int64 [R]."""

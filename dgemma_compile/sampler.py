@@ -157,7 +157,10 @@ class StepUpdate(NamedTuple):
     """What one denoise step computes from the decoder's logits (see `denoise_update`).
 
     canvas, argmax: int64 [B, C]; history: int64 [P, B, C]; finished: bool [B]; sc_probs: float32 [B, C, V], the next
-    step's self-conditioning input: softmax((logits - max) / T) (one-hot for greedy rows).
+    step's self-conditioning input: softmax((logits - max) / T) (one-hot for greedy rows); accepted: bool [B, C], the
+    positions the entropy bound accepted (the others renoised; a frozen row's are meaningless); entropy: float32
+    [B, C], the entropy of each position's scaled distribution (0 for greedy rows). The last two are what a live
+    canvas frame shows (`frames.py`); nothing else reads them.
     """
 
     canvas: torch.Tensor
@@ -165,6 +168,8 @@ class StepUpdate(NamedTuple):
     history: torch.Tensor
     finished: torch.Tensor
     sc_probs: torch.Tensor
+    accepted: torch.Tensor
+    entropy: torch.Tensor
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -283,4 +288,5 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
         finished = finished | (stable & confident)
         if history.shape[0]:
             history = torch.cat([history[1:], argmax[None]], dim=0)
-    return StepUpdate(canvas=canvas, argmax=argmax, history=history, finished=finished, sc_probs=sc_probs)
+    return StepUpdate(canvas=canvas, argmax=argmax, history=history, finished=finished, sc_probs=sc_probs,
+                      accepted=accepted, entropy=ent)

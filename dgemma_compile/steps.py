@@ -62,6 +62,10 @@ class DenoiseState:
     latest step of each row (`logprobs`), K = the bucket's `max_logprobs` (0: none; None: no logprobs at all, the
     buffers [B, 0] and [B, 0, 0], and the step computes none); what a block's argmax canvas was taken from when its
     block finished in that step.
+    accepted: bool [B, C] and entropy: float32 [B]: the positions the latest step of each row accepted (the others
+    renoised) and the mean entropy of its scaled distribution (`sampler.StepUpdate`), written by every step for every
+    row (meaningful for the rows that stepped); read by the host only for rows that asked for live canvas frames
+    (`frames.py`, `driver.Driver.step`).
     """
 
     canvas: torch.Tensor
@@ -74,6 +78,8 @@ class DenoiseState:
     logprob: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    accepted: torch.Tensor
+    entropy: torch.Tensor
 
     @classmethod
     def allocate(cls, model: DiffusionGemma, rows: int, stability: int,
@@ -88,7 +94,9 @@ class DenoiseState:
                    logprob=torch.zeros(rows, C if max_logprobs is not None else 0, dtype=torch.float32, device=dev),
                    top_ids=torch.zeros(rows, C if max_logprobs is not None else 0, max_logprobs or 0, **long),
                    top_logprobs=torch.zeros(rows, C if max_logprobs is not None else 0, max_logprobs or 0,
-                                            dtype=torch.float32, device=dev))
+                                            dtype=torch.float32, device=dev),
+                   accepted=torch.zeros(rows, C, dtype=torch.bool, device=dev),
+                   entropy=torch.zeros(rows, dtype=torch.float32, device=dev))
 
     def view(self, rows: int) -> "DenoiseState":
         """The first `rows` rows (views of these buffers)."""
@@ -239,6 +247,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     state.finished.copy_(new.finished | (state.steps >= inputs.budget))
     state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs, local=True))
     state.has_sc.fill_(True)
+    _keep_frame(state, new)
     _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
 
 
@@ -351,6 +360,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
     state.steps.copy_(torch.where(begin, 0, steps))
     state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs, local=True))
+    _keep_frame(state, new)
     _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
     state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
     inputs.block.copy_(block)
@@ -364,6 +374,14 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     rows.phase.copy_(phase)
     state.finished.copy_(phase != DENOISE)
     refresh_plan(rows, state, plan)
+
+
+def _keep_frame(state: DenoiseState, new) -> None:
+    """The step's acceptance mask and mean entropy into the state (every row; the host reads a row's only when its
+    request asked for live canvas frames: `frames.py`). Values of the step already computed: no token depends on
+    them."""
+    state.accepted.copy_(new.accepted)
+    state.entropy.copy_(new.entropy.mean(dim=-1))
 
 
 def _keep_logprobs(state: DenoiseState, logits_BCV: torch.Tensor, argmax_BC: torch.Tensor, vocab_shard=None) -> None:

@@ -28,7 +28,11 @@ with the phase transitions decided on the device. An iteration:
    flight, the request gets its current argmax canvas as a `BlockEvent` with `draft=True` (cut at eos and at its
    token budget, text cut before a stop string; a constrained request's cut to the prefix its grammar accepts;
    nothing committed). The rows asking for one this iteration are read
-   together: one more host read of [rows, C] ids, only in iterations where some row asks.
+   together: one more host read of [rows, C] ids, only in iterations where some row asks;
+5. live canvas frames (opt-in per request, `Request.frames`): after each denoise step of the request, a
+   `BlockEvent` with `frame` (`frames.CanvasFrame`: the block's argmax canvas, which positions the step accepted,
+   its mean entropy), before the event of the block that step ended. The driver reads the frames of the asking
+   rows in one read per iteration (`driver.Driver.step`); a request without frames costs nothing more.
 
 Numerics: the step is per-row deterministic within a bucket (batch-invariant rows, the CPU default), so each
 request's tokens equal its solo `gen.generate` run whatever its batch mates, phases, row and batch size.
@@ -70,6 +74,7 @@ from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.bucket import Bucket
 from dgemma_compile.constraint import Constraint, RowGrammar, row_grammars
 from dgemma_compile.driver import Driver, Finished
+from dgemma_compile.frames import CanvasFrame
 from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
 from dgemma_compile.images import ImagePrompt
 from dgemma_compile.images import prepare as prepare_images
@@ -104,6 +109,9 @@ class BlockEvent:
     `step` denoise steps of block `block` (provisional, replaced by the block's own event); never a finish."""
     block: int = 0
     step: int = 0
+    frame: CanvasFrame | None = None
+    """A live canvas frame (`Request.frames`): the block in flight after a denoise step (`frames.CanvasFrame`),
+    `text` its canvas's text (special tokens skipped); never a finish, nothing committed."""
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     """With `Request.logprobs` = k: per token of `tokens`, (its log-probability, the k most likely (id, log p)) in the
     denoise step whose argmax canvas was committed (`steps.logprobs`: temperature 1); None otherwise."""
@@ -129,6 +137,8 @@ class Request:
     matcher: StopStrings | None = None
     slots: int = 0  # committed slots it can need (`generate.plan_requests`)
     draft_every: int = 0
+    frames: bool = False
+    """A live canvas frame event after each of its denoise steps (`BlockEvent.frame`)."""
     logprobs: int | None = None
     """k >= 0: each block event carries the log-probabilities of its tokens and the k most likely alternatives
     (`BlockEvent.logprobs`; k at most the bucket's `max_logprobs`); None: none."""
@@ -606,6 +616,11 @@ class Engine:
                     self.memory.encoded(b, rep.prefilled)
             if rep.committed:  # its next block began
                 self._committed(b, rep.block)
+        for b, frame in it.frames.items():  # before the event of a block that this step ended
+            req = self.driver.rows[b]
+            text = frame.text(self.tokenizer) if self.tokenizer is not None else ""
+            self._emit(req, BlockEvent(req, frame.tokens, text, None, len(req.sequence), block=frame.block,
+                                       step=frame.step, frame=frame))
         asking = [f.row for f in it.finished if self.driver.rows[f.row].logprobs is not None]
         lps = dict(zip(asking, self.bucket.read_logprobs(asking, max(self.driver.rows[b].logprobs for b in asking))
                        if asking else []))

@@ -110,7 +110,10 @@ def _media(paths: dict, metrics: bool) -> None:
     for path in STREAMED:
         paths[path]["post"]["responses"]["200"]["content"]["text/event-stream"] = {  # each event
             "schema": {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
-                       "description": "stream: true: SSE events `data: <chunk JSON>`, then `data: [DONE]`"}}
+                       "description": "stream: true: SSE events `data: <chunk JSON>`, then `data: [DONE]`; with "
+                                      "stream_options.include_canvas_frames, chunks whose choice carries "
+                                      "`canvas_frame` {block, step, text, tokens, accepted, mean_entropy} (empty "
+                                      "regular text) before each block's own"}}
 
 
 def _auth(schema: dict) -> None:

@@ -57,16 +57,17 @@ class RequestSpec:
     logprobs: int | None
     images: ImagePrompt | None
     constraint: Constraint | None
+    frames: bool = False
 
     @classmethod
     def of(cls, r: Request) -> "RequestSpec":
         return cls(r.id, list(r.prompt), r.config, r.seed, tuple(r.stops), r.draft_every, r.logprobs, r.images,
-                   r.constraint)
+                   r.constraint, r.frames)
 
     def request(self) -> Request:
         return Request(prompt=list(self.prompt), config=self.config, seed=self.seed, stops=self.stops,
                        id=self.id, draft_every=self.draft_every, logprobs=self.logprobs, images=self.images,
-                       constraint=self.constraint)
+                       constraint=self.constraint, frames=self.frames)
 
 
 @dataclass

@@ -25,8 +25,9 @@ within float32 (`temperature`, `entropy_bound`), integers within int64 / the tab
 `max_denoising_steps`, `draft_every` < 2**31), so admitting a queued request cannot fail on its values.
 
 Extensions (body fields, e.g. the `openai` client's `extra_body`): `max_denoising_steps` (denoise steps per block
-at most), `entropy_bound` (the acceptance rule's bound) and `draft_every` (k >= 1, streaming only: a draft event
-every k denoise steps of each block; see `server.py`).
+at most), `entropy_bound` (the acceptance rule's bound), `draft_every` (k >= 1, streaming only: a draft event
+every k denoise steps of each block; see `server.py`) and `stream_options.include_canvas_frames` (streaming only: a
+live canvas frame after every denoise step; see `server.py`).
 """
 
 from __future__ import annotations
@@ -101,11 +102,16 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 class StreamOptions(BaseModel):
     """`include_usage`: a last chunk with the request's usage (and `choices: []`); `continuous_usage_stats` (vLLM):
-    `usage` (so far) in every chunk."""
+    `usage` (so far) in every chunk; `include_canvas_frames` (this server's extension): a `canvas_frame` chunk after
+    each denoise step of a block in flight (`server.py`)."""
 
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_canvas_frames: StrictBool = Field(
+        default=False, description="extension: a chunk per denoise step carrying `canvas_frame` {block, step, text, "
+                                   "tokens, accepted, mean_entropy}, the block in flight's argmax canvas, before the "
+                                   "block's own chunk")
 
 
 class _Common(BaseModel):
@@ -155,6 +161,8 @@ class _Common(BaseModel):
     def _stream_only(self):
         if self.draft_every is not None and not self.stream:
             raise ValueError("draft_every: draft events are streamed; needs stream=true")
+        if self.stream_options is not None and self.stream_options.include_canvas_frames and not self.stream:
+            raise ValueError("stream_options.include_canvas_frames: canvas frames are streamed; needs stream=true")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream=true")
         return self

@@ -61,6 +61,14 @@ gets a chunk whose regular text is empty (`text` "" / `delta.content` "", so cli
 text) and whose choice carries `"draft": {"text": ..., "block": b, "step": s}`: the block's current argmax canvas
 as text (cut at eos, at the token budget and before a stop string), provisional, replaced by the block's own event.
 
+Live canvas frames (the extension `stream_options.include_canvas_frames: true`, streaming only, else a 400 naming
+the field; opt-in per request, since each costs the request's bucket a host read every denoise step): after every
+denoise step of a block in flight, each choice gets a chunk whose regular text is empty (as a draft's) and whose
+choice carries `"canvas_frame": {"block", "step", "text", "tokens", "accepted", "mean_entropy"}`: the block's argmax
+canvas after that step (C token ids and their text, special tokens skipped; not cut), which positions the step
+accepted (the others were renoised) and the step's mean entropy in nats (`frames.CanvasFrame`); the frames of a
+block come before its own chunk. A request without the option gets exactly the stream it got before.
+
 Errors are OpenAI-shaped (`protocol.APIError`; FastAPI's and Starlette's own 404 / 405 too, and with `api_key` a
 401 from `auth.APIKeyAuth`; types are strict, as OpenAI's; docs/serving.md "One error shape"): malformed JSON (also NaN / Infinity and nesting deeper than
 `limits.MAX_DEPTH`), unknown or unsupported fields, bad values, prompts beyond the context, parsing + tokenization
@@ -296,6 +304,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
                                  on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
+                                 frames=req.stream_options is not None and req.stream_options.include_canvas_frames,
                                  images=images, constraint=constraint, compiled=compiled)
                    for p in prompts for i in range(req.n)]
         try:
@@ -365,7 +374,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             while any(r is None for r in reasons):
                 e = await events.get()
                 i = index[id(e.request)]
-                if e.draft:
+                if e.draft or e.frame is not None:
                     continue
                 texts[i] += e.text
                 if answers[i] is not None:
@@ -588,6 +597,19 @@ def _draft_chunk(e: BlockEvent, i: int, rid: str, now: int, model_name: str, cha
     return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": [choice]}
 
 
+def _frame_chunk(e: BlockEvent, i: int, rid: str, now: int, model_name: str, chat: bool) -> dict:
+    """The SSE chunk of one live canvas frame (see the module docstring): a draft's shape, `canvas_frame` instead."""
+    f = e.frame
+    frame = {"block": f.block, "step": f.step, "text": e.text, "tokens": f.tokens, "accepted": f.accepted,
+             "mean_entropy": f.mean_entropy}
+    if chat:
+        choice = {"index": i, "delta": {"content": ""}, "logprobs": None, "finish_reason": None,
+                  "canvas_frame": frame}
+        return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name, "choices": [choice]}
+    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": None, "canvas_frame": frame}
+    return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": [choice]}
+
+
 def _cancel_unfinished(engine: Engine, choices: list[EngineRequest], reasons: list) -> None:
     for c, r in zip(choices, reasons):
         if r is None:
@@ -642,6 +664,9 @@ async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, eve
                 continue
             if e.draft:
                 yield {"data": json.dumps(_draft_chunk(e, i, rid, now, model_name, chat))}
+                continue
+            if e.frame is not None:
+                yield {"data": json.dumps(_frame_chunk(e, i, rid, now, model_name, chat))}
                 continue
             finish = P.FINISH_REASONS.get(e.finish_reason, e.finish_reason) if e.finish_reason else None
             tokens[i] = _completion_tokens(e)

@@ -34,6 +34,7 @@ from ..constraint import Constraint, RowGrammar, resolve_constraints, row_gramma
 from ..driver import Driver, Finished
 from ..generate import (BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, constrained_slots,
                         plan_requests)
+from ..frames import FrameCallback, frame_callbacks
 from ..images import ImagePrompt
 from ..images import prepare as prepare_images
 from ..model import DiffusionGemma
@@ -248,8 +249,8 @@ class CompiledGenerator:
                  config: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
                  seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
                  observer: Observer | None = None, images: Sequence | None = None,
-                 constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None
-                 ) -> GenerationOutput:
+                 constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None,
+                 on_frame: FrameCallback | Sequence[FrameCallback | None] | None = None) -> GenerationOutput:
         """Same contract as `dgemma_compile.generate(model, ...)` (`images` included: a request's image prefix is
         encoded by `images.prefill_images` into its row when it is admitted, eagerly and outside the compiled step,
         which then prefills the rest of the prompt as any prompt's, so the step's graphs are those of text-only
@@ -257,7 +258,9 @@ class CompiledGenerator:
         grammar is data in the bucket's buffers, never a recompile); requests progress independently here, so `on_block`
         and `stop` are called once per block index and iteration for the requests whose block ended in it (the
         others' entries empty; `stop`'s verdict applies to those requests only). `observer` also receives per-unit
-        timings.
+        timings. `on_frame` too: the driver reads the live canvas frames of the requests that asked in one read per
+        iteration and nothing for the others; `on_frame(i, frame)` runs before the `on_block` of the block that step
+        ended.
 
         Raises:
             ConfigError: as the eager generator; `max_seq_len` when a request needs more committed slots than
@@ -267,6 +270,7 @@ class CompiledGenerator:
         """
         self.fingerprint.check(self.model)
         cfgs, prompts, seeds, needed = plan_requests(self.model, prompts, config, seed)
+        frames = frame_callbacks(on_frame, len(prompts))
         grammars = row_grammars(self.model, resolve_constraints(constraint, len(prompts)), cfgs, tokenizer)
         check_slots(max(needed, constrained_slots(prompts, cfgs, grammars)), self.options.max_seq_len,
                     "CompileOptions.max_seq_len")
@@ -279,7 +283,7 @@ class CompiledGenerator:
         for view in bucket.views():
             view.unit.check_owners()
         return _Call(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer),
-                     grammars, items).run(on_block, stop)
+                     grammars, items, frames).run(on_block, stop)
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> float:
@@ -320,6 +324,11 @@ class _Request:
     grammar: RowGrammar | None
     sequence: list[int]
     stats: RequestStats
+    on_frame: FrameCallback | None = None
+
+    @property
+    def frames(self) -> bool:
+        return self.on_frame is not None
 
 
 class _Call:
@@ -328,15 +337,16 @@ class _Call:
 
     def __init__(self, gen: CompiledGenerator, bucket: Bucket, prompts: list[list[int]],
                  cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer, grammars: list,
-                 images: "list[ImagePrompt | None] | None" = None):
+                 images: "list[ImagePrompt | None] | None" = None,
+                 frames: "list[FrameCallback | None] | None" = None):
         self.gen, self.timer = gen, timer
         R = len(prompts)
         self.out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
                                     fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl,
                                     scheme=step_scheme(gen.model))
-        images = images or [None] * R
+        images, frames = images or [None] * R, frames or [None] * R
         self.queue = deque(_Request(r, prompts[r], cfgs[r], seeds[r], images[r], grammars[r], self.out.sequences[r],
-                                    self.out.stats[r]) for r in range(R))
+                                    self.out.stats[r], frames[r]) for r in range(R))
         self.R = R
         self.driver = Driver(bucket, span=self._span)
 
@@ -370,6 +380,9 @@ class _Call:
                     out.forwards_per_block.append(0)
                     out.wasted_forwards.append(0)  # never a frozen-only forward: a finished block leaves at once
                 out.forwards_per_block[blk] += 1
+            for b, frame in it.frames.items():  # before the on_block of a block this step ended
+                req = driver.rows[b]
+                req.on_frame(req.index, frame)
             self._finalize(it.finished, on_block, stop)
         return out
 
