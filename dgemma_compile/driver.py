@@ -42,8 +42,7 @@ class RowRequest(Protocol):
     """What the driver reads and writes of a request in a row (the engine's `Request`, the generator's `_Call`
     entries): its prompt ids, resolved config and seed, images (`images.prepare`) and grammar (`constraint.py`), and
     the output it accumulates (`sequence`, its `generate.RequestStats`); `frames`: it asked for a live canvas frame
-    after each of its denoise steps (`frames.py`; a request without costs nothing more; an object without
-    the attribute: False)."""
+    after each of its denoise steps (`frames.py`; a request without costs nothing more)."""
 
     prompt: list[int]
     config: GenerationConfig
@@ -174,7 +173,7 @@ class Driver:
         reports = {b: report[b] for b in busy}
         ended = [b for b in busy if reports[b].event]
         finished = [Finished(b, reports[b], argmax) for b, argmax in zip(ended, bk.read_blocks(ended))]
-        framed = [b for b in busy if reports[b].stepped and getattr(self.rows[b], "frames", False)]
+        framed = [b for b in busy if reports[b].stepped and self.rows[b].frames]
         frames, frames_s = {}, 0.0
         if framed:  # only rows that asked: a request without frames adds no read
             t0 = time.perf_counter()
