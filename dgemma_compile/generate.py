@@ -148,7 +148,7 @@ def resolve_configs(model: DiffusionGemma, config: GenerationConfig | Sequence[G
     Raises:
         ConfigError: a list of the wrong length, or requests that differ in a `STRUCTURAL` field.
     """
-    default = getattr(model, "generation_config", None) or GenerationConfig()
+    default = model.generation_config
     if config is None or isinstance(config, GenerationConfig):
         return [(config or default).resolved(model.config)] * n
     cfgs = [(c or default).resolved(model.config) for c in config]
