@@ -371,7 +371,7 @@ def markdown(results: Sequence[Result], sc: dict[str, float], *, command: str, n
                                          d["steps_per_block"] or "-", "yes" if r.frontier else ""]) + " |")
     lines += ["", "tok/fwd: generated non-pad tokens (eos included) / decoder passes, summed over the prompts "
               "(`RequestStats.tokens_per_forward`); the AR baseline generates one token per forward by construction "
-              "(bench/ar.py, compiled, greedy, same prompts and token budget)."]
+              "(bench/ar.py run eagerly: `ARBaseline(compiled=False)`, greedy, the same prompts, token budget and eos)."]
     return "\n".join(lines) + "\n"
 
 
