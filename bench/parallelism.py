@@ -1,6 +1,6 @@
 """Accuracy under parallelism: tokens per forward against exact match on the demo's held-out prompts.
 
-Usage: ``python -m bench.parallelism [--n 100] [--offset 0] [--points default|smoke] [--no-ar] [--out DIR] [--no-write]``
+Usage: ``python -m bench.parallelism [--n 200] [--offset 0] [--points default|smoke] [--no-ar] [--out DIR] [--no-write]``
 
 Sweeps the generation knobs that trade denoise steps for quality -- `GenerationConfig.entropy_bound` (how much
 entropy a step may accept), `confidence_threshold` (the mean entropy under which a block may stop),
@@ -205,10 +205,12 @@ def _score(point: Point, tokenizer, examples, sequences, tokens: int, forwards: 
                   prefix_match=100 * prefix / max(n, 1))
 
 
-def run_point(model, tokenizer, examples, point: Point, prompts: list[list[int]]) -> Result:
-    """One diffusion point: `dg.generate` (eager) over every prompt at once, seed 0 for each."""
+def run_point(model, tokenizer, examples, point: Point, prompts: list[list[int]], max_seq_len: int) -> Result:
+    """One diffusion point: `dg.generate` (eager) over every prompt at once, seed 0 for each, a KV cache of
+    `max_seq_len` slots per row (attention reads every slot: the held-out prompts need about 80, the library's
+    default of 1024 would make a step several times slower for the same tokens up to float reduction order)."""
     start = time.perf_counter()
-    out = dg.generate(model, prompts, point.config, seed=0)
+    out = dg.generate(model, prompts, point.config, seed=0, max_seq_len=max_seq_len)
     seconds = time.perf_counter() - start
     return _score(point, tokenizer, examples, out.sequences, sum(s.num_tokens for s in out.stats),
                   sum(s.decoder_passes for s in out.stats), sum(s.blocks for s in out.stats), seconds)
@@ -232,7 +234,7 @@ def run_ar(model, tokenizer, examples, prompts: list[list[int]], max_new_tokens:
 
 
 def sweep(points: Sequence[Point], *, n: int, offset: int = 0, ar: bool = True, model_dir: Path = DEMO_MODEL,
-          log=print) -> list[Result]:
+          max_seq_len: int = 128, log=print) -> list[Result]:
     """Run every point (and the AR baseline) on held-out prompts [offset, offset + n); marks the frontier."""
     model = dg.load(str(model_dir))
     tokenizer = dg.load_tokenizer(str(model_dir))
@@ -240,7 +242,7 @@ def sweep(points: Sequence[Point], *, n: int, offset: int = 0, ar: bool = True, 
     prompts = [tokenizer(p)["input_ids"] for _, p, _ in examples]
     results = []
     for i, point in enumerate(points):
-        r = run_point(model, tokenizer, examples, point, prompts)
+        r = run_point(model, tokenizer, examples, point, prompts, max_seq_len)
         log(f"[{i + 1}/{len(points)}] {point.label}: exact {r.exact_match:.1f}% tpf {r.tokens_per_forward:.2f} "
             f"({r.seconds:.1f}s)")
         results.append(r)
@@ -248,7 +250,7 @@ def sweep(points: Sequence[Point], *, n: int, offset: int = 0, ar: bool = True, 
         results[i].frontier = True
     if ar:
         budget = points[0].config.max_new_tokens
-        r = run_ar(model, tokenizer, examples, prompts, budget, max_seq_len=max(map(len, prompts)) + budget + 64)
+        r = run_ar(model, tokenizer, examples, prompts, budget, max_seq_len=max_seq_len)
         log(f"[AR] exact {r.exact_match:.1f}% tpf {r.tokens_per_forward:.2f} ({r.seconds:.1f}s, compile included)")
         results.append(r)
     return results
@@ -311,14 +313,15 @@ def write_plot(results: Sequence[Result], path: Path, title: str) -> Path | None
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     markers = {"entropy_bound": "o", "confidence_threshold": "s", "max_denoising_steps": "^",
                "stability_threshold": "v", "joint": "D"}
-    for fam, m in markers.items():
+    for k, (fam, m) in enumerate(markers.items()):  # hollow, shrinking: points that coincide stay visible
         pts = [r for r in results if r.point.family == fam]
         if pts:
-            ax.scatter([r.tokens_per_forward for r in pts], [r.exact_match for r in pts], marker=m, s=28,
-                       alpha=0.75, label=fam)
+            ax.scatter([r.tokens_per_forward for r in pts], [r.exact_match for r in pts], marker=m, s=150 - 25 * k,
+                       facecolors="none", edgecolors=f"C{k}", linewidths=1.2, label=f"{fam} ({len(pts)})")
     front = sorted((r for r in results if r.frontier), key=lambda r: r.tokens_per_forward)
-    ax.plot([r.tokens_per_forward for r in front], [r.exact_match for r in front], "k-", lw=1, alpha=0.6,
-            label="frontier (AUP curve)")
+    ax.plot([r.tokens_per_forward for r in front], [r.exact_match for r in front], "k-", lw=1, alpha=0.6)
+    ax.scatter([r.tokens_per_forward for r in front], [r.exact_match for r in front], marker="o", s=12, c="k",
+               label="Pareto frontier (the AUP curve)")
     for r in results:
         if r.point.family == "default":
             ax.scatter([r.tokens_per_forward], [r.exact_match], marker="*", s=260, c="gold", edgecolors="k",
@@ -332,7 +335,7 @@ def write_plot(results: Sequence[Result], path: Path, title: str) -> Path | None
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -340,11 +343,12 @@ def write_plot(results: Sequence[Result], path: Path, title: str) -> Path | None
 
 
 def markdown(results: Sequence[Result], sc: dict[str, float], *, command: str, n: int, offset: int, seconds: float,
-             plot: Path | None) -> str:
+             plot: Path | None, max_seq_len: int = 128) -> str:
     v = environment.versions()
     lines = [f"# Accuracy under parallelism: demo model, held-out prompts {offset}-{offset + n - 1} (CPU)", "",
              f"- command: `{command}`", f"- date: {environment.now()}; runtime {seconds:.0f} s (eager `dg.generate`, "
-             f"all prompts of a point in one batch, seed 0; torch threads {torch.get_num_threads()})",
+             f"all prompts of a point in one batch, seed 0, "
+             f"KV cache {max_seq_len} slots per row; torch threads {torch.get_num_threads()})",
              f"- versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
              f"dgemma_compile {v['dgemma_compile']}; device {environment.device_name('cpu')}",
              f"- load average {environment.load_average()}", "",
@@ -377,12 +381,14 @@ def markdown(results: Sequence[Result], sc: dict[str, float], *, command: str, n
 
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=100, help="held-out prompts (default 100)")
+    ap.add_argument("--n", type=int, default=200, help="held-out prompts (default 200)")
     ap.add_argument("--offset", type=int, default=0, help="first held-out prompt (0: the test set; 500: validation)")
     ap.add_argument("--points", choices=("default", "smoke"), default="default",
                     help="default: the full sweep (SWEEP + JOINT); smoke: the default and two more points")
     ap.add_argument("--no-ar", action="store_true", help="skip the AR baseline (it compiles two units: ~1 min)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-seq-len", type=int, default=128,
+                    help="KV cache slots per row (default 128: the held-out prompts and 32 new tokens fit)")
     ap.add_argument("--model-dir", type=Path, default=DEMO_MODEL)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--prefix", default="parallelism_")
@@ -393,7 +399,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     default = dg.load(str(args.model_dir)).generation_config
     pts = plan(default, *((SWEEP, JOINT) if args.points == "default" else (SMOKE, ())))
     start = time.perf_counter()
-    results = sweep(pts, n=args.n, offset=args.offset, ar=not args.no_ar, model_dir=args.model_dir)
+    results = sweep(pts, n=args.n, offset=args.offset, ar=not args.no_ar, model_dir=args.model_dir,
+                    max_seq_len=args.max_seq_len)
     seconds = time.perf_counter() - start
     sc = scores(results)
     print(f"AUP {sc['aup']:.2f}" + (f" (AR baseline {sc['aup_ar']:.2f})" if "aup_ar" in sc else ""))
@@ -407,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         command = "OMP_NUM_THREADS=1 python -m bench.parallelism " + " ".join(argv if argv is not None else sys.argv[1:])
         md = stem.with_suffix(".md")
         md.write_text(markdown(results, sc, command=command.strip(), n=args.n, offset=args.offset, seconds=seconds,
-                               plot=plot))
+                               plot=plot, max_seq_len=args.max_seq_len))
         paths += [md] + ([plot] if plot else [])
         print("\n".join(str(p) for p in paths))
     return {"results": results, "scores": sc, "paths": paths, "seconds": seconds}
