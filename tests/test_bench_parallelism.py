@@ -50,7 +50,7 @@ def test_plan_starts_at_the_default_and_runs_each_config_once():
     for p in pts:
         if p.family in P.SWEEP:  # one knob moved, the others at the default
             assert [k for k in P.KNOBS if getattr(p.config, k) != getattr(default, k)] == [p.family]
-    assert [p.label for p in P.plan(default, P.SMOKE, ())] == ["default", "entropy_bound=4", "max_denoising_steps=2"]
+    assert [p.label for p in P.plan(default, P.SMOKE, ())] == ["default", "stability_threshold=0", "max_denoising_steps=2"]
 
 
 def _result(label, family, config, exact, tokens, forwards, blocks=4):
@@ -83,7 +83,7 @@ def test_outputs_from_synthetic_results(tmp_path):
 def test_a_tiny_sweep_writes_its_csv_markdown_and_plot(tmp_path):
     res = P.main(["--n", "4", "--points", "smoke", "--out", str(tmp_path), "--prefix", "t_"])
     rows = list(csv.DictReader(open(res["paths"][0])))
-    assert [r["family"] for r in rows] == ["default", "entropy_bound", "max_denoising_steps", "ar"]
+    assert [r["family"] for r in rows] == ["default", "stability_threshold", "max_denoising_steps", "ar"]
     assert all(r["prompts"] == "4" for r in rows) and rows[-1]["tokens_per_forward"] == "1.0000"
     assert 0 <= float(rows[0]["exact_match"]) <= 100 and float(rows[0]["tokens_per_forward"]) > 1
     assert res["paths"][1].read_text().startswith("# Accuracy under parallelism")
