@@ -1,6 +1,7 @@
 """Accuracy under parallelism: tokens per forward against exact match on the demo's held-out prompts.
 
-Usage: ``python -m bench.parallelism [--n 200] [--offset 0] [--points default|smoke] [--no-ar] [--out DIR] [--no-write]``
+Usage: ``python -m bench.parallelism [--n 200] [--offset 0] [--points default|smoke] [--no-ar] [--out DIR]
+[--no-write]``
 
 Sweeps the generation knobs that trade denoise steps for quality -- `GenerationConfig.entropy_bound` (how much
 entropy a step may accept), `confidence_threshold` (the mean entropy under which a block may stop),
@@ -29,7 +30,6 @@ import argparse
 import csv
 import dataclasses
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -43,7 +43,6 @@ from dgemma_compile.demo import tasks as T
 
 from . import environment
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 KNOBS = ("entropy_bound", "confidence_threshold", "max_denoising_steps", "stability_threshold", "stop_early")
 
@@ -56,7 +55,7 @@ SWEEP: dict[str, tuple] = {
 }
 #: Joint points: several knobs pushed together, stricter and looser than the default (one knob alone saturates
 #: where another binds: a block needs stability_threshold + 1 steps before it may stop), and the fixed-steps run
-#: (`stop_early=False`, vLLM's default: every block takes max_denoising_steps), the low end of the curve.
+#: (`stop_early=False`, the vLLM-style run: every block takes max_denoising_steps), the low end of the curve.
 JOINT: tuple[dict, ...] = (
     dict(entropy_bound=0.05, confidence_threshold=0.001, stability_threshold=3),
     dict(entropy_bound=0.1, confidence_threshold=0.003, stability_threshold=2),
@@ -139,7 +138,7 @@ def aup(points: Iterable[tuple[float, float]], *, alpha: float = 3.0, y_max: flo
     def weighted(y: float) -> float:
         return y * min(math.exp(-alpha * (1 - y / top)), 1.0)
 
-    (r1, y1), total = pts[0], pts[0][0] * pts[0][1]
+    total = pts[0][0] * pts[0][1]
     for (r0, y0), (r, y) in zip(pts, pts[1:]):
         total += 0.5 * (r - r0) * (weighted(y) + weighted(y0))
     return total
@@ -377,7 +376,8 @@ def markdown(results: Sequence[Result], sc: dict[str, float], *, command: str, n
                                          d["steps_per_block"] or "-", "yes" if r.frontier else ""]) + " |")
     lines += ["", "tok/fwd: generated non-pad tokens (eos included) / decoder passes, summed over the prompts "
               "(`RequestStats.tokens_per_forward`); the AR baseline generates one token per forward by construction "
-              "(bench/ar.py run eagerly: `ARBaseline(compiled=False)`, greedy, the same prompts, token budget and eos)."]
+              "(bench/ar.py run eagerly: `ARBaseline(compiled=False)`, greedy, the same prompts, token budget and "
+              "eos)."]
     return "\n".join(lines) + "\n"
 
 
@@ -413,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         paths.append(write_csv(results, stem.with_suffix(".csv")))
         title = f"demo model, held-out {args.offset}-{args.offset + args.n - 1}: AUP {sc['aup']:.1f}"
         plot = write_plot(results, stem.with_suffix(".png"), title)
-        command = "OMP_NUM_THREADS=1 python -m bench.parallelism " + " ".join(argv if argv is not None else sys.argv[1:])
+        given = argv if argv is not None else sys.argv[1:]
+        command = "OMP_NUM_THREADS=1 python -m bench.parallelism " + " ".join(given)
         md = stem.with_suffix(".md")
         md.write_text(markdown(results, sc, command=command.strip(), n=args.n, offset=args.offset, seconds=seconds,
                                plot=plot, max_seq_len=args.max_seq_len))

@@ -50,7 +50,8 @@ def test_plan_starts_at_the_default_and_runs_each_config_once():
     for p in pts:
         if p.family in P.SWEEP:  # one knob moved, the others at the default
             assert [k for k in P.KNOBS if getattr(p.config, k) != getattr(default, k)] == [p.family]
-    assert [p.label for p in P.plan(default, P.SMOKE, ())] == ["default", "stability_threshold=0", "max_denoising_steps=2"]
+    smoke = P.plan(default, P.SMOKE, ())
+    assert [p.label for p in smoke] == ["default", "stability_threshold=0", "max_denoising_steps=2"]
 
 
 def _result(label, family, config, exact, tokens, forwards, blocks=4):
