@@ -29,7 +29,10 @@ from dgemma_compile.uniform import encode_block
 class ARBaseline:
     """Greedy AR generation with compiled prefill-chunk and one-token step units for batch `batch`."""
 
-    def __init__(self, model, batch: int, max_seq_len: int, options: CompileOptions | None = None):
+    def __init__(self, model, batch: int, max_seq_len: int, options: CompileOptions | None = None,
+                 compiled: bool = True):
+        """`compiled=False`: the same two functions run eagerly (no Inductor; e.g. for its accuracy alone,
+        bench/parallelism.py)."""
         self.model = model
         self.options = options or CompileOptions(batch_buckets=(batch,), max_seq_len=max_seq_len)
         dev = model.device
@@ -46,8 +49,11 @@ class ARBaseline:
         self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=model.dtype, num_experts=cfg.num_experts,
                                          top_k=cfg.top_k_experts, compiled=True, quant=model.expert_quant)
         owners = (model, self.cache, self)  # every tensor the units read (direct calls, as ours-compiled's units)
-        self.prefill_unit = self.units.unit("ar_prefill_chunk", self._prefill, owners)
-        self.step = self.units.unit("ar_step", self._step, owners)
+        if compiled:
+            self.prefill_unit = self.units.unit("ar_prefill_chunk", self._prefill, owners)
+            self.step = self.units.unit("ar_step", self._step, owners)
+        else:
+            self.prefill_unit, self.step = self._prefill, self._step
 
     @property
     def compile_seconds(self) -> float:

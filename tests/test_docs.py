@@ -44,7 +44,8 @@ EXCEPTIONS = [
     ("OMP_NUM_THREADS=1 python -m bench.mixed_step", "a long benchmark"),
     ("OMP_NUM_THREADS=1 python -m bench.serve", "a long benchmark that starts servers"),
     ("OMP_NUM_THREADS=1 python -m bench.images", "a benchmark with a compile (about 2 min on 2 cores)"),
-    ("OMP_NUM_THREADS=1 python -m bench.parallel", "a long benchmark (10 gloo ranks' runs, ~15 min on 2 cores)"),
+    ("OMP_NUM_THREADS=1 python -m bench.parallel ", "a long benchmark (10 gloo ranks' runs, ~15 min on 2 cores)"),
+    ("OMP_NUM_THREADS=1 python -m bench.parallelism --n 200", "a 3-minute sweep (its smoke run is checked)"),
 ]
 
 
