@@ -6,11 +6,15 @@ library's public `compile.UnitFactory` (a zero-argument function over static buf
 so no position recompiles; on CUDA a graph captured after two warm calls, a failed capture logged); the factory
 counts the compiles and their seconds.
 
-Two units over one static cache (`block_size` = canvas length):
-- `prefill`: `uniform.encode_block(model, ids [B, C], cache, n_new)`, then the greedy token at each row's last real prompt
-  position (`model.logits` + argmax); prompts longer than C run in C-token chunks.
-- `step`: `uniform.encode_block(model, tok [B, 1], cache, ones)` (a one-token causal pass reading S+1 slots; the larger
-  block_size only leaves unused block slots, it adds no reads), `model.logits`, argmax into `tok`.
+Two units over one static cache (`block_size` = canvas length), each an encoder forward (`model.forward_plan`) over
+a plan held in buffers (`plan.PlanBuffers`, every row `ENCODER`: the per-row tensors its masks capture are graph
+inputs, which Inductor's CPU flex template needs), as our step's plan is:
+- `prefill`: the forward over ids [B, C] with n_new real tokens per row (its plan filled on the host before each
+  chunk), then the greedy token at each row's last real prompt position (`model.logits` + argmax); prompts longer
+  than C run in C-token chunks. It ends by filling the step's plan for the new lengths.
+- `step`: the forward over tok [B, 1] (a one-token causal pass reading S+1 slots; the larger block_size only leaves
+  unused block slots, it adds no reads), `model.logits`, argmax into `tok`; then it fills its own plan for the next
+  token, inside the unit (as `steps.mixed_step` refreshes its plan).
 The cache holds block_size = C rather than 1 so that the prompt is encoded in C-token compiled chunks like ours,
 instead of one forward per prompt token; decode forwards are unaffected.
 """
@@ -23,7 +27,8 @@ import torch
 
 from dgemma_compile.compile import CompileOptions, UnitFactory
 from dgemma_compile.ops.moe import resolve_moe_impl
-from dgemma_compile.uniform import encode_block
+from dgemma_compile.phases import ENCODER
+from dgemma_compile.plan import PlanBuffers, every_row
 
 
 class ARBaseline:
@@ -44,11 +49,17 @@ class ARBaseline:
         self.tok = torch.zeros(batch, 1, **long)
         self.ones = torch.ones(batch, **long)
         self.rows = torch.arange(batch, device=dev)
+        self.encoder = every_row(self.cache, ENCODER)
+        plans = dict(mixed=True, sparsity_in_place=compiled, dense_masks=not compiled)
+        self.prefill_plan = PlanBuffers(model, self.cache, C, **plans)
+        self.step_plan = PlanBuffers(model, self.cache, 1, **plans)
         self.units = UnitFactory(self.options, dev)
         cfg = model.config  # the experts as our compiled generator runs them
         self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=model.dtype, num_experts=cfg.num_experts,
                                          top_k=cfg.top_k_experts, compiled=True, quant=model.expert_quant)
-        owners = (model, self.cache, self)  # every tensor the units read (direct calls, as ours-compiled's units)
+        # every tensor the units read (direct calls, as ours-compiled's units)
+        owners = (model, self.cache, self, *(t for p in (self.prefill_plan, self.step_plan)
+                                            for t in (p.mode, p.n_new, p.self_conditioning, *p.tensors)))
         if compiled:
             self.prefill_unit = self.units.unit("ar_prefill_chunk", self._prefill, owners)
             self.step = self.units.unit("ar_step", self._step, owners)
@@ -65,15 +76,22 @@ class ARBaseline:
         """Inductor compiles of both units (two unless something recompiled)."""
         return sum(self.units.compiles.values())
 
+    def _forward(self, ids: torch.Tensor, plan: PlanBuffers) -> torch.Tensor:
+        # run uncompiled, attention reads the plan's dense masks (`PlanBuffers.eager_plan`), as an eager step does
+        fplan = plan.plan if torch.compiler.is_compiling() else plan.eager_plan()
+        return self.model.forward_plan(ids, self.cache, fplan, moe_impl=self.moe_impl)
+
     def _prefill(self) -> None:
-        hidden = encode_block(self.model, self.ids, self.cache, self.n_new, moe_impl=self.moe_impl)
+        hidden = self._forward(self.ids, self.prefill_plan)
         last = hidden[self.rows, (self.n_new - 1).clamp(min=0)]
         tok = self.model.logits(last).argmax(-1)
         self.tok.copy_(torch.where(self.n_new > 0, tok, self.tok[:, 0])[:, None])
+        self.step_plan.fill(self.encoder, self.ones)
 
     def _step(self) -> None:
-        hidden = encode_block(self.model, self.tok, self.cache, self.ones, moe_impl=self.moe_impl)
+        hidden = self._forward(self.tok, self.step_plan)
         self.tok.copy_(self.model.logits(hidden[:, -1]).argmax(-1)[:, None])
+        self.step_plan.fill(self.encoder, self.ones)
 
     def prefill(self, prompts: list[list[int]]) -> None:
         """Reset the cache and encode right-padded prompts chunk by chunk; leaves the first greedy token in `tok`."""
@@ -87,6 +105,7 @@ class ARBaseline:
                 if chunk:
                     self.ids[r, :len(chunk)] = torch.tensor(chunk, device=dev)
             self.n_new.copy_((lengths - start).clamp(0, C))
+            self.prefill_plan.fill(self.encoder, self.n_new)  # on the host: a chunk's plan, before its unit
             self.prefill_unit()
 
     @torch.no_grad()
