@@ -255,11 +255,26 @@ def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B
     return torch.where(keep_B1V | later_1C1, logits_BCV, MASKED_LOGIT)
 
 
+def pin(step: SampleStep, pinned_BC: torch.Tensor, ids_BC: torch.Tensor, first_id: int = 0) -> SampleStep:
+    """Pinned positions (`canvas.py`) hold their tokens: where `pinned_BC` (bool [B, C]), argmax and sample are
+    `ids_BC` (int64 [B, C]), entropy 0 (certain) and the self-conditioning input the one-hot of the token (sc_probs
+    float32 [B, C, V]; `first_id`: the vocabulary id of its first column, a tensor-parallel rank's slice). Elsewhere
+    every value is the input's bit for bit (`torch.where` picks it): a row without pins is unchanged."""
+    v_V = torch.arange(step.sc_probs.shape[-1], device=ids_BC.device) + first_id
+    pinned_BC1 = pinned_BC[..., None]
+    one_hot = (v_V == ids_BC[..., None]).to(step.sc_probs.dtype)
+    return SampleStep(argmax=torch.where(pinned_BC, ids_BC, step.argmax),
+                      sampled=torch.where(pinned_BC, ids_BC, step.sampled),
+                      entropy=torch.where(pinned_BC, 0.0, step.entropy),
+                      sc_probs=torch.where(pinned_BC1, one_hot, step.sc_probs))
+
+
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
                    finished_B: torch.Tensor, logits_BCV: torch.Tensor, temperature_B: torch.Tensor,
                    greedy_B: torch.Tensor, noise: StepNoise, *, entropy_bound_B: torch.Tensor,
                    confidence_B: torch.Tensor, stop_early: bool, allowed_BW: torch.Tensor | None = None,
-                   constrained_B: torch.Tensor | None = None, vocab_shard=None) -> StepUpdate:
+                   constrained_B: torch.Tensor | None = None, vocab_shard=None,
+                   pinned_BC: torch.Tensor | None = None, pin_ids_BC: torch.Tensor | None = None) -> StepUpdate:
     """Everything after the decoder in one denoise step, as a pure function of the current per-row state (canvas,
     argmax and history of the previous P argmax canvases, -1 before the first; finished rows) and per-row parameters
     (temperature float32 [B], greedy bool [B], entropy bound and confidence threshold float32 [B]). Rows already
@@ -272,16 +287,24 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
     [B, C, per] and its `sample_step` replaces `sample_step` (sc_probs the rank's slice too).
     Stopping (`StableAndConfidentStoppingCriteria`): argmax equal to each of the previous P argmax canvases (so never
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
+    Pinned positions (`pinned_BC` bool [B, C], their tokens `pin_ids_BC` int64 [B, C]; `canvas.py`): `pin`, always
+    accepted; a row whose every position is pinned finishes in this step. Rows without pins: unchanged bit for bit.
     """
     sample = sample_step if vocab_shard is None else vocab_shard.sample_step
-    argmax, sampled, ent, sc_probs = sample(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW,
-                                                 constrained_B)
+    step = sample(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW, constrained_B)
+    if pinned_BC is not None:
+        step = pin(step, pinned_BC, pin_ids_BC, 0 if vocab_shard is None else vocab_shard.start)
+    argmax, sampled, ent, sc_probs = step
     accepted = entropy_bound_accept(ent, entropy_bound_B[:, None])
+    if pinned_BC is not None:
+        accepted = accepted | pinned_BC
     canvas = torch.where(accepted, sampled, noise.renoise)
     frozen = finished_B[:, None]
     argmax = torch.where(frozen, argmax_BC, argmax)
     canvas = torch.where(frozen, canvas_BC, canvas)
     history, finished = history_PBC, finished_B
+    if pinned_BC is not None:  # a fully pinned block: nothing to denoise, it finishes in its first step
+        finished = finished | pinned_BC.all(dim=-1)
     if stop_early:
         stable = (history == argmax[None]).all(dim=-1).all(dim=0)
         confident = ent.mean(dim=-1) < confidence_B

@@ -74,6 +74,7 @@ from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.bucket import Bucket
 from dgemma_compile.constraint import Constraint, RowGrammar, row_grammars
 from dgemma_compile.driver import Driver, Finished
+from dgemma_compile.canvas import Canvas
 from dgemma_compile.frames import CanvasFrame
 from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
 from dgemma_compile.images import ImagePrompt
@@ -152,6 +153,9 @@ class Request:
     compiled: Any = None
     """The constraint's xgrammar `CompiledGrammar` made before `submit` (the server's grammar workers,
     `grammars.GrammarService`); None: `submit` compiles it in the calling thread."""
+    canvas: Canvas | None = None
+    """Its seeded or pinned canvas (`dgemma_compile.canvas`): each block's slice written into its row by the driver;
+    None: every position free."""
 
 
 @dataclass
