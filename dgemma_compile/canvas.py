@@ -7,7 +7,9 @@ renoised, their argmax the token, counted as accepted with entropy 0, their self
 the token, and the commit writes it (`sampler.pin`). A block whose every position is pinned finishes in its first step.
 Free positions denoise as without a canvas. A canvas longer than one block is split over consecutive blocks: the
 block that starts at output position p takes positions [p, p + C) (p = the tokens the request kept so far, so a
-constrained request's shorter commits shift it as they shift its text).
+constrained request's shorter commits shift it as they shift its text). With a constraint the grammar wins: a pinned
+token the grammar does not allow at a block's first position is left free there (`Canvas.block_slice`), and the
+grammar keeps only the valid prefix of each block, so a template the grammar contradicts is not followed there.
 
 The device holds the current block's slice per row (`steps.StepInputs.canvas_ids` / `seeded` / `pinned`, [B, C]),
 written by the host when the row is admitted and when its previous block is finalised (`block_slice`), as a grammar
@@ -41,10 +43,16 @@ class Canvas:
     ids: tuple[int | None, ...]
     pinned: bool = True
 
-    def block_slice(self, start: int, C: int) -> tuple[list[int], list[bool], list[bool]]:
-        """The block that starts at output position `start`: (token ids, seeded, pinned), C each (free: id 0)."""
-        part = list(self.ids[start:start + C]) + [None] * max(0, C - len(self.ids[start:start + C]))
-        part = part[:C]
+    def block_slice(self, start: int, C: int, allowed_W=None) -> tuple[list[int], list[bool], list[bool]]:
+        """The block that starts at output position `start`: (token ids, seeded, pinned), C each (free: id 0).
+
+        `allowed_W`: a constrained request's next-token bitmask (int32 [W], `constraint.RowGrammar.bitmask`): the
+        grammar wins, so a first position whose token it does not allow is left free (the grammar's mask picks it);
+        the text stays valid, and the canvas stays aligned to output positions."""
+        part = list(self.ids[start:start + C])
+        part += [None] * (C - len(part))
+        if allowed_W is not None and part[0] is not None and not (int(allowed_W[part[0] // 32]) >> (part[0] % 32)) & 1:
+            part[0] = None
         seeded = [t is not None for t in part]
         return [t if t is not None else 0 for t in part], seeded, [s and self.pinned for s in seeded]
 

@@ -132,7 +132,8 @@ class Driver:
             if request.grammar is not None:
                 bk.constrain(b, request.grammar.bitmask())
             if request.canvas is not None:
-                bk.pin(b, request.canvas.block_slice(len(request.sequence), bk.model.config.canvas_length))
+                bk.pin(b, request.canvas.block_slice(len(request.sequence), bk.model.config.canvas_length,
+                                                     request.grammar.bitmask() if request.grammar else None))
         except BaseException:
             bk.retire(b)  # FREE on the device too, whatever was written
             raise
@@ -202,5 +203,6 @@ class Driver:
             self.bucket.constrain(f.row, req.grammar.bitmask(), commit_len=len(keep))
             self._dirty = True  # the commit's length is in the plan
         if req.canvas is not None and not done:
-            self.bucket.pin(f.row, req.canvas.block_slice(len(req.sequence), self.bucket.model.config.canvas_length))
+            self.bucket.pin(f.row, req.canvas.block_slice(len(req.sequence), self.bucket.model.config.canvas_length,
+                                                          req.grammar.bitmask() if req.grammar else None))
         return keep, done

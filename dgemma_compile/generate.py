@@ -331,7 +331,8 @@ def run_block_diffusion(model: DiffusionGemma, runner: "EagerSteps", prompts: li
     for block in range(num_blocks):
         for r, cv in enumerate(canvases):
             if cv is not None and not bool(done[r]):
-                runner.inputs.pin(r, *cv.block_slice(len(sequences[r]), C))
+                g = grammars[r]
+                runner.inputs.pin(r, *cv.block_slice(len(sequences[r]), C, g.bitmask() if g is not None else None))
         runner.begin_block(block, done)
         stop_check.begin_block()
         seen = [0] * R  # steps of this block each framed row had taken at its latest frame
