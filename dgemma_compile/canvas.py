@@ -89,50 +89,50 @@ def parse_template(text: str, tokenizer) -> list[int | None]:
     return out
 
 
-def resolve_canvases(canvas, n: int, cfgs: Sequence[GenerationConfig], vocab_size: int, tokenizer=None, *,
-                     pinned: bool = True, name: str = "canvas") -> list[Canvas | None]:
+def resolve_canvases(canvas, n: int, cfgs: Sequence[GenerationConfig], vocab_size: int, tokenizer=None
+                     ) -> list[Canvas | None]:
     """One `Canvas` (or None) per request from `canvas`: None (no request has one), a text template (every request
-    gets it), or one entry per request, each None, a text template (`parse_template`, needs `tokenizer`), a sequence
-    of token ids and None (free), or a `Canvas`. `pinned`: whether seeded positions are held (a `Canvas` entry keeps
-    its own). Raises `ConfigError` naming `name` (the parameter): a list of the wrong length, an empty canvas or one
-    with no given position, ids outside the vocabulary or not integers, a canvas longer than the request's
-    max_new_tokens, a text canvas without a tokenizer, `pinned` not a bool."""
-    if not isinstance(pinned, bool):
-        raise ConfigError(f"pinned: must be a bool, got {pinned!r}")
+    gets it), or one entry per request, each None or what `canvas_of` takes. Raises `ConfigError` naming `canvas`
+    (a list of the wrong length) or `canvas[i]` (as `canvas_of`)."""
     if canvas is None:
         return [None] * n
     if isinstance(canvas, (str, Canvas)):
         canvas = [canvas] * n
     if not isinstance(canvas, (list, tuple)) or len(canvas) != n:
-        raise ConfigError(f"{name}: give a text template, or one canvas (or None) per prompt ({n}), got "
+        raise ConfigError(f"canvas: give a text template, or one canvas (or None) per prompt ({n}), got "
                           f"{canvas!r:.80}")
-    out: list[Canvas | None] = []
-    for i, (c, cfg) in enumerate(zip(canvas, cfgs)):
-        where = f"{name}[{i}]"
-        if c is None:
-            out.append(None)
-            continue
-        if isinstance(c, Canvas):
-            ids, pin = list(c.ids), c.pinned
-        elif isinstance(c, str):
-            if tokenizer is None:
-                raise ConfigError(f"tokenizer: {where} is text; a text canvas needs the checkpoint's tokenizer")
-            ids, pin = parse_template(c, tokenizer), pinned
-        elif isinstance(c, (list, tuple)):
-            ids, pin = list(c), pinned
-        else:
-            raise ConfigError(f"{where}: a canvas is text, a list of token ids and None, or a Canvas; got "
-                              f"{type(c).__name__}")
-        if not ids:
-            raise ConfigError(f"{where}: an empty canvas")
-        bad = [t for t in ids if t is not None and (not isinstance(t, int) or isinstance(t, bool)
-                                                    or not 0 <= t < vocab_size)]
-        if bad:
-            raise ConfigError(f"{where}: token ids must be integers in [0, {vocab_size}) or None (free), got {bad[0]!r}")
-        if all(t is None for t in ids):
-            raise ConfigError(f"{where}: no position is given (every position is free: leave the canvas out)")
-        if len(ids) > cfg.max_new_tokens:
-            raise ConfigError(f"{where}: {len(ids)} positions, more than max_new_tokens={cfg.max_new_tokens} (a "
-                              f"canvas covers the request's first output positions)")
-        out.append(Canvas(tuple(ids), pin))
-    return out
+    return [None if c is None else canvas_of(c, cfg, vocab_size, tokenizer, name=f"canvas[{i}]")
+            for i, (c, cfg) in enumerate(zip(canvas, cfgs))]
+
+
+def canvas_of(c, cfg: GenerationConfig, vocab_size: int, tokenizer=None, *, pinned: bool = True,
+              name: str = "canvas") -> Canvas:
+    """A request's `Canvas` from a text template (`parse_template`, needs `tokenizer`), a sequence of token ids and
+    None (free), or a `Canvas` (kept as it is); `pinned`: whether the seeded positions of the others are held.
+    Raises `ConfigError` naming `name`: an empty canvas or one with no given position, ids outside the vocabulary
+    or not integers, a canvas longer than `cfg.max_new_tokens`; naming `tokenizer`: text without one."""
+    if isinstance(c, Canvas):
+        ids, pin = list(c.ids), c.pinned
+    elif isinstance(c, str):
+        if tokenizer is None:
+            raise ConfigError(f"tokenizer: {name} is text; a text canvas needs the checkpoint's tokenizer")
+        ids, pin = parse_template(c, tokenizer), pinned
+    elif isinstance(c, (list, tuple)):
+        ids, pin = list(c), pinned
+    else:
+        raise ConfigError(f"{name}: a canvas is text, a list of token ids and None, or a Canvas; got "
+                          f"{type(c).__name__}")
+    if not isinstance(pin, bool):
+        raise ConfigError(f"{name}: pinned must be a bool, got {pin!r}")
+    if not ids:
+        raise ConfigError(f"{name}: an empty canvas")
+    bad = [t for t in ids if t is not None and (not isinstance(t, int) or isinstance(t, bool)
+                                                or not 0 <= t < vocab_size)]
+    if bad:
+        raise ConfigError(f"{name}: token ids must be integers in [0, {vocab_size}) or None (free), got {bad[0]!r}")
+    if all(t is None for t in ids):
+        raise ConfigError(f"{name}: no position is given (every position is free: leave the canvas out)")
+    if len(ids) > cfg.max_new_tokens:
+        raise ConfigError(f"{name}: {len(ids)} positions, more than max_new_tokens={cfg.max_new_tokens} (a canvas "
+                          f"covers the request's first output positions)")
+    return Canvas(tuple(ids), pin)

@@ -300,3 +300,14 @@ def test_cli_template():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0][1:4] == " 7 " or " 7 " in out.stdout, out.stdout
+
+
+def test_openapi_lists_the_canvas_fields(pin_server):
+    doc = httpx.get(pin_server.url + "/openapi.json", timeout=30).json()
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = doc["components"]["schemas"][name]["properties"]
+        canvas, pinned = props["diffusion_seed_canvas"], props["diffusion_pinned"]
+        kinds = [a.get("type") for a in canvas["anyOf"]]
+        assert kinds == ["string", "array", "null"] and "'_'" in canvas["description"]
+        assert canvas["anyOf"][1]["items"]["anyOf"] == [{"type": "integer"}, {"type": "null"}]
+        assert [a.get("type") for a in pinned["anyOf"]] == ["boolean", "null"]
