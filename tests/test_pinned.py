@@ -295,11 +295,16 @@ def test_server_canvas_400s_name_the_field(pin_server, extra, field):
 
 @pytest.mark.slow  # a subprocess
 def test_cli_template():
-    out = subprocess.run([sys.executable, "-m", "dgemma_compile.cli", "generate", "--eager", "--prompt", SORT,
-                          "--template", "_ 7 _", "--max-new-tokens", "16", "--seed", "1"],
-                         capture_output=True, text=True, timeout=300)
+    """`dgemma generate --template`: the pinned characters come back; a template longer than the budget exits 2
+    naming --template's parameter."""
+    cmd = [sys.executable, "-m", "dgemma_compile.cli", "generate", "--eager", "--seed", "1", SORT]
+    out = subprocess.run(cmd + ["--template", "_ 7 _", "--max-new-tokens", "16"], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[0][1:4] == " 7 " or " 7 " in out.stdout, out.stdout
+    assert out.stdout.splitlines()[0][1:4] == " 7 ", out.stdout
+    bad = subprocess.run(cmd + ["--template", "_ 7 _ 8 _", "--max-new-tokens", "4"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "template: 9 positions, more than max_new_tokens=4" in bad.stderr
 
 
 def test_openapi_lists_the_canvas_fields(pin_server):
