@@ -304,7 +304,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             return canvas_of(req.diffusion_seed_canvas, cfg, engine.model.config.vocab_size, tokenizer,
                              pinned=req.diffusion_pinned is not False, name="diffusion_seed_canvas")
         except ConfigError as e:
-            message = str(e)
+            message = str(e).replace("max_new_tokens=", "max_tokens=")
             if message.startswith("tokenizer:"):
                 message = "diffusion_seed_canvas: a text canvas needs the server's tokenizer; give token ids"
             raise P.APIError(400, message, param="diffusion_seed_canvas") from None
