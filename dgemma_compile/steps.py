@@ -37,7 +37,7 @@ from .model import DiffusionGemma
 from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
 from .plan import PlanBuffers
 from .rows import RowState
-from .sampler import StepNoise, denoise_update, temperature_table
+from .sampler import StepNoise, denoise_update, pin_self_conditioning, temperature_table
 from .uniform import commit_denoise_block, denoise_block, encode_block
 
 
@@ -268,7 +268,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     state.argmax.copy_(new.argmax)
     state.history.copy_(new.history)
     state.finished.copy_(new.finished | (state.steps >= inputs.budget))
-    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs, local=True))
+    state.sc_embeds.copy_(model.self_conditioning_embedding(_self_conditioning(model, new, inputs), local=True))
     state.has_sc.fill_(True)
     _keep_frame(state, new)
     _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
@@ -384,7 +384,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     state.argmax.copy_(torch.where(begin_BC, start, new.argmax))
     state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
     state.steps.copy_(torch.where(begin, 0, steps))
-    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs, local=True))
+    state.sc_embeds.copy_(model.self_conditioning_embedding(_self_conditioning(model, new, inputs), local=True))
     _keep_frame(state, new)
     _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
     state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
@@ -399,6 +399,14 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     rows.phase.copy_(phase)
     state.finished.copy_(phase != DENOISE)
     refresh_plan(rows, state, plan)
+
+
+def _self_conditioning(model: DiffusionGemma, new, inputs: StepInputs) -> torch.Tensor:
+    """The next step's self-conditioning probabilities (`sampler.StepUpdate.sc_probs`) in the embedding's dtype,
+    one-hot at pinned positions (`sampler.pin_self_conditioning`)."""
+    first = 0 if model.vocab_shard is None else model.vocab_shard.start
+    return pin_self_conditioning(new.sc_probs, inputs.pinned, inputs.canvas_ids, model.embed_tokens.weight.dtype,
+                                 first)
 
 
 def _keep_frame(state: DenoiseState, new) -> None:

@@ -26,7 +26,7 @@ import dgemma_compile as dg
 from dgemma_compile.canvas import BLANK, Canvas, parse_template
 from dgemma_compile.compile import CompileOptions, build
 from dgemma_compile.constraint import Constraint
-from dgemma_compile.sampler import SampleStep, pin
+from dgemma_compile.sampler import SampleStep, pin, pin_self_conditioning
 from dgemma_compile.text import encode_prompt
 
 SORT = "sort 5 3 9 1 2="
@@ -64,8 +64,13 @@ def test_pin_keeps_unpinned_values_bit_for_bit():
     for a, b in zip(out, step):
         assert torch.equal(a[free], b[free])
     assert torch.equal(out.argmax[pinned], ids[pinned]) and torch.equal(out.sampled[pinned], ids[pinned])
-    assert (out.entropy[pinned] == 0).all()
-    assert torch.equal(out.sc_probs[pinned], torch.nn.functional.one_hot(ids[pinned], V).float())
+    assert (out.entropy[pinned] == 0).all() and out.sc_probs is step.sc_probs
+    for dtype in (torch.float32, torch.bfloat16):
+        sc = pin_self_conditioning(step.sc_probs, pinned, ids, dtype)
+        assert sc.dtype == dtype and torch.equal(sc[free], step.sc_probs.to(dtype)[free])
+        assert torch.equal(sc[pinned], torch.nn.functional.one_hot(ids[pinned], V).to(dtype))
+    none = torch.zeros_like(pinned)
+    assert torch.equal(pin_self_conditioning(step.sc_probs, none, ids, torch.float32), step.sc_probs)
 
 
 def test_parse_template(demo):
