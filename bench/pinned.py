@@ -7,7 +7,8 @@ Prompts: the held-out test split [0, n) (`demo.tasks.make_split("heldout", n)`),
 the prompt gives (sort and rev: as many digits as the prompt lists, one space apart). Each runs twice through the
 eager reference generator (`dg.generate`, batches of `--batch` rows; a row's tokens never depend on its batch),
 checkpoint defaults with each temperature scale of `--temperatures` (`GenerationConfig.with_temperature`: 1 = the
-checkpoint's schedule; 3 = hot, where the demo errs and takes more steps), seed 0: unpinned, and with the separators pinned -- the template "_ _ _ _ _" for five digits
+checkpoint's schedule; 3 = hot, where the demo errs and takes more steps), seed 0: unpinned, and with the
+separators pinned -- the template "_ _ _ _ _" for five digits
 (`canvas.BLANK` free, the spaces held; the eos after the last digit is left free). Reported per task and condition:
 exact match (`tasks.check`), mean denoise steps per block, tokens per forward (generated non-pad tokens / decoder
 passes), and how many pinned answers differ from their unpinned one. The unpinned figures are the eval tool's for
@@ -69,7 +70,8 @@ def main(argv=None) -> int:
              f"load {environment.load_average()}. The held-out test split's sort and rev prompts among the first "
              f"{args.n}, eager reference generator, checkpoint defaults, seed 0; pinned: the template "
              f"`_ _ _ _ _` (one blank per digit, the spaces held).", "",
-             "| temperature x | task | prompts | exact (unpinned) | exact (pinned) | steps/block (unpinned) | steps/block (pinned) "
+             "| temperature x | task | prompts | exact (unpinned) | exact (pinned) | steps/block (unpinned) "
+             "| steps/block (pinned) "
              "| tokens/forward (unpinned) | tokens/forward (pinned) | answers changed |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     seconds = {}

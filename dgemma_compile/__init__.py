@@ -45,9 +45,9 @@ _SUBMODULE = {name: sub for sub, names in _SOURCES.items() for name in names}
 """Public name -> the submodule (of this package) it is imported from on first use."""
 
 __all__ = [
-    "CacheFullError", "Canvas", "CheckpointError", "CompileOptions", "CompiledGenerator", "ConfigError", "DiffusionGemma",
-    "GenerationConfig", "GenerationOutput", "KVCache", "ModelConfig", "Observer", "QuantReport", "RequestStats", "build",
-    "denoise", "encode", "generate", "load", "load_tokenizer", "quantize",
+    "CacheFullError", "Canvas", "CheckpointError", "CompileOptions", "CompiledGenerator", "ConfigError",
+    "DiffusionGemma", "GenerationConfig", "GenerationOutput", "KVCache", "ModelConfig", "Observer", "QuantReport",
+    "RequestStats", "build", "denoise", "encode", "generate", "load", "load_tokenizer", "quantize",
 ]
 
 

@@ -215,6 +215,8 @@ def test_engine_pinned_request(demo):
     ref = dg.generate(model, prompts[:1], cfg, seed=3, canvas=[cv], max_seq_len=SLOTS, moe_impl="dense")
     assert req.sequence == ref.sequences[0]
     _check_pins(req.sequence, cv)
+    with pytest.raises(dg.ConfigError, match=r"canvas: token ids must be integers in \[0, 27\)"):
+        engine.submit(Request(prompt=prompts[0], config=cfg, seed=3, canvas=Canvas((None, 27))))
 
 
 # ----- constrained outputs -------------------------------------------------------------------------------------------
