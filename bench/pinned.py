@@ -11,8 +11,7 @@ checkpoint's schedule; 3 = hot, where the demo errs and takes more steps), seed 
 separators pinned -- the template "_ _ _ _ _" for five digits
 (`canvas.BLANK` free, the spaces held; the eos after the last digit is left free). Reported per task and condition:
 exact match (`tasks.check`), mean denoise steps per block, tokens per forward (generated non-pad tokens / decoder
-passes), and how many pinned answers differ from their unpinned one. The unpinned figures are the eval tool's for
-these prompts (tools/eval_demo_model.py, `--generator dgemma-eager`).
+passes), and how many pinned answers differ from their unpinned one.
 
 Writes bench/results/pinned_cpu_<date>.md and prints it.
 """
