@@ -45,6 +45,7 @@ EXCEPTIONS = [
     ("OMP_NUM_THREADS=1 python -m bench.serve", "a long benchmark that starts servers"),
     ("OMP_NUM_THREADS=1 python -m bench.images", "a benchmark with a compile (about 2 min on 2 cores)"),
     ("OMP_NUM_THREADS=1 python -m bench.parallel", "a long benchmark (10 gloo ranks' runs, ~15 min on 2 cores)"),
+    ("OMP_NUM_THREADS=1 python -m bench.pinned", "a benchmark (2,000 eager generations, ~2 min on 2 cores)"),
 ]
 
 
