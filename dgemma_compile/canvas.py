@@ -4,8 +4,9 @@ A request may give the canvases of its blocks: per output position a token id (s
 positions start the block with their token instead of the request's random start token (`rng.start_canvas`); pinned
 ones (every seeded position of a pinned canvas, the default) also hold it through every denoise step: never
 renoised, their argmax the token, counted as accepted with entropy 0, their self-conditioning input the one-hot of
-the token, and the commit writes it (`sampler.pin`). A block whose every position is pinned finishes in its first step.
-Free positions denoise as without a canvas. A canvas longer than one block is split over consecutive blocks: the
+the token, and the commit writes it (`sampler.pin`, `sampler.pin_self_conditioning`). A block whose every position
+is pinned finishes in its first step. Free positions denoise as without a canvas, and the end rule is unchanged: an
+eos the model writes at a free position before the canvas ends ends the request there (`ignore_eos` runs on). A canvas longer than one block is split over consecutive blocks: the
 block that starts at output position p takes positions [p, p + C) (p = the tokens the request kept so far, so a
 constrained request's shorter commits shift it as they shift its text). With a constraint the grammar wins: a pinned
 token the grammar does not allow at a block's first position is left free there (`Canvas.block_slice`), and the
@@ -55,10 +56,6 @@ class Canvas:
             part[0] = None
         seeded = [t is not None for t in part]
         return [t if t is not None else 0 for t in part], seeded, [s and self.pinned for s in seeded]
-
-    def covers(self, start: int) -> bool:
-        """Whether the block starting at output position `start` has a seeded position (else nothing to write)."""
-        return any(t is not None for t in self.ids[start:])
 
 
 def parse_template(text: str, tokenizer) -> list[int | None]:
