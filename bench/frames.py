@@ -46,7 +46,7 @@ class _Req:
 
     def __init__(self, prompt, config, frames: bool):
         self.prompt, self.config, self.seed, self.images, self.grammar = prompt, config, 0, None, None
-        self.sequence, self.stats, self.frames = [], RequestStats(), frames
+        self.sequence, self.stats, self.frames, self.canvas = [], RequestStats(), frames, None
 
 
 def run_once(driver: Driver, prompt, cfg, frames: bool) -> tuple[list[int], list[float], list[float], list[float]]:

@@ -18,6 +18,7 @@ import types
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .canvas import Canvas
     from .compile import CompiledGenerator, CompileOptions, build
     from .config import ConfigError, GenerationConfig, ModelConfig
     from .generate import GenerationOutput, RequestStats, generate
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from .uniform import denoise, encode
 
 _SOURCES = {
+    "canvas": ("Canvas",),
     "compile": ("CompiledGenerator", "CompileOptions", "build"),
     "config": ("ConfigError", "GenerationConfig", "ModelConfig"),
     "generate": ("GenerationOutput", "RequestStats", "generate"),
@@ -43,9 +45,9 @@ _SUBMODULE = {name: sub for sub, names in _SOURCES.items() for name in names}
 """Public name -> the submodule (of this package) it is imported from on first use."""
 
 __all__ = [
-    "CacheFullError", "CheckpointError", "CompileOptions", "CompiledGenerator", "ConfigError", "DiffusionGemma",
-    "GenerationConfig", "GenerationOutput", "KVCache", "ModelConfig", "Observer", "QuantReport", "RequestStats", "build",
-    "denoise", "encode", "generate", "load", "load_tokenizer", "quantize",
+    "CacheFullError", "Canvas", "CheckpointError", "CompileOptions", "CompiledGenerator", "ConfigError",
+    "DiffusionGemma", "GenerationConfig", "GenerationOutput", "KVCache", "ModelConfig", "Observer", "QuantReport",
+    "RequestStats", "build", "denoise", "encode", "generate", "load", "load_tokenizer", "quantize",
 ]
 
 

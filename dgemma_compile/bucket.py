@@ -286,6 +286,11 @@ class Bucket:
         if commit_len is not None:
             self.row_state.commit_len[row] = commit_len
 
+    def pin(self, row: int, block: tuple[list[int], list[bool], list[bool]]) -> None:
+        """A row with a canvas (`canvas.py`), a host write between steps: the (ids, seeded, pinned) of the block it
+        begins next (`canvas.Canvas.block_slice`; `StepInputs.pin`). Nothing recompiles, no plan changes."""
+        self.inputs.pin(row, *block)
+
     def retire(self, row: int) -> None:
         """Free row `row` (FREE, frozen) where the host, not the device, ended its request."""
         self.row_state.phase[row] = FREE

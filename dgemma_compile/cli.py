@@ -85,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--live", action="store_true",
                    help="redraw the block in flight at every denoise step (accepted and renoised positions, the step "
                         "count, the mean entropy), then print the text as usual; only when stdout is a terminal")
+    g.add_argument("--template", default=None, metavar="T",
+                   help="a pinned canvas for the output's first positions: each '_' is one free token position ('\\_' "
+                        "a literal underscore), the rest of T is held as written, e.g. \"name: ____, age: __\" "
+                        "(docs/cli.md; one prompt)")
     c = g.add_mutually_exclusive_group()  # constrained output (docs/constrained.md); one kind per invocation
     c.add_argument("--regex", default=None, metavar="R", help="the text must fully match the regex R")
     c.add_argument("--choice", action="append", default=None, metavar="S",
@@ -465,6 +469,8 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
         raise ConfigError("batch_size: --batch-size applies to --prompts-file only")
     if args.image and args.prompts_file is not None:
         raise ConfigError("image: --image applies to one prompt, not to --prompts-file")
+    if args.template is not None and args.prompts_file is not None:
+        raise ConfigError("template: --template applies to one prompt, not to --prompts-file")
     if args.live and args.prompts_file is not None:
         raise ConfigError("live: --live draws one prompt's canvas, not --prompts-file's")
     if args.max_soft_tokens is not None and not args.image:
@@ -591,6 +597,11 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
         prepare(model, [ids], images)  # the images against their placeholders, before any compile
     if args.constraint is not None:  # its commits are the kept prefixes, not whole canvases
         slots = max(slots, len(ids) + config.max_new_tokens - 1)
+    canvas = {}
+    if args.template is not None:  # validated before any compile
+        from .canvas import canvas_of
+
+        canvas = {"canvas": [canvas_of(args.template, config, model.config.vocab_size, tokenizer, name="template")]}
     threads = _apply_threads(args, model)
     run, costs = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
 
@@ -611,7 +622,7 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     with view if view is not None else contextlib.nullcontext():
         out = run([ids], config, seed=args.seed, on_block=on_block, stop=lambda *_: [0] if matcher.stopped else [],
                   constraint=args.constraint, tokenizer=tokenizer, **({"images": images} if images else {}),
-                  **({"on_frame": view.frame} if view is not None else {}))
+                  **({"on_frame": view.frame} if view is not None else {}), **canvas)
     elapsed = time.perf_counter() - start
     if view is not None:
         sys.stdout.write(view.committed)

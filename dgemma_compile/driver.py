@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .bucket import Bucket
+from .canvas import Canvas
 from .config import GenerationConfig
 from .constraint import RowGrammar
 from .finish import finalize
@@ -42,7 +43,8 @@ class RowRequest(Protocol):
     """What the driver reads and writes of a request in a row (the engine's `Request`, the generator's `_Call`
     entries): its prompt ids, resolved config and seed, images (`images.prepare`) and grammar (`constraint.py`), and
     the output it accumulates (`sequence`, its `generate.RequestStats`); `frames`: it asked for a live canvas frame
-    after each of its denoise steps (`frames.py`; a request without costs nothing more)."""
+    after each of its denoise steps (`frames.py`; a request without costs nothing more); `canvas`: its seeded or
+    pinned canvas (`canvas.py`) or None, whose slice for each block the driver writes into the row (`Bucket.pin`)."""
 
     prompt: list[int]
     config: GenerationConfig
@@ -52,6 +54,7 @@ class RowRequest(Protocol):
     sequence: list[int]
     stats: object
     frames: bool
+    canvas: Canvas | None
 
 
 @dataclass
@@ -108,7 +111,8 @@ class Driver:
 
     def admit(self, b: int, request: RowRequest, *, mapped: int | None = None) -> int:
         """Put `request` into FREE row `b` (`Bucket.admit`): its image prefix first, in forwards of its own
-        (`images.prefill_images`, after the `mapped` tokens), its grammar's first mask (`Bucket.constrain`).
+        (`images.prefill_images`, after the `mapped` tokens), its grammar's first mask (`Bucket.constrain`), its
+        canvas's first block (`Bucket.pin`).
         `mapped`: prompt tokens a prefix-cache hit mapped into the row (a paged cache whose row the caller set up);
         None: the row starts empty. Returns the image-prefix tokens encoded here. On an exception the row stays
         FREE on the host (the caller ends the request)."""
@@ -127,6 +131,9 @@ class Driver:
                      prefilled=start if mapped is not None or item is not None else None)
             if request.grammar is not None:
                 bk.constrain(b, request.grammar.bitmask())
+            if request.canvas is not None:
+                bk.pin(b, request.canvas.block_slice(len(request.sequence), bk.model.config.canvas_length,
+                                                     request.grammar.bitmask() if request.grammar else None))
         except BaseException:
             bk.retire(b)  # FREE on the device too, whatever was written
             raise
@@ -188,10 +195,14 @@ class Driver:
         """The one finalize of a finished block (`finish.finalize`: eos, the exact budget; a constrained request's
         kept prefix): append to the request's sequence and stats; returns (the tokens appended, done). A constrained
         request that goes on commits its kept prefix, its next block's first position masked by its grammar (host
-        writes, then the plan refreshes). The caller retires a done request (`retire`, `device_done=f.report.done`)."""
+        writes, then the plan refreshes). A request with a canvas gets its next block's slice (`Bucket.pin`: the
+        positions after the tokens it kept). The caller retires a done request (`retire`, `device_done=f.report.done`)."""
         req = self.rows[f.row]
         keep, done = finalize(f.argmax, req.config, req.sequence, req.stats, f.report.steps, req.grammar)
         if req.grammar is not None and not done:
             self.bucket.constrain(f.row, req.grammar.bitmask(), commit_len=len(keep))
             self._dirty = True  # the commit's length is in the plan
+        if req.canvas is not None and not done:
+            self.bucket.pin(f.row, req.canvas.block_slice(len(req.sequence), self.bucket.model.config.canvas_length,
+                                                          req.grammar.bitmask() if req.grammar else None))
         return keep, done

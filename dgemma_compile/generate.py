@@ -13,6 +13,8 @@ encoder pass, eos -> pad. Deliberate differences, each tested:
 - a per-request stop hook can end requests after any block (finish_reason "stop").
 - a request may carry a `constraint.Constraint` (regex, choice, JSON schema, JSON object): its text is then always
   valid (docs/constrained.md): each block keeps and commits only the prefix its grammar accepts.
+- a request may carry a seeded or pinned canvas (`canvas.py`): its blocks start from its tokens, pinned positions
+  hold them through every step and the commit writes them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .model import DiffusionGemma
 from .observe import STEP, Observer, SpanTimer
 from .ops.moe import resolve_moe_impl
 from .sampler import SCHEME, step_scheme
+from .canvas import Canvas, resolve_canvases
 from .constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
 from .finish import finalize
 from .frames import CanvasFrame, FrameCallback, frame_callbacks, frame_rows
@@ -208,7 +211,8 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
              max_seq_len: int = DEFAULT_MAX_SEQ_LEN, fuse_commit: bool = False,
              images: Sequence[Sequence["Image"] | None] | None = None,
              constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None,
-             on_frame: FrameCallback | Sequence[FrameCallback | None] | None = None) -> GenerationOutput:
+             on_frame: FrameCallback | Sequence[FrameCallback | None] | None = None,
+             canvas: "str | Sequence[str | Sequence[int | None] | Canvas | None] | None" = None) -> GenerationOutput:
     """Generate continuations of `prompts` (lists of token ids) by block diffusion, eagerly.
 
     Args:
@@ -242,18 +246,27 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
             per request; `on_frame(i, frame)` after each denoise step request i took (its block's argmax canvas,
             accepted positions, mean entropy), before the `on_block` of the block that step ended. One host read
             per step for the requests that asked; frames never change tokens.
+        canvas: seeded and pinned canvases (`canvas.py`): a text template for every request (`canvas.BLANK` "_" is
+            one free position, the rest pinned; needs `tokenizer`), or one per request: None, a template, token ids
+            with None for free positions, or a `canvas.Canvas` (`pinned=False`: a warm start that is not held). It
+            covers the request's first output positions, split over consecutive blocks; pinned positions come back
+            unchanged (unless an eos before them ends the request, or a grammar rejects them), free ones are
+            generated. Requests without one get exactly the tokens they get without.
     Returns:
         `GenerationOutput` with sequences and per-request statistics.
     Raises:
         ConfigError: invalid config, seed or prompts (empty, ids outside the vocabulary, longer than the context);
             `max_seq_len` not a positive integer or smaller than the committed slots a request needs; `fuse_commit`
             not a bool; images that do not fit their prompts (`images.prepare`); a constraint without a tokenizer,
-            with `ignore_eos`, or malformed (`constraint.Constraint`); `on_frame` not callables.
+            with `ignore_eos`, or malformed (`constraint.Constraint`); `on_frame` not callables; a bad `canvas`
+            (`canvas.resolve_canvases`: wrong count, ids outside the vocabulary, longer than max_new_tokens, text
+            without a tokenizer).
         constraint.ConstraintError: a constraint the grammar library cannot compile.
     """
     cfgs, prompts, seeds, needed = plan_requests(model, prompts, config, seed)
     frames = frame_callbacks(on_frame, len(prompts))
     grammars = row_grammars(model, resolve_constraints(constraint, len(prompts)), cfgs, tokenizer)
+    canvases = resolve_canvases(canvas, len(prompts), cfgs, model.config.vocab_size, tokenizer)
     check_slots(max(needed, constrained_slots(prompts, cfgs, grammars)), max_seq_len, "max_seq_len")
     items = prepare_images(model, prompts, images)
     if not isinstance(fuse_commit, bool):
@@ -263,7 +276,7 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
     runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl, fuse_commit)
     out = run_block_diffusion(model, runner, prompts, cfgs, on_block=on_block, stop=stop,
                               timer=SpanTimer(model.device, observer), images=items, moe_impl=impl,
-                              grammars=grammars, on_frame=frames)
+                              grammars=grammars, on_frame=frames, canvases=canvases)
     out.moe_impl, out.fuse_commit = impl, fuse_commit
     return out
 
@@ -273,7 +286,8 @@ def run_block_diffusion(model: DiffusionGemma, runner: "EagerSteps", prompts: li
                         stop: StopHook | None = None, timer: SpanTimer | None = None,
                         stop_check: StopCheck | None = None, images: "list[ImagePrompt | None] | None" = None,
                         moe_impl: str | None = None, grammars: Sequence[RowGrammar | None] | None = None,
-                        on_frame: "Sequence[FrameCallback | None] | None" = None) -> GenerationOutput:
+                        on_frame: "Sequence[FrameCallback | None] | None" = None,
+                        canvases: "Sequence[Canvas | None] | None" = None) -> GenerationOutput:
     """The block loop over validated inputs (`plan_requests`), driving `runner` (the reference steps, built for these
     requests and seeds): prefill in fixed chunks (a prompt with `images` (`images.prepare`): its image prefix first,
     `images.prefill_images` into the runner's cache with `moe_impl`, then the rest in chunks); per block: start canvases, denoise steps until every row finished
@@ -284,7 +298,8 @@ def run_block_diffusion(model: DiffusionGemma, runner: "EagerSteps", prompts: li
     commit the prefix its grammar accepts (`finish.finalize_constrained`), its next block's first position masked
     with the grammar's next-token bitmask; it may take up to max_new_tokens blocks. `on_frame`: per request its
     `frames.FrameCallback` or None: after each step, one host read of the asking rows' frames (`EagerSteps.frames`),
-    each passed on where the row stepped."""
+    each passed on where the row stepped. `canvases`: per request its `canvas.Canvas` or None: before each block, the
+    host writes the slice of its canvas that starts at the tokens it kept so far (`EagerSteps.pin`)."""
     dev, C = model.device, model.config.canvas_length
     R = len(prompts)
     timer = timer or SpanTimer(dev, None)
@@ -312,7 +327,12 @@ def run_block_diffusion(model: DiffusionGemma, runner: "EagerSteps", prompts: li
 
     framed = [r for r, cb in enumerate(on_frame or []) if cb is not None]
     done = torch.zeros(R, dtype=torch.bool, device=dev)
+    canvases = list(canvases) if canvases is not None else [None] * R
     for block in range(num_blocks):
+        for r, cv in enumerate(canvases):
+            if cv is not None and not bool(done[r]):
+                g = grammars[r]
+                runner.inputs.pin(r, *cv.block_slice(len(sequences[r]), C, g.bitmask() if g is not None else None))
         runner.begin_block(block, done)
         stop_check.begin_block()
         seen = [0] * R  # steps of this block each framed row had taken at its latest frame
@@ -424,11 +444,13 @@ class EagerSteps:
         self.fused_commits += rows
 
     def begin_block(self, block: int, frozen_R: torch.Tensor) -> None:
-        """Start block `block` (0-based, per request) from each request's start canvas (`rng.start_canvas`); rows in
-        `frozen_R` (done requests) stay frozen."""
+        """Start block `block` (0-based, per request) from each request's start canvas (`rng.start_canvas`, its
+        seeded positions' tokens where it has a canvas: `StepInputs.seeded`); rows in `frozen_R` (done requests) stay
+        frozen."""
         inp, R, C = self.inputs, self.R, self.state.canvas.shape[1]
         inp.block.fill_(block)
-        self.state.begin(rng.start_canvas(inp.seeds[:R], inp.block[:R], C, self.vocab_size), frozen_R)
+        start = rng.start_canvas(inp.seeds[:R], inp.block[:R], C, self.vocab_size)
+        self.state.begin(torch.where(inp.seeded[:R], inp.canvas_ids[:R], start), frozen_R)
 
     def step(self) -> torch.Tensor:
         """One denoise step (every per-step value is already on the device); returns the finished flags, bool [R].

@@ -255,11 +255,37 @@ def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B
     return torch.where(keep_B1V | later_1C1, logits_BCV, MASKED_LOGIT)
 
 
+def pin(step: SampleStep, pinned_BC: torch.Tensor, ids_BC: torch.Tensor) -> SampleStep:
+    """Pinned positions (`canvas.py`) hold their tokens: where `pinned_BC` (bool [B, C]), argmax and sample are
+    `ids_BC` (int64 [B, C]) and entropy 0 (certain); their self-conditioning input is made one-hot by the step,
+    after the cast to the model dtype (`pin_self_conditioning`). Elsewhere every value is the input's bit for bit
+    (`torch.where` picks it): a row without pins is unchanged."""
+    return step._replace(argmax=torch.where(pinned_BC, ids_BC, step.argmax),
+                         sampled=torch.where(pinned_BC, ids_BC, step.sampled),
+                         entropy=torch.where(pinned_BC, 0.0, step.entropy))
+
+
+def pin_self_conditioning(sc_probs_BCV: torch.Tensor, pinned_BC: torch.Tensor, ids_BC: torch.Tensor,
+                          dtype: torch.dtype, first_id: int = 0) -> torch.Tensor:
+    """The self-conditioning probabilities cast to `dtype` (what `DiffusionGemma.self_conditioning_embedding` casts
+    them to first), the one-hot of `ids_BC` where `pinned_BC` (`first_id`: the vocabulary id of the first column, a
+    tensor-parallel rank's slice). Cast first, so that the sample_step fusion still writes them in that dtype
+    (`passes/sample_step_fusion.py`'s fold: the cast is the op's output's only reader). Other positions keep the
+    cast values bit for bit; uncompiled on CPU with no pinned row, just the cast (the values `where` would keep)."""
+    sc = sc_probs_BCV.to(dtype)
+    if sc.device.type == "cpu" and not _traced() and not bool(pinned_BC.any()):
+        return sc
+    v_V = torch.arange(sc.shape[-1], device=ids_BC.device) + first_id
+    one_hot = (v_V == ids_BC[..., None]).to(dtype)
+    return torch.where(pinned_BC[..., None], one_hot, sc)
+
+
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
                    finished_B: torch.Tensor, logits_BCV: torch.Tensor, temperature_B: torch.Tensor,
                    greedy_B: torch.Tensor, noise: StepNoise, *, entropy_bound_B: torch.Tensor,
                    confidence_B: torch.Tensor, stop_early: bool, allowed_BW: torch.Tensor | None = None,
-                   constrained_B: torch.Tensor | None = None, vocab_shard=None) -> StepUpdate:
+                   constrained_B: torch.Tensor | None = None, vocab_shard=None,
+                   pinned_BC: torch.Tensor | None = None, pin_ids_BC: torch.Tensor | None = None) -> StepUpdate:
     """Everything after the decoder in one denoise step, as a pure function of the current per-row state (canvas,
     argmax and history of the previous P argmax canvases, -1 before the first; finished rows) and per-row parameters
     (temperature float32 [B], greedy bool [B], entropy bound and confidence threshold float32 [B]). Rows already
@@ -272,16 +298,25 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
     [B, C, per] and its `sample_step` replaces `sample_step` (sc_probs the rank's slice too).
     Stopping (`StableAndConfidentStoppingCriteria`): argmax equal to each of the previous P argmax canvases (so never
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
+    Pinned positions (`pinned_BC` bool [B, C], their tokens `pin_ids_BC` int64 [B, C]; `canvas.py`): `pin`, always
+    accepted; a row whose every position is pinned finishes in this step; sc_probs is returned as sampled (the step
+    makes pinned positions one-hot: `pin_self_conditioning`). Rows without pins: unchanged bit for bit.
     """
     sample = sample_step if vocab_shard is None else vocab_shard.sample_step
-    argmax, sampled, ent, sc_probs = sample(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW,
-                                                 constrained_B)
+    step = sample(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW, constrained_B)
+    if pinned_BC is not None:
+        step = pin(step, pinned_BC, pin_ids_BC)
+    argmax, sampled, ent, sc_probs = step
     accepted = entropy_bound_accept(ent, entropy_bound_B[:, None])
+    if pinned_BC is not None:
+        accepted = accepted | pinned_BC
     canvas = torch.where(accepted, sampled, noise.renoise)
     frozen = finished_B[:, None]
     argmax = torch.where(frozen, argmax_BC, argmax)
     canvas = torch.where(frozen, canvas_BC, canvas)
     history, finished = history_PBC, finished_B
+    if pinned_BC is not None:  # a fully pinned block: nothing to denoise, it finishes in its first step
+        finished = finished | pinned_BC.all(dim=-1)
     if stop_early:
         stable = (history == argmax[None]).all(dim=-1).all(dim=0)
         confident = ent.mean(dim=-1) < confidence_B

@@ -37,7 +37,7 @@ from .model import DiffusionGemma
 from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
 from .plan import PlanBuffers
 from .rows import RowState
-from .sampler import StepNoise, denoise_update, temperature_table
+from .sampler import StepNoise, denoise_update, pin_self_conditioning, temperature_table
 from .uniform import commit_denoise_block, denoise_block, encode_block
 
 
@@ -129,6 +129,10 @@ class StepInputs:
     allowed: int32 [B, W] (W = ceil(V / 32)), its next-token bitmask for the canvas's first position
     (`sampler.mask_first`, inside `sampler.sample_step`; written by the host after each block: `constrain`; all ones and unconstrained by
     `set_requests` / `set_row`).
+    canvas_ids: int64 [B, C], seeded: bool [B, C], pinned: bool [B, C]: the row's canvas (`canvas.py`) for its
+    block in flight -- its start canvas takes `canvas_ids` where `seeded`, and its steps hold them where `pinned`
+    (`sampler.pin`); written by the host when a row is admitted and when its block is finalised (`pin`); all free
+    (False) by `set_requests` / `set_row`, and a row with every position free gets exactly its unpinned tokens.
     """
 
     seeds: torch.Tensor
@@ -142,6 +146,9 @@ class StepInputs:
     n_new: torch.Tensor
     constrained: torch.Tensor
     allowed: torch.Tensor
+    canvas_ids: torch.Tensor
+    seeded: torch.Tensor
+    pinned: torch.Tensor
 
     @classmethod
     def allocate(cls, model: DiffusionGemma, rows: int, block_size: int, width: int) -> "StepInputs":
@@ -154,7 +161,10 @@ class StepInputs:
                    ids=torch.zeros(rows, block_size, **long), n_new=torch.zeros(rows, **long),
                    constrained=torch.zeros(rows, dtype=torch.bool, device=dev),
                    allowed=torch.full((rows, bitmask_words(model.config.vocab_size)), -1, dtype=torch.int32,
-                                      device=dev))
+                                      device=dev),
+                   canvas_ids=torch.zeros(rows, block_size, **long),
+                   seeded=torch.zeros(rows, block_size, dtype=torch.bool, device=dev),
+                   pinned=torch.zeros(rows, block_size, dtype=torch.bool, device=dev))
 
     def view(self, rows: int) -> "StepInputs":
         """The first `rows` rows (views of these buffers)."""
@@ -180,6 +190,8 @@ class StepInputs:
         self.confidence[:R] = torch.tensor([c.confidence_threshold for c in cfgs], dtype=torch.float32, device=dev)
         self.constrained.fill_(False)
         self.allowed.fill_(-1)
+        self.seeded.fill_(False)
+        self.pinned.fill_(False)
 
     def set_row(self, row: int, cfg: GenerationConfig, seed: int) -> None:
         """Fill one row from a resolved config and seed, leaving the other rows as they are (a serving engine admits
@@ -194,12 +206,22 @@ class StepInputs:
         self.confidence[row] = cfg.confidence_threshold
         self.constrained[row] = False
         self.allowed[row] = -1
+        self.seeded[row] = False
+        self.pinned[row] = False
 
     def constrain(self, row: int, bitmask_W: torch.Tensor) -> None:
         """Make `row` constrained with next-token bitmask `bitmask_W` (int32 [W], `constraint.RowGrammar.bitmask`)
         for its next block's first position (a host write between steps; nothing recompiles)."""
         self.constrained[row] = True
         self.allowed[row].copy_(bitmask_W)
+
+    def pin(self, row: int, ids: Sequence[int], seeded: Sequence[bool], pinned: Sequence[bool]) -> None:
+        """Write `row`'s canvas for its next block (or the block its admission begins): C token ids, which positions
+        are seeded and which pinned (`canvas.Canvas.block_slice`); a host write between steps, nothing recompiles."""
+        dev = self.canvas_ids.device
+        self.canvas_ids[row] = torch.tensor(ids, dtype=torch.long, device=dev)
+        self.seeded[row] = torch.tensor(seeded, dtype=torch.bool, device=dev)
+        self.pinned[row] = torch.tensor(pinned, dtype=torch.bool, device=dev)
 
 
 def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs,
@@ -240,12 +262,13 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
                          confidence_B=inputs.confidence, stop_early=stop_early, allowed_BW=inputs.allowed,
-                         constrained_B=inputs.constrained, vocab_shard=model.vocab_shard)
+                         constrained_B=inputs.constrained, vocab_shard=model.vocab_shard,
+                         pinned_BC=inputs.pinned, pin_ids_BC=inputs.canvas_ids)
     state.canvas.copy_(new.canvas)
     state.argmax.copy_(new.argmax)
     state.history.copy_(new.history)
     state.finished.copy_(new.finished | (state.steps >= inputs.budget))
-    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs, local=True))
+    state.sc_embeds.copy_(model.self_conditioning_embedding(_self_conditioning(model, new, inputs), local=True))
     state.has_sc.fill_(True)
     _keep_frame(state, new)
     _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
@@ -320,6 +343,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     steps_in = torch.where(commit, 0, state.steps) if fused else state.steps
     # the start canvas of a block that begins and the noise of a stepping row's step n = budget - k, in one draw
     start, uniform, renoise = rng.step_streams(inputs.seeds, block, inputs.budget - steps_in, C, V)
+    start = torch.where(inputs.seeded, inputs.canvas_ids, start)  # a seeded canvas (`canvas.py`): its tokens
     if fused:
         first = commit[:, None]
         canvas, argmax = torch.where(first, start, state.canvas), torch.where(first, start, state.argmax)
@@ -346,7 +370,8 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
                          inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
                          StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
                          confidence_B=inputs.confidence, stop_early=stop_early, allowed_BW=inputs.allowed,
-                         constrained_B=inputs.constrained, vocab_shard=model.vocab_shard)
+                         constrained_B=inputs.constrained, vocab_shard=model.vocab_shard,
+                         pinned_BC=inputs.pinned, pin_ids_BC=inputs.canvas_ids)
     ended = stepping & (new.finished | (steps >= inputs.budget))
     # a constrained row's end is the host's (its grammar decides what of the block is kept: `finish.py`)
     done = ended & ~inputs.constrained & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos,
@@ -359,7 +384,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     state.argmax.copy_(torch.where(begin_BC, start, new.argmax))
     state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
     state.steps.copy_(torch.where(begin, 0, steps))
-    state.sc_embeds.copy_(model.self_conditioning_embedding(new.sc_probs, local=True))
+    state.sc_embeds.copy_(model.self_conditioning_embedding(_self_conditioning(model, new, inputs), local=True))
     _keep_frame(state, new)
     _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
     state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
@@ -374,6 +399,14 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     rows.phase.copy_(phase)
     state.finished.copy_(phase != DENOISE)
     refresh_plan(rows, state, plan)
+
+
+def _self_conditioning(model: DiffusionGemma, new, inputs: StepInputs) -> torch.Tensor:
+    """The next step's self-conditioning probabilities (`sampler.StepUpdate.sc_probs`) in the embedding's dtype,
+    one-hot at pinned positions (`sampler.pin_self_conditioning`)."""
+    first = 0 if model.vocab_shard is None else model.vocab_shard.start
+    return pin_self_conditioning(new.sc_probs, inputs.pinned, inputs.canvas_ids, model.embed_tokens.weight.dtype,
+                                 first)
 
 
 def _keep_frame(state: DenoiseState, new) -> None:

@@ -74,6 +74,7 @@ from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.bucket import Bucket
 from dgemma_compile.constraint import Constraint, RowGrammar, row_grammars
 from dgemma_compile.driver import Driver, Finished
+from dgemma_compile.canvas import Canvas, canvas_of
 from dgemma_compile.frames import CanvasFrame
 from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
 from dgemma_compile.images import ImagePrompt
@@ -152,6 +153,9 @@ class Request:
     compiled: Any = None
     """The constraint's xgrammar `CompiledGrammar` made before `submit` (the server's grammar workers,
     `grammars.GrammarService`); None: `submit` compiles it in the calling thread."""
+    canvas: Canvas | None = None
+    """Its seeded or pinned canvas (`dgemma_compile.canvas`): each block's slice written into its row by the driver;
+    None: every position free."""
 
 
 @dataclass
@@ -397,7 +401,7 @@ class Engine:
         return list(requests)
 
     def _prepare(self, request: Request) -> None:
-        """`submit`'s validation of one request (its config, slots, grammar and stop matcher)."""
+        """`submit`'s validation of one request (its config, slots, canvas, grammar and stop matcher)."""
         k = request.draft_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ConfigError(f"draft_every: must be an integer >= 0, got {k!r}")
@@ -407,6 +411,10 @@ class Engine:
             raise ConfigError(f"top_logprobs: must be an integer in [0, {self.max_logprobs}] (the server's "
                               f"--max-logprobs), got {lp!r}")
         request.config, request.slots = self._check(request.prompt, request.config, request.seed, request.images)
+        if request.canvas is not None:  # ids in the vocabulary, within the budget (`canvas.canvas_of`)
+            if not isinstance(request.canvas, Canvas):
+                raise ConfigError(f"canvas: must be a dgemma_compile.canvas.Canvas, got {type(request.canvas).__name__}")
+            canvas_of(request.canvas, request.config, self.model.config.vocab_size)
 
         request.prompt = list(request.prompt)
         if request.constraint is not None:

@@ -37,6 +37,7 @@ import logging
 from dataclasses import dataclass
 
 from dgemma_compile.config import GenerationConfig
+from dgemma_compile.canvas import Canvas
 from dgemma_compile.constraint import Constraint
 from dgemma_compile.images import ImagePrompt
 from .engine import Request, Schedule
@@ -58,16 +59,17 @@ class RequestSpec:
     images: ImagePrompt | None
     constraint: Constraint | None
     frames: bool = False
+    canvas: Canvas | None = None
 
     @classmethod
     def of(cls, r: Request) -> "RequestSpec":
         return cls(r.id, list(r.prompt), r.config, r.seed, tuple(r.stops), r.draft_every, r.logprobs, r.images,
-                   r.constraint, r.frames)
+                   r.constraint, r.frames, r.canvas)
 
     def request(self) -> Request:
         return Request(prompt=list(self.prompt), config=self.config, seed=self.seed, stops=self.stops,
                        id=self.id, draft_every=self.draft_every, logprobs=self.logprobs, images=self.images,
-                       constraint=self.constraint, frames=self.frames)
+                       constraint=self.constraint, frames=self.frames, canvas=self.canvas)
 
 
 @dataclass

@@ -26,8 +26,11 @@ within float32 (`temperature`, `entropy_bound`), integers within int64 / the tab
 
 Extensions (body fields, e.g. the `openai` client's `extra_body`): `max_denoising_steps` (denoise steps per block
 at most), `entropy_bound` (the acceptance rule's bound), `draft_every` (k >= 1, streaming only: a draft event
-every k denoise steps of each block; see `server.py`) and `stream_options.include_canvas_frames` (streaming only: a
-live canvas frame after every denoise step; see `server.py`).
+every k denoise steps of each block; see `server.py`), `stream_options.include_canvas_frames` (streaming only: a
+live canvas frame after every denoise step; see `server.py`), and the seeded / pinned canvas of vLLM's PR 57250's
+names (`dgemma_compile.canvas`): `diffusion_seed_canvas` (a text template, "_" one free position, or token ids with
+null for free positions) and `diffusion_pinned` (whether its given positions are held, default true; only with a
+seed canvas).
 """
 
 from __future__ import annotations
@@ -135,6 +138,14 @@ class _Common(BaseModel):
     entropy_bound: float | None = Field(default=None, gt=0, le=FLOAT32_MAX)
     draft_every: int | None = Field(default=None, ge=1, lt=2**31,
                                     description="a draft event every k denoise steps (stream)")
+    diffusion_seed_canvas: str | list[StrictInt | None] | None = Field(
+        default=None,
+        description="the start canvas of the output's first positions (vLLM PR 57250's name): a text template, "
+                    "each '_' one free position ('\\_' a literal underscore), or token ids with null for free "
+                    "positions; its given positions are pinned (docs/serving.md)")
+    diffusion_pinned: StrictBool | None = Field(
+        default=None, description="hold the seed canvas's given positions through every denoise step (default "
+                                  "true); false: a warm start only. Needs diffusion_seed_canvas")
     # fields refused unless neutral (NEUTRAL_*; each request model's `_unsupported` checks them)
     top_p: Any = None
     presence_penalty: Any = None
@@ -159,6 +170,8 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _stream_only(self):
+        if self.diffusion_pinned is not None and self.diffusion_seed_canvas is None:
+            raise ValueError("diffusion_pinned: says whether the seed canvas is held; needs diffusion_seed_canvas")
         if self.draft_every is not None and not self.stream:
             raise ValueError("draft_every: draft events are streamed; needs stream=true")
         if self.stream_options is not None and self.stream_options.include_canvas_frames and not self.stream:

@@ -97,6 +97,7 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dgemma_compile.canvas import canvas_of
 from dgemma_compile.config import ConfigError, GenerationConfig
 from dgemma_compile.constraint import GrammarLibrary
 from dgemma_compile.images import prepare as prepare_images
@@ -294,6 +295,20 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             return tool.constraint, "tool_choice"
         return constraint, field
 
+    def canvas_of_request(req: P._Common, cfg: GenerationConfig):
+        """The request's seeded / pinned canvas (`dgemma_compile.canvas`) from `diffusion_seed_canvas` and
+        `diffusion_pinned`, or None; a bad one is a 400 naming the field."""
+        if req.diffusion_seed_canvas is None:
+            return None
+        try:
+            return canvas_of(req.diffusion_seed_canvas, cfg, engine.model.config.vocab_size, tokenizer,
+                             pinned=req.diffusion_pinned is not False, name="diffusion_seed_canvas")
+        except ConfigError as e:
+            message = str(e).replace("max_new_tokens=", "max_tokens=")
+            if message.startswith("tokenizer:"):
+                message = "diffusion_seed_canvas: a text canvas needs the server's tokenizer; give token ids"
+            raise P.APIError(400, message, param="diffusion_seed_canvas") from None
+
     def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
                images=None, tool: ToolRequest | None = None, compiled=None) -> list[EngineRequest]:
         """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
@@ -301,11 +316,12 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         shared by its choices."""
         cfg = config_of(req)
         constraint, field = constraint_of(req, tool)
+        canvas = canvas_of_request(req, cfg)
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
                                  on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
                                  frames=req.stream_options is not None and req.stream_options.include_canvas_frames,
-                                 images=images, constraint=constraint, compiled=compiled)
+                                 images=images, constraint=constraint, compiled=compiled, canvas=canvas)
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:

@@ -46,6 +46,7 @@ EXCEPTIONS = [
     ("OMP_NUM_THREADS=1 python -m bench.images", "a benchmark with a compile (about 2 min on 2 cores)"),
     ("OMP_NUM_THREADS=1 python -m bench.parallel ", "a long benchmark (10 gloo ranks' runs, ~15 min on 2 cores)"),
     ("OMP_NUM_THREADS=1 python -m bench.parallelism --n 200", "a 3-minute sweep (its smoke run is checked)"),
+    ("OMP_NUM_THREADS=1 python -m bench.pinned", "a benchmark (2,000 eager generations, ~2 min on 2 cores)"),
 ]
 
 

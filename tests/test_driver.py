@@ -33,7 +33,7 @@ class _Req:
 
     def __init__(self, prompt, config, seed, grammar=None):
         self.prompt, self.config, self.seed, self.images, self.grammar = prompt, config, seed, None, grammar
-        self.sequence, self.stats, self.frames = [], RequestStats(), False
+        self.sequence, self.stats, self.frames, self.canvas = [], RequestStats(), False, None
 
 
 def _expected(prompt_len: int, steps_per_block: list[int], C: int, fused: bool, device_ends: bool

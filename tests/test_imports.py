@@ -89,7 +89,7 @@ def test_public_names_resolve_to_their_objects():
 
     import dgemma_compile as dg
 
-    sources = {"CompiledGenerator": "compile", "CompileOptions": "compile", "build": "compile",
+    sources = {"Canvas": "canvas", "CompiledGenerator": "compile", "CompileOptions": "compile", "build": "compile",
                "ConfigError": "config", "GenerationConfig": "config", "ModelConfig": "config",
                "GenerationOutput": "generate", "RequestStats": "generate", "generate": "generate",
                "CacheFullError": "kv_cache", "KVCache": "kv_cache", "CheckpointError": "loader", "load": "loader",

@@ -34,6 +34,7 @@ from ..constraint import Constraint, RowGrammar, resolve_constraints, row_gramma
 from ..driver import Driver, Finished
 from ..generate import (BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, constrained_slots,
                         plan_requests)
+from ..canvas import Canvas, resolve_canvases
 from ..frames import FrameCallback, frame_callbacks
 from ..images import ImagePrompt
 from ..images import prepare as prepare_images
@@ -250,7 +251,8 @@ class CompiledGenerator:
                  seed: int | Sequence[int] = 0, on_block: BlockCallback | None = None, stop: StopHook | None = None,
                  observer: Observer | None = None, images: Sequence | None = None,
                  constraint: Constraint | Sequence[Constraint | None] | None = None, tokenizer=None,
-                 on_frame: FrameCallback | Sequence[FrameCallback | None] | None = None) -> GenerationOutput:
+                 on_frame: FrameCallback | Sequence[FrameCallback | None] | None = None,
+                 canvas=None) -> GenerationOutput:
         """Same contract as `dgemma_compile.generate(model, ...)` (`images` included: a request's image prefix is
         encoded by `images.prefill_images` into its row when it is admitted, eagerly and outside the compiled step,
         which then prefills the rest of the prompt as any prompt's, so the step's graphs are those of text-only
@@ -260,7 +262,7 @@ class CompiledGenerator:
         others' entries empty; `stop`'s verdict applies to those requests only). `observer` also receives per-unit
         timings. `on_frame` too: the driver reads the live canvas frames of the requests that asked in one read per
         iteration and nothing for the others; `on_frame(i, frame)` runs before the `on_block` of the block that step
-        ended.
+        ended. `canvas` too: a request's canvas is data in its row (`Bucket.pin`), never a recompile.
 
         Raises:
             ConfigError: as the eager generator; `max_seq_len` when a request needs more committed slots than
@@ -272,6 +274,7 @@ class CompiledGenerator:
         cfgs, prompts, seeds, needed = plan_requests(self.model, prompts, config, seed)
         frames = frame_callbacks(on_frame, len(prompts))
         grammars = row_grammars(self.model, resolve_constraints(constraint, len(prompts)), cfgs, tokenizer)
+        canvases = resolve_canvases(canvas, len(prompts), cfgs, self.model.config.vocab_size, tokenizer)
         check_slots(max(needed, constrained_slots(prompts, cfgs, grammars)), self.options.max_seq_len,
                     "CompileOptions.max_seq_len")
         items = prepare_images(self.model, prompts, images)
@@ -283,7 +286,7 @@ class CompiledGenerator:
         for view in bucket.views():
             view.unit.check_owners()
         return _Call(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer),
-                     grammars, items, frames).run(on_block, stop)
+                     grammars, items, frames, canvases).run(on_block, stop)
 
     @torch.no_grad()
     def warmup(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> float:
@@ -325,6 +328,7 @@ class _Request:
     sequence: list[int]
     stats: RequestStats
     on_frame: FrameCallback | None = None
+    canvas: Canvas | None = None
 
     @property
     def frames(self) -> bool:
@@ -338,15 +342,16 @@ class _Call:
     def __init__(self, gen: CompiledGenerator, bucket: Bucket, prompts: list[list[int]],
                  cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer, grammars: list,
                  images: "list[ImagePrompt | None] | None" = None,
-                 frames: "list[FrameCallback | None] | None" = None):
+                 frames: "list[FrameCallback | None] | None" = None,
+                 canvases: "list[Canvas | None] | None" = None):
         self.gen, self.timer = gen, timer
         R = len(prompts)
         self.out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
                                     fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl,
                                     scheme=step_scheme(gen.model))
-        images, frames = images or [None] * R, frames or [None] * R
+        images, frames, canvases = images or [None] * R, frames or [None] * R, canvases or [None] * R
         self.queue = deque(_Request(r, prompts[r], cfgs[r], seeds[r], images[r], grammars[r], self.out.sequences[r],
-                                    self.out.stats[r], frames[r]) for r in range(R))
+                                    self.out.stats[r], frames[r], canvases[r]) for r in range(R))
         self.R = R
         self.driver = Driver(bucket, span=self._span)
 
