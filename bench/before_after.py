@@ -29,7 +29,9 @@ Measurements (per tree and round unless said):
 - `engine`: `build_engine(model, max_batch=8, max_seq_len=256)` (defaults: compiled, warmed by the call),
   then per prompt: submit one `Request`, call `engine.step()` in this thread until `engine.idle()`, time submit ->
   final event; beside it (alternating) the offline `gen.generate` of the same request on a batch-1 build.
-- `serve_default`: `python -m dgemma_compile.cli serve` with default flags (`--max-batch 8`), started by the worker;
+- `serve_default`: `python -m dgemma_compile.cli serve` with default flags (`--max-batch 8`) and `--compile always`
+  (`--serve-compile`: both trees serve compiled steps; with auto a tree whose steps are not cached serves eagerly
+  while a background compile runs, and the worker's shutdown kills it before it fills the cache), started by the worker;
   start -> first answered request; warm-up traffic at every concurrency down from max-batch (every batch size
   compiled); c=1 latency over sequential /v1/completions (httpx, max_tokens 16, seed = prompt index).
 - `serve_16`: the same with `--max-batch 16 --max-seq-len 256` (the settings of serve_cpu_2026-12-01_mixed.md): c=1
@@ -456,13 +458,14 @@ def plan(args: argparse.Namespace, roots: dict[str, Path]) -> tuple[dict[str, di
     n = args.prompts or (8 if q else 50)
     tasks_py = {s: str(roots[s] / "dgemma_compile" / "demo" / "tasks.py") for s in SIDES}  # pure Python
     serve = dict(prompts=max(n, 32), start_timeout=300, tasks_py=None)
+    compile_flag = [] if args.serve_compile == "none" else ["--compile", args.serve_compile]
     m = {
         "demo_b1": dict(prompts=n, fixed_steps=8),
         "demo_b8": dict(prompts=8, fixed_steps=8, calls=3 if q else 10),
         "scaled_b1": dict(fixed_steps=8, prompt_len=256, new_tokens=256, max_seq_len=512, requests=5, budget_s=120),
         "engine": dict(prompts=6 if q else 20),
-        "serve_default": dict(serve, flags=[], warm_levels=[8, 4, 2, 1], c1_requests=10 if q else 30, c16_seconds=0),
-        "serve_16": dict(serve, flags=["--max-batch", "16", "--max-seq-len", "256"], warm_levels=[16, 8, 4, 2, 1],
+        "serve_default": dict(serve, flags=compile_flag, warm_levels=[8, 4, 2, 1], c1_requests=10 if q else 30, c16_seconds=0),
+        "serve_16": dict(serve, flags=["--max-batch", "16", "--max-seq-len", "256", *compile_flag], warm_levels=[16, 8, 4, 2, 1],
                          c1_requests=10 if q else 30, c16_seconds=5 if q else args.duration),
         "cold_generate": dict(prompt="sort 3 1 2 9 5="),
         "cold_serve": dict(serve, flags=[], warm_levels=[], c1_requests=0, c16_seconds=0, start_timeout=480),
@@ -744,6 +747,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=20.0, help="seconds of the c=16 window (default 20)")
     p.add_argument("--only", default=None, help="comma list of measurements to run (default: all)")
     p.add_argument("--skip", default="", help="comma list of measurements to leave out")
+    p.add_argument("--serve-compile", choices=("always", "auto", "none"), default="always",
+                   help="the servers' --compile (default always: both trees serve compiled steps, compiled or loaded "
+                        "before listening; auto: a cold tree serves eagerly while a background compile runs, which the "
+                        "worker's shutdown cuts short, so it never fills the cache; none: no flag, for trees before "
+                        "`--compile` existed)")
     p.add_argument("--no-snapshot", action="store_true",
                    help="run the trees in place (default: copy each tree's dgemma_compile/ to a temp dir at the start, "
                         "so that edits made to a tree during the run do not reach later workers)")
