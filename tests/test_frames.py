@@ -180,12 +180,9 @@ def _normalize(raw: bytes) -> bytes:
 
 @pytest.fixture(scope="module")
 def frames_server(demo):
-    from dgemma_runtime import build_engine
-    from test_serve import ServerThread
+    from test_serve import eager_demo_server
 
-    model, tok = demo
-    engine = build_engine(model, max_batch=4, max_seq_len=SLOTS, eager=True, tokenizer=tok)
-    with ServerThread(engine, tok) as srv:
+    with eager_demo_server(demo) as srv:
         yield srv
 
 

@@ -256,12 +256,9 @@ def test_template_inside_a_json_schema(byte_model):
 
 @pytest.fixture(scope="module")
 def pin_server(demo):
-    from dgemma_runtime import build_engine
-    from test_serve import ServerThread
+    from test_serve import eager_demo_server
 
-    model, tok = demo
-    engine = build_engine(model, max_batch=4, max_seq_len=SLOTS, eager=True, tokenizer=tok)
-    with ServerThread(engine, tok) as srv:
+    with eager_demo_server(demo) as srv:
         yield srv
 
 

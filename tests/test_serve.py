@@ -9,6 +9,7 @@ among 16 concurrent requests, and `dgemma serve` as a subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -72,6 +73,16 @@ class ServerThread:
 
     def client(self, **kw) -> "openai.OpenAI":
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", **kw)
+
+
+@contextlib.contextmanager
+def eager_demo_server(demo, max_batch: int = 4):
+    """A `ServerThread` over an eager engine of the demo model (`max_seq_len=SLOTS`): the module-scoped server of
+    the tests that check the HTTP surface rather than the compiled step."""
+    model, tok = demo
+    engine = build_engine(model, max_batch=max_batch, max_seq_len=SLOTS, eager=True, tokenizer=tok)
+    with ServerThread(engine, tok) as srv:
+        yield srv
 
 
 def _ids(tok, model, text: str) -> list[int]:

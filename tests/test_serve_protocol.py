@@ -14,12 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dgemma_runtime import build_engine
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from test_serve import MODEL, REV, SLOTS, ServerThread, _post  # noqa: E402
+from test_serve import MODEL, REV, SLOTS, _post, eager_demo_server  # noqa: E402
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "clients").glob("*.json"))
 USER = [{"role": "user", "content": "add 1+2="}]
@@ -27,9 +26,7 @@ USER = [{"role": "user", "content": "add 1+2="}]
 
 @pytest.fixture(scope="module")
 def server(demo):
-    model, tok = demo
-    engine = build_engine(model, max_batch=4, max_seq_len=SLOTS, eager=True, tokenizer=tok)
-    with ServerThread(engine, tok) as srv:
+    with eager_demo_server(demo) as srv:
         yield srv
 
 
