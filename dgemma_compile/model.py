@@ -435,7 +435,7 @@ class DiffusionGemma(nn.Module):
         callers do (`plan.build_plan`, `plan.PlanBuffers`; `uniform.py` for the uniform passes). `input_embeds`
         [B, T, D] (model dtype): the input embeddings of an encoder plan in place of embedding `ids_BT` (a prompt's
         image soft tokens scattered into its placeholder positions, `images.embed_with_images`)."""
-        embeds = self._embed(ids_BT) if input_embeds is None else input_embeds
+        embeds = self.embed(ids_BT) if input_embeds is None else input_embeds
         B, T, D = embeds.shape
         if self_conditioning is None:
             soft = torch.zeros_like(embeds)
@@ -481,10 +481,15 @@ class DiffusionGemma(nn.Module):
             product = probs @ weight if self.sc_embedding is None else self.sc_embedding(probs)
         return product * self.embed_scale.to(weight.dtype)
 
-    # ----- internals --------------------------------------------------------------------------------------------
-    def _embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        """The scaled input embeddings of `ids_BT` (int64 [B, T]): embedding row * embed_scale, [B, T, D] in the
+        model dtype (transformers' Gemma4 scaled word embedding). Under tensor parallel each rank looks up its own
+        vocabulary slice and the rows are summed (`parallel.vocab.VocabParallelEmbedding`: bitwise, one rank
+        contributes each row)."""
         weight = self.embed_tokens.weight
         return self.embed_tokens(ids_BT) * self.embed_scale.to(weight.dtype)
+
+    # ----- internals --------------------------------------------------------------------------------------------
 
     def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, plan: ForwardPlan,
                        moe_impl: str | None = None) -> torch.Tensor:

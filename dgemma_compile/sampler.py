@@ -257,27 +257,24 @@ def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B
 
 def pin(step: SampleStep, pinned_BC: torch.Tensor, ids_BC: torch.Tensor) -> SampleStep:
     """Pinned positions (`canvas.py`) hold their tokens: where `pinned_BC` (bool [B, C]), argmax and sample are
-    `ids_BC` (int64 [B, C]) and entropy 0 (certain); their self-conditioning input is made one-hot by the step,
-    after the cast to the model dtype (`pin_self_conditioning`). Elsewhere every value is the input's bit for bit
+    `ids_BC` (int64 [B, C]) and entropy 0 (certain); their self-conditioning input is the token's embedding
+    (`pin_self_conditioning`, applied by the step after the product). Elsewhere every value is the input's bit for bit
     (`torch.where` picks it): a row without pins is unchanged."""
     return step._replace(argmax=torch.where(pinned_BC, ids_BC, step.argmax),
                          sampled=torch.where(pinned_BC, ids_BC, step.sampled),
                          entropy=torch.where(pinned_BC, 0.0, step.entropy))
 
 
-def pin_self_conditioning(sc_probs_BCV: torch.Tensor, pinned_BC: torch.Tensor, ids_BC: torch.Tensor,
-                          dtype: torch.dtype, first_id: int = 0) -> torch.Tensor:
-    """The self-conditioning probabilities cast to `dtype` (what `DiffusionGemma.self_conditioning_embedding` casts
-    them to first), the one-hot of `ids_BC` where `pinned_BC` (`first_id`: the vocabulary id of the first column, a
-    tensor-parallel rank's slice). Cast first, so that the sample_step fusion still writes them in that dtype
-    (`passes/sample_step_fusion.py`'s fold: the cast is the op's output's only reader). Other positions keep the
-    cast values bit for bit; uncompiled on CPU with no pinned row, just the cast (the values `where` would keep)."""
-    sc = sc_probs_BCV.to(dtype)
-    if sc.device.type == "cpu" and not _traced() and not bool(pinned_BC.any()):
-        return sc
-    v_V = torch.arange(sc.shape[-1], device=ids_BC.device) + first_id
-    one_hot = (v_V == ids_BC[..., None]).to(dtype)
-    return torch.where(pinned_BC[..., None], one_hot, sc)
+def pin_self_conditioning(sc_embeds_BCD: torch.Tensor, pinned_BC: torch.Tensor,
+                          token_embeds_BCD: torch.Tensor) -> torch.Tensor:
+    """The next step's self-conditioning embeddings [B, C, D] (model dtype) with pinned positions (`pinned_BC` bool
+    [B, C]) taking their token's embedding `token_embeds_BCD` (`DiffusionGemma.embed` of the pinned ids): the soft
+    embedding of a one-hot, applied at D width after the product instead of as a one-hot over the vocabulary before
+    it. The same bits for an unquantized table (one_hot @ W has one nonzero term per output: the row, exactly, in
+    any accumulation order, and both are then scaled by embed_scale in the model dtype); with `quant.quantize`'s
+    `sc_embedding` projection, a pinned position gets the exact row rather than its quantized product. Other
+    positions keep `sc_embeds_BCD` bit for bit (`torch.where` picks it): a row without pins is unchanged."""
+    return torch.where(pinned_BC[..., None], token_embeds_BCD, sc_embeds_BCD)
 
 
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
@@ -300,7 +297,7 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
     Pinned positions (`pinned_BC` bool [B, C], their tokens `pin_ids_BC` int64 [B, C]; `canvas.py`): `pin`, always
     accepted; a row whose every position is pinned finishes in this step; sc_probs is returned as sampled (the step
-    makes pinned positions one-hot: `pin_self_conditioning`). Rows without pins: unchanged bit for bit.
+    gives pinned positions their token's embedding: `pin_self_conditioning`). Rows without pins: unchanged bit for bit.
     """
     sample = sample_step if vocab_shard is None else vocab_shard.sample_step
     step = sample(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW, constrained_B)

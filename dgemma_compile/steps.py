@@ -268,7 +268,7 @@ def denoise_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inp
     state.argmax.copy_(new.argmax)
     state.history.copy_(new.history)
     state.finished.copy_(new.finished | (state.steps >= inputs.budget))
-    state.sc_embeds.copy_(model.self_conditioning_embedding(_self_conditioning(model, new, inputs), local=True))
+    state.sc_embeds.copy_(_self_conditioning(model, new, inputs))
     state.has_sc.fill_(True)
     _keep_frame(state, new)
     _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
@@ -384,7 +384,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     state.argmax.copy_(torch.where(begin_BC, start, new.argmax))
     state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
     state.steps.copy_(torch.where(begin, 0, steps))
-    state.sc_embeds.copy_(model.self_conditioning_embedding(_self_conditioning(model, new, inputs), local=True))
+    state.sc_embeds.copy_(_self_conditioning(model, new, inputs))
     _keep_frame(state, new)
     _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
     state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
@@ -402,11 +402,11 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
 
 
 def _self_conditioning(model: DiffusionGemma, new, inputs: StepInputs) -> torch.Tensor:
-    """The next step's self-conditioning probabilities (`sampler.StepUpdate.sc_probs`) in the embedding's dtype,
-    one-hot at pinned positions (`sampler.pin_self_conditioning`)."""
-    first = 0 if model.vocab_shard is None else model.vocab_shard.start
-    return pin_self_conditioning(new.sc_probs, inputs.pinned, inputs.canvas_ids, model.embed_tokens.weight.dtype,
-                                 first)
+    """The next step's self-conditioning embeddings [B, C, D]: the soft embedding of the step's probabilities
+    (`sampler.StepUpdate.sc_probs`; under tensor parallel this rank's slice, summed over ranks), the token's
+    embedding at pinned positions (`sampler.pin_self_conditioning`: at D width, not a one-hot over the vocabulary)."""
+    sc = model.self_conditioning_embedding(new.sc_probs, local=True)
+    return pin_self_conditioning(sc, inputs.pinned, model.embed(inputs.canvas_ids))
 
 
 def _keep_frame(state: DenoiseState, new) -> None:

@@ -129,7 +129,7 @@ def _forwards(model) -> dict[str, torch.Tensor]:
     lengths = torch.tensor([20, 13])
     out = {}
     with torch.no_grad():
-        out["embed"] = model._embed(prompt)  # bitwise: one rank contributes each row
+        out["embed"] = model.embed(prompt)  # bitwise: one rank contributes each row
         pre = model.logits(dg.encode(model, prompt, cache, lengths))
         out["prefill_row0"], out["prefill_row1"] = pre[0], pre[1, :13]
         canvas = torch.randint(0, V, (2, C), generator=g)

@@ -65,12 +65,27 @@ def test_pin_keeps_unpinned_values_bit_for_bit():
         assert torch.equal(a[free], b[free])
     assert torch.equal(out.argmax[pinned], ids[pinned]) and torch.equal(out.sampled[pinned], ids[pinned])
     assert (out.entropy[pinned] == 0).all() and out.sc_probs is step.sc_probs
-    for dtype in (torch.float32, torch.bfloat16):
-        sc = pin_self_conditioning(step.sc_probs, pinned, ids, dtype)
-        assert sc.dtype == dtype and torch.equal(sc[free], step.sc_probs.to(dtype)[free])
-        assert torch.equal(sc[pinned], torch.nn.functional.one_hot(ids[pinned], V).to(dtype))
-    none = torch.zeros_like(pinned)
-    assert torch.equal(pin_self_conditioning(step.sc_probs, none, ids, torch.float32), step.sc_probs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pinning_the_embeddings_equals_embedding_the_one_hot(dtype):
+    """`pin_self_conditioning` at D width gives the bits of the one-hot's soft embedding (what the step computed
+    before: probs made one-hot over the vocabulary at pinned positions, then the product): one nonzero term per
+    output is the row exactly; other positions keep the product's bits."""
+    g = torch.Generator().manual_seed(1)
+    B, C, V, D = 3, 6, 40, 24
+    table = torch.randn(V, D, generator=g).to(dtype)
+    scale = torch.tensor(D ** 0.5).to(dtype)
+    probs = torch.rand(B, C, V, generator=g).softmax(-1).to(dtype)
+    pinned = torch.zeros(B, C, dtype=torch.bool)
+    pinned[0, 1] = pinned[2, 3:] = True
+    ids = torch.randint(V, (B, C), generator=g)
+    one_hot = torch.nn.functional.one_hot(ids, V).to(dtype)
+    before = torch.where(pinned[..., None], one_hot, probs) @ table * scale
+    sc = probs @ table * scale
+    got = pin_self_conditioning(sc, pinned, table[ids] * scale)
+    assert torch.equal(got, before)
+    assert torch.equal(got[~pinned], sc[~pinned]) and not torch.equal(got, sc)
 
 
 def test_parse_template(demo):

@@ -68,8 +68,8 @@ def test_tied_embeddings_logits_and_self_conditioning_copies(scheme, tiny_dir):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 8, 32, generator=g).to(torch.bfloat16)
     assert _sqnr(original.logits(hidden), model.logits(hidden)) >= SQNR_FLOOR[scheme]
-    assert torch.equal(model._embed(torch.zeros(2, 8, dtype=torch.long)),
-                       original._embed(torch.zeros(2, 8, dtype=torch.long)))
+    assert torch.equal(model.embed(torch.zeros(2, 8, dtype=torch.long)),
+                       original.embed(torch.zeros(2, 8, dtype=torch.long)))
     probs = torch.softmax(torch.randn(2, 8, 48, generator=g) * 3, -1).to(torch.bfloat16)
     # the self-conditioning product through the quantized copy (`sc_embedding`) against the float table
     ref = original.self_conditioning_embedding(probs)
