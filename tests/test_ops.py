@@ -118,6 +118,22 @@ def test_compiled_matches_loop_and_decomposes(impl, dtype):
         assert runs_op(compiled(impl), *args, op="dgemma::materialize")[1]
 
 
+@pytest.mark.slow
+def test_large_float32_gathered_stays_opaque_and_gives_the_eager_ops_bits():
+    """On CPU in float32, from `OPAQUE_GROUPED_MIN_TOKENS` tokens a compiled "gathered" call stays an opaque call of the
+    op (which runs "grouped" eagerly): bitwise the eager op's output. One token fewer: traced. Both match the loop."""
+    N = ops.moe.OPAQUE_GROUPED_MIN_TOKENS
+    backend = UnitFactory(CompileOptions(), "cpu").backend("t")
+    for n, opaque in ((N, True), (N - 1, False)):
+        fn = torch.compile(lambda *a: call("gathered", *a), backend=backend, fullgraph=True, dynamic=False)
+        args = experts(n, 8, 2)
+        out, ran = runs_op(fn, *args)
+        assert ran == opaque, f"{n} tokens: dgemma::moe_experts {'ran' if ran else 'did not run'}"
+        if opaque:
+            assert torch.equal(out, call("gathered", *args))
+        assert_matches_loop(out, call("loop", *args))
+
+
 def test_materialize_is_a_contiguous_copy():
     x = torch.randn(6, 4).T
     y = ops.moe.materialize(x)
@@ -143,6 +159,7 @@ def test_decompositions_per_graph():
         assert key in ops.moe_decompositions(graph(impl))
     assert key not in ops.moe_decompositions(graph("loop"))
     assert ops.moe.graph_moe_impls(graph("dense", "grouped")) == {"dense", "grouped"}
+    assert key in ops.moe_decompositions(graph("gathered"))  # no example values (shapes unknown): traced
     with pytest.raises(ValueError, match="moe_impl"):
         ops.moe_decompositions(graph("loop", "dense"))
     from torch._inductor.decomposition import select_decomp_table

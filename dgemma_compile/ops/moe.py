@@ -25,7 +25,9 @@ batch-invariant on CPU as "gathered" is (`compile.options.BATCH_INVARIANT_MOE`):
 the compiled one compiles gave the compiled step's tokens on all 500 demo test prompts
 (bench/results/eager_step_cpu_2026-12-03.md). Compiled through `moe_decompositions(gm)` (the
 table the compile backend passes to Inductor), "grouped", "dense" and "gathered" are traced into the graph in place of the op,
-so Inductor sees plain aten ops and no opaque call remains; "loop" stays an opaque call (it cannot be traced).
+so Inductor sees plain aten ops; "loop" stays an opaque call (it cannot be traced), and so does "gathered" on CPU with
+unquantized float32 experts from `OPAQUE_GROUPED_MIN_TOKENS` tokens per forward (`stays_opaque`): there the opaque call
+runs "grouped" eagerly, faster than Inductor's loop nest at that size, and gives the eager step's bits.
 `resolve_moe_impl` is the rule that picks one.
 
 Weights come as (weight, scales) per projection, plain tensors in the format the `quant` argument names
@@ -334,6 +336,29 @@ def eager_impl(impl: str, quant: str, x_ND: torch.Tensor) -> str:
     return impl
 
 
+OPAQUE_GROUPED_MIN_TOKENS = 256
+"""From this many tokens per forward, a compiled "gathered" call on CPU with unquantized float32 experts stays an
+opaque call of the op (`stays_opaque`), which runs "grouped" (`eager_impl`: `torch._grouped_mm` eagerly, each expert's
+weights read once) inside the compiled step, instead of Inductor's gathered loop nest (each assignment's rows read;
+`torch._grouped_mm` cannot be traced in float32). Measured per call, compiled, one thread (`python -m bench.moe`):
+at the scaled model's 256-token canvas "grouped" 20.5 ms against "gathered" 33.4 ms on an AVX2 host
+(bench/results/moe_cpu_2026-12-07.md) and 13.2 against 16.8 ms on an AVX-512 host (moe_cpu_2026-11-30.md); at 128
+tokens 0.98 against 1.29 ms (AVX2) and a tie (AVX-512); at 16 "gathered" is 1.7-2.3x faster. Every forward of the
+released model (a 256-token canvas) is at least this size."""
+
+
+def stays_opaque(impl: str, quant: str, x_ND: torch.Tensor) -> bool:
+    """Whether a compiled call of the op stays an opaque call that runs `run_eager` (rather than being traced into
+    Inductor's graph): "loop" always (it cannot be traced); "gathered" on CPU with unquantized float32 experts and at
+    least `OPAQUE_GROUPED_MIN_TOKENS` tokens (then `eager_impl` runs "grouped", as the eager step does, so those
+    calls give the eager op's bits). `x_ND` may be a fake tensor (its device, dtype and shape are read)."""
+    if impl == "loop":
+        return True
+    N = x_ND.shape[0]  # a symbolic size (a dynamic-shape compile) never qualifies: no guard is added on it
+    return (impl == "gathered" and quant == "none" and x_ND.device.type == "cpu" and x_ND.dtype == torch.float32
+            and isinstance(N, int) and N >= OPAQUE_GROUPED_MIN_TOKENS)
+
+
 @moe_experts.register_fake
 def _(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant):
     _check(impl, quant)
@@ -350,36 +375,50 @@ def _decompose_moe_experts(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down
     return _run(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant)
 
 
-def graph_moe_impls(gm: torch.fx.GraphModule) -> set[str]:
-    """The `impl` arguments of the `dgemma::moe_experts` calls in `gm` and its subgraphs (a Dynamo graph)."""
+def graph_moe_calls(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch.Tensor | None]]:
+    """(impl, quant, x) of each `dgemma::moe_experts` call in `gm` and its subgraphs (a Dynamo graph: x is the
+    input's example value, a fake tensor; None where the node carries none, as in a symbolically traced graph)."""
     op = torch.ops.dgemma.moe_experts
-    impls = set()
+    names = ("x_ND", "w_NK", "idx_NK", "gate_up_EID", "gate_up_scales", "down_EDI", "down_scales", "impl", "quant")
+    calls = []
     for module in gm.modules():
         if isinstance(module, torch.fx.GraphModule):
             for target in (op, op.default):
                 for node in module.graph.find_nodes(op="call_function", target=target):
-                    impls.add(node.kwargs["impl"] if "impl" in node.kwargs else node.args[7])
-    return impls
+                    args = dict(zip(names, node.args)) | dict(node.kwargs)
+                    x = args["x_ND"]
+                    meta = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else None
+                    calls.append((args["impl"], args["quant"], meta if isinstance(meta, torch.Tensor) else None))
+    return calls
+
+
+def graph_moe_impls(gm: torch.fx.GraphModule) -> set[str]:
+    """The `impl` arguments of the `dgemma::moe_experts` calls in `gm` and its subgraphs (a Dynamo graph)."""
+    return {impl for impl, _, _ in graph_moe_calls(gm)}
 
 
 def moe_decompositions(gm: torch.fx.GraphModule) -> dict:
     """The decomposition table for compiling `gm` (`compile_fx(gm, ..., decompositions=...)`): Inductor's default
     table (`select_decomp_table()`, read now: it depends on Inductor's config) plus the decomposition of
-    `dgemma::moe_experts` into its traceable implementation, so that no opaque MoE call remains.
+    `dgemma::moe_experts` into its traceable implementation, unless every call in `gm` stays opaque (`stays_opaque`:
+    "loop", or a large float32 "gathered" call on CPU, which then runs "grouped" eagerly inside the compiled code).
 
-    A graph that calls "loop" gets the default table alone: the loop cannot be traced and stays an opaque call, and
-    Inductor refuses an op that has a decomposition entry but must fall back to its eager kernel
-    (torch/_inductor/lowering.py `make_fallback`: "both a fallback and a decomp for same op"), whatever the entry
-    returns. A new dict: nothing is registered globally.
+    The choice is per graph: Inductor refuses an op that has a decomposition entry but must fall back to its eager
+    kernel (torch/_inductor/lowering.py `make_fallback`: "both a fallback and a decomp for same op"), whatever the
+    entry returns. A unit's MoE calls share one shape (every layer sees the same tokens), so they agree; a graph whose
+    "gathered" calls disagree is decomposed whole. A new dict: nothing is registered globally.
 
     Raises: ValueError (naming moe_impl) when one graph calls the op with "loop" and with another implementation
     (one unit, one implementation: the others would silently stay opaque).
     """
-    impls = graph_moe_impls(gm)
+    calls = graph_moe_calls(gm)
+    impls = {impl for impl, _, _ in calls}
     if "loop" in impls and len(impls) > 1:
         raise ValueError(f"moe_impl: one compiled graph calls dgemma::moe_experts with {sorted(impls)}; 'loop' "
                          "cannot be mixed with a decomposed implementation in one graph")
-    return DecompositionTable(decompose_moe="loop" not in impls)
+    opaque = bool(calls) and all(impl == "loop" or (x is not None and stays_opaque(impl, quant, x))
+                                 for impl, quant, x in calls)
+    return DecompositionTable(decompose_moe=not opaque)
 
 
 class DecompositionTable(dict):
@@ -427,7 +466,8 @@ def resolve_moe_impl(requested: str, *, dtype: torch.dtype, num_experts: int, to
     - eager: "loop", transformers' summation order, so eager runs follow transformers (what the parity tests
       check) and the eager generator stays the oracle.
     - compiled, bfloat16 with E/K > 4: "grouped" (routed FLOPs, each expert's weights read once per forward).
-    - compiled, anything else: "gathered" (routed FLOPs, one fused loop nest, no sort). `torch._grouped_mm`'s meta
+    - compiled, anything else: "gathered" (routed FLOPs, one fused loop nest, no sort; on CPU in float32 from
+      `OPAQUE_GROUPED_MIN_TOKENS` tokens a forward, an opaque call that runs "grouped" eagerly: `stays_opaque`). `torch._grouped_mm`'s meta
       check accepts only bfloat16, so a grouped graph in float32 or float16 cannot be traced. Measured against
       "dense" on this 2-core CPU, one thread, compiled (bench/results/moe_cpu_*.md): float32 2.2x faster at the
       demo's shapes (16 and 128 tokens, E=8, K=2) and 6.1x at the scaled model's (256 tokens, E=64, K=4).
