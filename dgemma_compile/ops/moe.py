@@ -341,10 +341,10 @@ OPAQUE_GROUPED_MIN_TOKENS = 256
 opaque call of the op (`stays_opaque`), which runs "grouped" (`eager_impl`: `torch._grouped_mm` eagerly, each expert's
 weights read once) inside the compiled step, instead of Inductor's gathered loop nest (each assignment's rows read;
 `torch._grouped_mm` cannot be traced in float32). Measured per call, compiled, one thread (`python -m bench.moe`):
-at the scaled model's 256-token canvas "grouped" 20.5 ms against "gathered" 33.4 ms on an AVX2 host
+at the scaled model's 256-token canvas "grouped" 14.6 ms against "gathered" 29.5 ms on an AVX2 host
 (bench/results/moe_cpu_2026-12-07.md) and 13.2 against 16.8 ms on an AVX-512 host (moe_cpu_2026-11-30.md); at 128
-tokens 0.98 against 1.29 ms (AVX2) and a tie (AVX-512); at 16 "gathered" is 1.7-2.3x faster. Every forward of the
-released model (a 256-token canvas) is at least this size."""
+tokens 1.42 against 1.67 ms (AVX2) and 0.71 against 0.69 ms (AVX-512); at 16 "gathered" is 1.9-2.3x faster. Every
+forward of the released model (a 256-token canvas) is at least this size."""
 
 
 def stays_opaque(impl: str, quant: str, x_ND: torch.Tensor) -> bool:
