@@ -3,8 +3,9 @@
 A request may give the canvases of its blocks: per output position a token id (seeded) or nothing (free). Seeded
 positions start the block with their token instead of the request's random start token (`rng.start_canvas`); pinned
 ones (every seeded position of a pinned canvas, the default) also hold it through every denoise step: never
-renoised, their argmax the token, counted as accepted with entropy 0, their self-conditioning input the one-hot of
-the token, and the commit writes it (`sampler.pin`, `sampler.pin_self_conditioning`). A block whose every position
+renoised, their argmax the token, counted as accepted with entropy 0, their self-conditioning input the soft embedding
+of the token's one-hot (its table row, selected at D width: `DiffusionGemma.self_conditioning_embedding`), and the
+commit writes it (`sampler.pin`). A block whose every position
 is pinned finishes in its first step. Free positions denoise as without a canvas, and the end rule is unchanged: an
 eos the model writes at a free position before the canvas ends ends the request there (`ignore_eos` runs on). A canvas longer than one block is split over consecutive blocks: the
 block that starts at output position p takes positions [p, p + C) (p = the tokens the request kept so far, so a

@@ -468,17 +468,29 @@ class DiffusionGemma(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def self_conditioning_embedding(self, probs_BTV: torch.Tensor, local: bool = False) -> torch.Tensor:
+    def self_conditioning_embedding(self, probs_BTV: torch.Tensor, local: bool = False,
+                                    pinned_BT: torch.Tensor | None = None,
+                                    ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         """The soft embedding of self-conditioning: probs @ embedding weight * embed_scale (transformers'
         DiffusionGemmaSelfConditioning input), [B, T, D] in the model dtype, from probabilities [B, T, V] (cast to
         the model dtype first; `quant.quantize`'s `sc_embedding` projection in place of the weight where set).
-        `local`: under tensor parallel, `probs_BTV` is this rank's slice [B, T, per] (`VocabShard.sample_step`)."""
+        `local`: under tensor parallel, `probs_BTV` is this rank's slice [B, T, per] (`VocabShard.sample_step`).
+
+        `pinned_BT` (bool [B, T]) with `ids_BT` (int64 [B, T]): pinned positions (`canvas.py`) take the soft
+        embedding of their token's one-hot, which is the token's table row, exactly (one nonzero term per output),
+        selected at D width before the scale instead of as a one-hot over the vocabulary: the same bits as the
+        one-hot's product for an unquantized table; with a quantized `sc_embedding`, the exact row rather than its
+        quantized product. Under tensor parallel the row is chosen on the rank that holds it, before the product's
+        one all-reduce (`parallel.vocab.VocabParallelProduct`): no collective is added."""
         weight = self.embed_tokens.weight
         probs = probs_BTV.to(weight.dtype)
-        if local and self.vocab_shard is not None:
-            product = self.sc_embedding.local(probs)
+        pins = () if pinned_BT is None else (pinned_BT, ids_BT)
+        if self.vocab_shard is not None:
+            product = self.sc_embedding.local(probs, *pins) if local else self.sc_embedding(probs, *pins)
         else:
             product = probs @ weight if self.sc_embedding is None else self.sc_embedding(probs)
+            if pins:
+                product = torch.where(pinned_BT[..., None], self.embed_tokens(ids_BT), product)
         return product * self.embed_scale.to(weight.dtype)
 
     def embed(self, ids_BT: torch.Tensor) -> torch.Tensor:

@@ -258,23 +258,11 @@ def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B
 def pin(step: SampleStep, pinned_BC: torch.Tensor, ids_BC: torch.Tensor) -> SampleStep:
     """Pinned positions (`canvas.py`) hold their tokens: where `pinned_BC` (bool [B, C]), argmax and sample are
     `ids_BC` (int64 [B, C]) and entropy 0 (certain); their self-conditioning input is the token's embedding
-    (`pin_self_conditioning`, applied by the step after the product). Elsewhere every value is the input's bit for bit
+    (`DiffusionGemma.self_conditioning_embedding`'s `pinned_BT`, applied by the step at D width). Elsewhere every value is the input's bit for bit
     (`torch.where` picks it): a row without pins is unchanged."""
     return step._replace(argmax=torch.where(pinned_BC, ids_BC, step.argmax),
                          sampled=torch.where(pinned_BC, ids_BC, step.sampled),
                          entropy=torch.where(pinned_BC, 0.0, step.entropy))
-
-
-def pin_self_conditioning(sc_embeds_BCD: torch.Tensor, pinned_BC: torch.Tensor,
-                          token_embeds_BCD: torch.Tensor) -> torch.Tensor:
-    """The next step's self-conditioning embeddings [B, C, D] (model dtype) with pinned positions (`pinned_BC` bool
-    [B, C]) taking their token's embedding `token_embeds_BCD` (`DiffusionGemma.embed` of the pinned ids): the soft
-    embedding of a one-hot, applied at D width after the product instead of as a one-hot over the vocabulary before
-    it. The same bits for an unquantized table (one_hot @ W has one nonzero term per output: the row, exactly, in
-    any accumulation order, and both are then scaled by embed_scale in the model dtype); with `quant.quantize`'s
-    `sc_embedding` projection, a pinned position gets the exact row rather than its quantized product. Other
-    positions keep `sc_embeds_BCD` bit for bit (`torch.where` picks it): a row without pins is unchanged."""
-    return torch.where(pinned_BC[..., None], token_embeds_BCD, sc_embeds_BCD)
 
 
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
@@ -297,7 +285,7 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
     Pinned positions (`pinned_BC` bool [B, C], their tokens `pin_ids_BC` int64 [B, C]; `canvas.py`): `pin`, always
     accepted; a row whose every position is pinned finishes in this step; sc_probs is returned as sampled (the step
-    gives pinned positions their token's embedding: `pin_self_conditioning`). Rows without pins: unchanged bit for bit.
+    gives pinned positions their token's embedding: `DiffusionGemma.self_conditioning_embedding`). Rows without pins: unchanged bit for bit.
     """
     sample = sample_step if vocab_shard is None else vocab_shard.sample_step
     step = sample(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW, constrained_B)

@@ -37,7 +37,7 @@ from .model import DiffusionGemma
 from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
 from .plan import PlanBuffers
 from .rows import RowState
-from .sampler import StepNoise, denoise_update, pin_self_conditioning, temperature_table
+from .sampler import StepNoise, denoise_update, temperature_table
 from .uniform import commit_denoise_block, denoise_block, encode_block
 
 
@@ -403,10 +403,10 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
 
 def _self_conditioning(model: DiffusionGemma, new, inputs: StepInputs) -> torch.Tensor:
     """The next step's self-conditioning embeddings [B, C, D]: the soft embedding of the step's probabilities
-    (`sampler.StepUpdate.sc_probs`; under tensor parallel this rank's slice, summed over ranks), the token's
-    embedding at pinned positions (`sampler.pin_self_conditioning`: at D width, not a one-hot over the vocabulary)."""
-    sc = model.self_conditioning_embedding(new.sc_probs, local=True)
-    return pin_self_conditioning(sc, inputs.pinned, model.embed(inputs.canvas_ids))
+    (`sampler.StepUpdate.sc_probs`; under tensor parallel this rank's slice), pinned positions their token's row
+    (`DiffusionGemma.self_conditioning_embedding`: at D width, not a one-hot over the vocabulary)."""
+    return model.self_conditioning_embedding(new.sc_probs, local=True, pinned_BT=inputs.pinned,
+                                             ids_BT=inputs.canvas_ids)
 
 
 def _keep_frame(state: DenoiseState, new) -> None:

@@ -409,6 +409,6 @@ def test_quant_flag_quantizes_on_load_and_names_the_scheme():
     res = run_cli("generate", "--quant", "fp8-weight-only", "--dtype", "bfloat16", "--eager", "sort 3 1 2 9 5=")
     assert res.returncode == 0, res.stderr
     assert res.stdout == "1 2 3 5 9\n"
-    assert "quant fp8-weight-only (numerics v2): 37 projections quantized" in res.stderr  # 29 linears, 8 expert projections
+    assert "quant fp8-weight-only (numerics v3): 37 projections quantized" in res.stderr  # 29 linears, 8 expert projections
     assert "excluded lm_head (the tied embeddings' logits)" in res.stderr and "quant=fp8-weight-only" in res.stderr
     assert "Failed to load" not in res.stderr and "Warning" not in res.stderr

@@ -119,19 +119,16 @@ def test_compiled_matches_loop_and_decomposes(impl, dtype):
 
 
 @pytest.mark.slow
-def test_large_float32_gathered_stays_opaque_and_gives_the_eager_ops_bits():
-    """On CPU in float32, from `OPAQUE_GROUPED_MIN_TOKENS` tokens a compiled "gathered" call stays an opaque call of the
-    op (which runs "grouped" eagerly): bitwise the eager op's output. One token fewer: traced. Both match the loop."""
-    N = ops.moe.OPAQUE_GROUPED_MIN_TOKENS
-    backend = UnitFactory(CompileOptions(), "cpu").backend("t")
-    for n, opaque in ((N, True), (N - 1, False)):
-        fn = torch.compile(lambda *a: call("gathered", *a), backend=backend, fullgraph=True, dynamic=False)
-        args = experts(n, 8, 2)
-        out, ran = runs_op(fn, *args)
-        assert ran == opaque, f"{n} tokens: dgemma::moe_experts {'ran' if ran else 'did not run'}"
-        if opaque:
-            assert torch.equal(out, call("gathered", *args))
-        assert_matches_loop(out, call("loop", *args))
+def test_compiled_float32_grouped_on_cpu_is_an_opaque_call_with_the_eager_ops_bits():
+    """"grouped" compiled in float32 on CPU stays an opaque call of the op (`torch._grouped_mm` traces only in
+    bfloat16), which runs it eagerly: bitwise the eager op's output, and the loop's within float32 noise."""
+    fn = torch.compile(lambda *a: call("grouped", *a), backend=UnitFactory(CompileOptions(), "cpu").backend("t"),
+                       fullgraph=True, dynamic=False)
+    args = experts(32, 8, 2)
+    out, ran = runs_op(fn, *args)
+    assert ran
+    assert torch.equal(out, call("grouped", *args))
+    assert_matches_loop(out, call("loop", *args))
 
 
 def test_materialize_is_a_contiguous_copy():
@@ -159,11 +156,52 @@ def test_decompositions_per_graph():
         assert key in ops.moe_decompositions(graph(impl))
     assert key not in ops.moe_decompositions(graph("loop"))
     assert ops.moe.graph_moe_impls(graph("dense", "grouped")) == {"dense", "grouped"}
-    assert key in ops.moe_decompositions(graph("gathered"))  # no example values (shapes unknown): traced
+    assert key in ops.moe_decompositions(graph("grouped"))  # no example values (dtype unknown): traced
     with pytest.raises(ValueError, match="moe_impl"):
         ops.moe_decompositions(graph("loop", "dense"))
     from torch._inductor.decomposition import select_decomp_table
     assert key not in select_decomp_table()  # nothing registered globally
+
+
+@pytest.mark.parametrize("dtype,opaque", [(torch.float32, True), (torch.bfloat16, False)])
+def test_grouped_stays_opaque_outside_bfloat16(dtype, opaque):
+    """`moe_decompositions` reads each call's input from the graph (a Dynamo graph's example values): "grouped" over
+    float32 stays an opaque call (no decomposition entry), over bfloat16 it is traced; a graph mixing an opaque call
+    with a traced one is refused."""
+    def graph(*impls):
+        def f(x, w, idx, gate_up, down):
+            return sum(moe(x, w, idx, gate_up, [], down, [], impl, "none") for impl in impls)
+        gm = torch.fx.symbolic_trace(f)
+        next(n for n in gm.graph.nodes if n.name == "x").meta["example_value"] = torch.empty(4, D, dtype=dtype)
+        return gm
+
+    key = torch.ops.dgemma.moe_experts.default
+    assert (key not in ops.moe_decompositions(graph("grouped"))) == opaque
+    assert [c[:2] for c in ops.moe.graph_moe_calls(graph("grouped", "dense"))] == [("grouped", "none"), ("dense", "none")]
+    if opaque:
+        with pytest.raises(ValueError, match="moe_impl"):
+            ops.moe_decompositions(graph("grouped", "dense"))
+
+
+@pytest.mark.parametrize("dtype,device,canvas,expected", [
+    (torch.float32, "cpu", 256, "grouped"),     # every forward >= 256 tokens: grouped, an opaque eager call
+    (torch.float32, "cpu", 255, "gathered"),
+    (torch.float32, "cpu", None, "gathered"),   # canvas unknown
+    (torch.float32, "cuda", 256, "gathered"),   # _grouped_mm runs in float32 on CPU only
+    (torch.float16, "cpu", 256, "gathered"),
+])
+def test_resolve_moe_impl_grouped_for_large_float32_canvases_on_cpu(dtype, device, canvas, expected):
+    got = ops.resolve_moe_impl("auto", dtype=dtype, num_experts=64, top_k=4, compiled=True, device_type=device,
+                               canvas_length=canvas)
+    assert got == expected
+    assert ops.resolve_moe_impl("auto", dtype=dtype, num_experts=64, top_k=4, compiled=True, device_type=device,
+                                canvas_length=canvas, quant="fp8") == "gathered"
+    if expected == "grouped":  # explicit too; elsewhere outside bfloat16 refused
+        assert ops.resolve_moe_impl("grouped", dtype=dtype, num_experts=64, top_k=4, compiled=True,
+                                    device_type=device) == "grouped"
+    elif dtype != torch.bfloat16 and device != "cpu":
+        with pytest.raises(ValueError, match="moe_impl"):
+            ops.resolve_moe_impl("grouped", dtype=dtype, num_experts=64, top_k=4, compiled=True, device_type=device)
 
 
 def test_cache_key_tag():

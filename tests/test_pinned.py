@@ -26,7 +26,7 @@ import dgemma_compile as dg
 from dgemma_compile.canvas import BLANK, Canvas, parse_template
 from dgemma_compile.compile import CompileOptions, build
 from dgemma_compile.constraint import Constraint
-from dgemma_compile.sampler import SampleStep, pin, pin_self_conditioning
+from dgemma_compile.sampler import SampleStep, pin
 from dgemma_compile.text import encode_prompt
 
 SORT = "sort 5 3 9 1 2="
@@ -67,25 +67,66 @@ def test_pin_keeps_unpinned_values_bit_for_bit():
     assert (out.entropy[pinned] == 0).all() and out.sc_probs is step.sc_probs
 
 
+def _one_hot_product(model, probs, pinned, ids, local=False):
+    """What the step computed before pins moved to D width: probs made one-hot over the vocabulary at pinned
+    positions, then the soft embedding (the reference the D-width pin must equal bit for bit)."""
+    first = 0 if model.vocab_shard is None or not local else model.vocab_shard.start
+    one_hot = (torch.arange(probs.shape[-1]) + first == ids[..., None]).to(probs.dtype)
+    return model.self_conditioning_embedding(torch.where(pinned[..., None], one_hot, probs), local=local)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pinning_the_embeddings_equals_embedding_the_one_hot(dtype):
-    """`pin_self_conditioning` at D width gives the bits of the one-hot's soft embedding (what the step computed
-    before: probs made one-hot over the vocabulary at pinned positions, then the product): one nonzero term per
-    output is the row exactly; other positions keep the product's bits."""
+def test_pinned_self_conditioning_equals_the_one_hots_soft_embedding(demo, dtype):
+    """`self_conditioning_embedding(..., pinned_BT, ids_BT)` selects the pinned tokens' rows at D width: the bits of
+    the one-hot's soft embedding over the vocabulary (one nonzero term per output is the row exactly); other
+    positions keep the product's bits."""
+    import copy
+
+    model = copy.deepcopy(demo[0]).to(dtype)
     g = torch.Generator().manual_seed(1)
-    B, C, V, D = 3, 6, 40, 24
-    table = torch.randn(V, D, generator=g).to(dtype)
-    scale = torch.tensor(D ** 0.5).to(dtype)
-    probs = torch.rand(B, C, V, generator=g).softmax(-1).to(dtype)
+    B, C, V = 3, 6, model.config.vocab_size
+    probs = torch.rand(B, C, V, generator=g).softmax(-1)
     pinned = torch.zeros(B, C, dtype=torch.bool)
     pinned[0, 1] = pinned[2, 3:] = True
     ids = torch.randint(V, (B, C), generator=g)
-    one_hot = torch.nn.functional.one_hot(ids, V).to(dtype)
-    before = torch.where(pinned[..., None], one_hot, probs) @ table * scale
-    sc = probs @ table * scale
-    got = pin_self_conditioning(sc, pinned, table[ids] * scale)
-    assert torch.equal(got, before)
-    assert torch.equal(got[~pinned], sc[~pinned]) and not torch.equal(got, sc)
+    got = model.self_conditioning_embedding(probs, pinned_BT=pinned, ids_BT=ids)
+    assert got.dtype == dtype
+    assert torch.equal(got, _one_hot_product(model, probs, pinned, ids))
+    plain = model.self_conditioning_embedding(probs)
+    assert torch.equal(got[~pinned], plain[~pinned]) and not torch.equal(got, plain)
+
+
+def test_pinned_self_conditioning_under_tensor_parallel_adds_no_collective():
+    """Two ranks' vocabulary slices (one process, torch's fake process group: its all-reduce returns the rank's own
+    term, so the two ranks' terms are summed here): the pinned row comes from the rank that holds it, zero from the
+    other, inside the product's one all-reduce; the sum equals the one-hot's soft embedding bit for bit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dgemma_compile.demo import DEMO_MODEL
+    from dgemma_compile.parallel.vocab import VocabParallelProduct, local_rows, vocab_range
+
+    model = dg.load(DEMO_MODEL)
+    g = torch.Generator().manual_seed(2)
+    B, C, V = 2, 5, model.config.vocab_size
+    probs = torch.rand(B, C, V, generator=g).softmax(-1)
+    pinned = torch.rand(B, C, generator=g) < 0.5
+    ids = torch.randint(V, (B, C), generator=g)
+    table = model.embed_tokens.weight.detach()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    one_hot = torch.nn.functional.one_hot(ids, V).to(probs.dtype)
+    try:
+        got, want = 0, 0
+        for rank in range(2):
+            start, _ = vocab_range(V, rank, 2)
+            product = VocabParallelProduct(torch.nn.Parameter(local_rows(table, rank, 2), requires_grad=False),
+                                           start, V, dist.group.WORLD)
+            got = got + product(probs, pinned, ids)
+            want = want + product(torch.where(pinned[..., None], one_hot, probs))  # the one-hot, as before
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(got, want)
+    assert torch.equal(got[pinned], table[ids[pinned]])
 
 
 def test_parse_template(demo):

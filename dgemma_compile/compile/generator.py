@@ -75,7 +75,8 @@ class CompiledGenerator:
         # the routed experts' implementation in every compiled unit (`ops.moe.resolve_moe_impl`); the eager generator
         # reproduces these numerics with `generate(..., moe_impl=gen.moe_impl)`
         self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=self.model.dtype, num_experts=cfg.num_experts,
-                                         top_k=cfg.top_k_experts, compiled=True, quant=self.model.expert_quant)
+                                         top_k=cfg.top_k_experts, compiled=True, quant=self.model.expert_quant,
+                                         device_type=self.model.device.type, canvas_length=cfg.canvas_length)
         # batch-invariant rows (`CompileOptions.batch_invariant`), checked before anything compiles: asked for
         # (True) and not possible raises; by default (None) a model that cannot have them runs without, logged
         self.batch_invariant = self.options.batch_invariance(self.model.device.type)

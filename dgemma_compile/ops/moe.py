@@ -25,9 +25,9 @@ batch-invariant on CPU as "gathered" is (`compile.options.BATCH_INVARIANT_MOE`):
 the compiled one compiles gave the compiled step's tokens on all 500 demo test prompts
 (bench/results/eager_step_cpu_2026-12-03.md). Compiled through `moe_decompositions(gm)` (the
 table the compile backend passes to Inductor), "grouped", "dense" and "gathered" are traced into the graph in place of the op,
-so Inductor sees plain aten ops; "loop" stays an opaque call (it cannot be traced), and so does "gathered" on CPU with
-unquantized float32 experts from `OPAQUE_GROUPED_MIN_TOKENS` tokens per forward (`stays_opaque`): there the opaque call
-runs "grouped" eagerly, faster than Inductor's loop nest at that size, and gives the eager step's bits.
+so Inductor sees plain aten ops; "loop" stays an opaque call (it cannot be traced), and so does "grouped" outside
+bfloat16 (`stays_opaque`: `torch._grouped_mm` traces only in bfloat16, and eagerly on CPU it runs in float32 too), which
+`resolve_moe_impl` picks on CPU for float32 models whose canvas is at least `GROUPED_MIN_CANVAS` tokens.
 `resolve_moe_impl` is the rule that picks one.
 
 Weights come as (weight, scales) per projection, plain tensors in the format the `quant` argument names
@@ -336,27 +336,23 @@ def eager_impl(impl: str, quant: str, x_ND: torch.Tensor) -> str:
     return impl
 
 
-OPAQUE_GROUPED_MIN_TOKENS = 256
-"""From this many tokens per forward, a compiled "gathered" call on CPU with unquantized float32 experts stays an
-opaque call of the op (`stays_opaque`), which runs "grouped" (`eager_impl`: `torch._grouped_mm` eagerly, each expert's
-weights read once) inside the compiled step, instead of Inductor's gathered loop nest (each assignment's rows read;
-`torch._grouped_mm` cannot be traced in float32). Measured per call, compiled, one thread (`python -m bench.moe`):
-at the scaled model's 256-token canvas "grouped" 14.6 ms against "gathered" 29.5 ms on an AVX2 host
-(bench/results/moe_cpu_2026-12-07.md) and 13.2 against 16.8 ms on an AVX-512 host (moe_cpu_2026-11-30.md); at 128
-tokens 1.42 against 1.67 ms (AVX2) and 0.71 against 0.69 ms (AVX-512); at 16 "gathered" is 1.9-2.3x faster. Every
-forward of the released model (a 256-token canvas) is at least this size."""
+GROUPED_MIN_CANVAS = 256
+"""`resolve_moe_impl` picks "grouped" for a compiled float32 model on CPU whose canvas is at least this many tokens (so
+every forward, at every batch size, has at least that many: one rule per generator, so a row's bits never depend on
+its bucket). There "grouped" stays an opaque call of the op in the compiled step (`stays_opaque`) and runs
+`torch._grouped_mm` eagerly, each expert's weights read once, instead of Inductor's "gathered" loop nest (each
+assignment's rows read). Measured per call, compiled, one thread (`python -m bench.moe`): at the scaled model's
+256-token canvas "grouped" 14.6 ms against "gathered" 29.5 ms on an AVX2 host (bench/results/moe_cpu_2026-12-07.md)
+and 13.2 against 16.8 ms on an AVX-512 host (moe_cpu_2026-11-30.md); at 128 tokens 1.42 against 1.67 ms (AVX2) and
+0.71 against 0.69 ms (AVX-512); at 16 tokens "gathered" is 1.9-2.3x faster. The released model's canvas is 256."""
 
 
-def stays_opaque(impl: str, quant: str, x_ND: torch.Tensor) -> bool:
+def stays_opaque(impl: str, quant: str, x_ND: torch.Tensor | None) -> bool:
     """Whether a compiled call of the op stays an opaque call that runs `run_eager` (rather than being traced into
-    Inductor's graph): "loop" always (it cannot be traced); "gathered" on CPU with unquantized float32 experts and at
-    least `OPAQUE_GROUPED_MIN_TOKENS` tokens (then `eager_impl` runs "grouped", as the eager step does, so those
-    calls give the eager op's bits). `x_ND` may be a fake tensor (its device, dtype and shape are read)."""
-    if impl == "loop":
-        return True
-    N = x_ND.shape[0]  # a symbolic size (a dynamic-shape compile) never qualifies: no guard is added on it
-    return (impl == "gathered" and quant == "none" and x_ND.device.type == "cpu" and x_ND.dtype == torch.float32
-            and isinstance(N, int) and N >= OPAQUE_GROUPED_MIN_TOKENS)
+    Inductor's graph): "loop" always (data-dependent shapes), "grouped" when its input `x_ND` is not bfloat16
+    (`torch._grouped_mm`'s meta check traces bfloat16 only). `x_ND` may be a fake tensor, or None when unknown (a
+    symbolically traced graph): then only "loop"."""
+    return impl == "loop" or (impl == "grouped" and x_ND is not None and x_ND.dtype != torch.bfloat16)
 
 
 @moe_experts.register_fake
@@ -400,25 +396,22 @@ def graph_moe_impls(gm: torch.fx.GraphModule) -> set[str]:
 def moe_decompositions(gm: torch.fx.GraphModule) -> dict:
     """The decomposition table for compiling `gm` (`compile_fx(gm, ..., decompositions=...)`): Inductor's default
     table (`select_decomp_table()`, read now: it depends on Inductor's config) plus the decomposition of
-    `dgemma::moe_experts` into its traceable implementation, unless every call in `gm` stays opaque (`stays_opaque`:
-    "loop", or a large float32 "gathered" call on CPU, which then runs "grouped" eagerly inside the compiled code).
+    `dgemma::moe_experts` into its traceable implementation, unless the calls in `gm` stay opaque (`stays_opaque`:
+    "loop", or "grouped" outside bfloat16, which then runs eagerly inside the compiled code).
 
     The choice is per graph: Inductor refuses an op that has a decomposition entry but must fall back to its eager
     kernel (torch/_inductor/lowering.py `make_fallback`: "both a fallback and a decomp for same op"), whatever the
-    entry returns. A unit's MoE calls share one shape (every layer sees the same tokens), so they agree; a graph whose
-    "gathered" calls disagree is decomposed whole. A new dict: nothing is registered globally.
+    entry returns. A new dict: nothing is registered globally.
 
-    Raises: ValueError (naming moe_impl) when one graph calls the op with "loop" and with another implementation
-    (one unit, one implementation: the others would silently stay opaque).
+    Raises: ValueError (naming moe_impl) when one graph mixes calls that stay opaque with calls that are traced
+    (one unit, one implementation: the traced ones would silently stay opaque).
     """
     calls = graph_moe_calls(gm)
-    impls = {impl for impl, _, _ in calls}
-    if "loop" in impls and len(impls) > 1:
-        raise ValueError(f"moe_impl: one compiled graph calls dgemma::moe_experts with {sorted(impls)}; 'loop' "
-                         "cannot be mixed with a decomposed implementation in one graph")
-    opaque = bool(calls) and all(impl == "loop" or (x is not None and stays_opaque(impl, quant, x))
-                                 for impl, quant, x in calls)
-    return DecompositionTable(decompose_moe=not opaque)
+    opaque = {(impl, stays_opaque(impl, quant, x)) for impl, quant, x in calls}
+    if len({o for _, o in opaque}) > 1:
+        raise ValueError(f"moe_impl: one compiled graph calls dgemma::moe_experts with {sorted(i for i, _ in opaque)}, "
+                         "some of which stay opaque calls and some are traced; one graph takes one kind")
+    return DecompositionTable(decompose_moe=not any(o for _, o in opaque))
 
 
 class DecompositionTable(dict):
@@ -460,33 +453,38 @@ def moe_cache_key():
 
 
 def resolve_moe_impl(requested: str, *, dtype: torch.dtype, num_experts: int, top_k: int, compiled: bool,
-                     quant: str = "none") -> str:
+                     quant: str = "none", device_type: str | None = None, canvas_length: int | None = None) -> str:
     """The MoE implementation to run: `requested` if explicit, else (for "auto") the rule below.
 
     - eager: "loop", transformers' summation order, so eager runs follow transformers (what the parity tests
       check) and the eager generator stays the oracle.
     - compiled, bfloat16 with E/K > 4: "grouped" (routed FLOPs, each expert's weights read once per forward).
-    - compiled, anything else: "gathered" (routed FLOPs, one fused loop nest, no sort; on CPU in float32 from
-      `OPAQUE_GROUPED_MIN_TOKENS` tokens a forward, an opaque call that runs "grouped" eagerly: `stays_opaque`). `torch._grouped_mm`'s meta
+    - compiled on CPU (`device_type` "cpu"), float32, unquantized, a canvas of at least `GROUPED_MIN_CANVAS` tokens:
+      "grouped" as an opaque call that runs `torch._grouped_mm` eagerly inside the compiled step (`stays_opaque`;
+      numerics `cpu-experts/v2`, docs/numerics.md).
+    - compiled, anything else: "gathered" (routed FLOPs, one fused loop nest, no sort). `torch._grouped_mm`'s meta
       check accepts only bfloat16, so a grouped graph in float32 or float16 cannot be traced. Measured against
       "dense" on this 2-core CPU, one thread, compiled (bench/results/moe_cpu_*.md): float32 2.2x faster at the
       demo's shapes (16 and 128 tokens, E=8, K=2) and 6.1x at the scaled model's (256 tokens, E=64, K=4).
     - quantized experts (`quant` != "none"): never "grouped" (`IMPL_QUANTS`), so "gathered" when compiled.
 
-    Raises: ValueError (naming moe_impl) for an unknown name, for "grouped" when compiled in a dtype other than
-    bfloat16, or for an implementation that does not take the experts' format `quant` (an explicit choice that
-    cannot run is refused, never replaced).
+    Raises: ValueError (naming moe_impl) for an unknown name, for "grouped" compiled in a dtype other than bfloat16
+    (except float32 on CPU, where it stays an opaque eager call), or for an implementation that does not take the
+    experts' format `quant` (an explicit choice that cannot run is refused, never replaced).
     """
     if requested != "auto" and requested not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be 'auto' or one of {MOE_IMPLS}, got {requested!r}")
-    if requested == "grouped" and compiled and dtype != torch.bfloat16:
-        raise ValueError(f"moe_impl='grouped' cannot be compiled in {dtype}: torch._grouped_mm traces only in "
-                         "bfloat16; use 'gathered', 'dense' or 'auto'")
+    cpu_float32 = device_type == "cpu" and dtype == torch.float32
+    if requested == "grouped" and compiled and dtype != torch.bfloat16 and not cpu_float32:
+        raise ValueError(f"moe_impl='grouped' cannot be compiled in {dtype} on {device_type or 'this device'}: "
+                         "torch._grouped_mm traces only in bfloat16 (and runs eagerly in float32 on CPU only); use "
+                         "'gathered', 'dense' or 'auto'")
     if requested != "auto":
         _check(requested, quant)
         return requested
     if not compiled:
         return "loop"
-    if dtype == torch.bfloat16 and num_experts > 4 * top_k and quant == "none":
+    if quant == "none" and ((dtype == torch.bfloat16 and num_experts > 4 * top_k) or
+                            (cpu_float32 and canvas_length is not None and canvas_length >= GROUPED_MIN_CANVAS)):
         return "grouped"
     return "gathered"

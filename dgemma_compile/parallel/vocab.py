@@ -115,13 +115,24 @@ class VocabParallelProduct(nn.Module):
         self.vocab_size = vocab_size
         self.group = group
 
-    def local(self, probs_local: torch.Tensor) -> torch.Tensor:
+    def local(self, probs_local: torch.Tensor, pinned: torch.Tensor | None = None,
+              ids: torch.Tensor | None = None) -> torch.Tensor:
         """[..., D]: the product from this rank's slice of the probabilities [..., ceil(V/N)] (padding ids 0), one
-        all-reduce (the step's path: `sampler.VocabShard.sample_step` gives the slice)."""
+        all-reduce (the step's path: `sampler.VocabShard.sample_step` gives the slice). `pinned` (bool [...]) with
+        `ids` (int64 [...]): those positions take their token's table row instead (`DiffusionGemma
+        .self_conditioning_embedding`), from the rank that holds it and zero on the others, before the all-reduce:
+        the row exactly, with no collective added."""
         product = probs_local @ self.weight if self.projection is None else F.linear(probs_local, self.projection)
+        if pinned is not None:
+            per = self.weight.shape[0]
+            at = ids - self.start
+            mine = ((at >= 0) & (at < per))[..., None]
+            rows = F.embedding(at.clamp(0, per - 1), self.weight)
+            product = torch.where(pinned[..., None], torch.where(mine, rows, torch.zeros_like(rows)), product)
         return funcol.all_reduce(product, "sum", self.group)
 
-    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+    def forward(self, probs: torch.Tensor, pinned: torch.Tensor | None = None,
+                ids: torch.Tensor | None = None) -> torch.Tensor:
         per = self.weight.shape[0]
         padded = F.pad(probs, (0, self.start + per - min(self.vocab_size, self.start + per)))
-        return self.local(padded[..., self.start:self.start + per])
+        return self.local(padded[..., self.start:self.start + per], pinned, ids)

@@ -24,10 +24,12 @@ from ..config import ConfigError
 from ..ops.moe import AMAX_FLOOR, NVFP4_BLOCK, amax_floor
 
 SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")
-NUMERICS = "v2"
+NUMERICS = "v3"
 """What the schemes cover and how, versioned like `sampler.SCHEME` (a change can change tokens): v1 (2026-11-30) the
 linears; v2 (2026-12-01) + the routed experts, the lm_head and the tied embeddings' two products, and the weight amax
-floor. Named in `QuantReport.text()`."""
+floor; v3 (2026-12-07) a pinned canvas position's self-conditioning input is its token's exact table row, not the
+quantized product of its one-hot (`DiffusionGemma.self_conditioning_embedding`; unpinned requests: v2's tokens).
+Named in `QuantReport.text()`."""
 
 
 def check_scheme(scheme: str, device: torch.device, dtype: torch.dtype) -> None:
