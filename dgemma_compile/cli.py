@@ -38,8 +38,8 @@ DEFAULT_GROUP_TIMEOUT_S = 300.0  # = parallel.ranks.DEFAULT_GROUP_TIMEOUT_S
 DEFAULT_BATCH_SIZE = 8
 MOE_RULE = ("loop = transformers' summation order (eager default, parity tests); grouped = torch._grouped_mm (compiled "
             "bf16 with E/K > 4; compiled float32 on CPU with a canvas of >= 256 tokens, as an eager call inside the "
-            "step); gathered = each assignment's expert rows gathered, one fused loop nest (compiled, everything else); "
-            "dense = every expert on every token (explicit only)")
+            "step); gathered = each assignment's expert rows gathered, one fused loop nest (compiled, everything "
+            "else); dense = every expert on every token (explicit only)")
 # --prompts-file JSONL keys: the ones a line may set, and the ones that will come with later flags.
 LINE_KEYS = ("prompt", "seed", "max_new_tokens", "entropy_bound", "temperature", "stop")
 SLOT_ROUNDING = 256  # static cache sizes are rounded up so that nearby requests share compiled graphs

@@ -502,7 +502,6 @@ class DiffusionGemma(nn.Module):
         return self.embed_tokens(ids_BT) * self.embed_scale.to(weight.dtype)
 
     # ----- internals --------------------------------------------------------------------------------------------
-
     def _forward_block(self, x_BTD: torch.Tensor, cache: KVCache, plan: ForwardPlan,
                        moe_impl: str | None = None) -> torch.Tensor:
         """The layers over one block under `plan` (its RoPE tables, masks and cache slots), then the final norm;

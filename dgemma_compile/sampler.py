@@ -258,7 +258,8 @@ def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B
 def pin(step: SampleStep, pinned_BC: torch.Tensor, ids_BC: torch.Tensor) -> SampleStep:
     """Pinned positions (`canvas.py`) hold their tokens: where `pinned_BC` (bool [B, C]), argmax and sample are
     `ids_BC` (int64 [B, C]) and entropy 0 (certain); their self-conditioning input is the token's embedding
-    (`DiffusionGemma.self_conditioning_embedding`'s `pinned_BT`, applied by the step at D width). Elsewhere every value is the input's bit for bit
+    (`DiffusionGemma.self_conditioning_embedding`'s `pinned_BT`, applied by the step at D width). Elsewhere every
+    value is the input's bit for bit
     (`torch.where` picks it): a row without pins is unchanged."""
     return step._replace(argmax=torch.where(pinned_BC, ids_BC, step.argmax),
                          sampled=torch.where(pinned_BC, ids_BC, step.sampled),
@@ -285,7 +286,8 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
     on a block's first step when P >= 1) and mean entropy of the scaled logits < the confidence threshold.
     Pinned positions (`pinned_BC` bool [B, C], their tokens `pin_ids_BC` int64 [B, C]; `canvas.py`): `pin`, always
     accepted; a row whose every position is pinned finishes in this step; sc_probs is returned as sampled (the step
-    gives pinned positions their token's embedding: `DiffusionGemma.self_conditioning_embedding`). Rows without pins: unchanged bit for bit.
+    gives pinned positions their token's embedding: `DiffusionGemma.self_conditioning_embedding`). Rows without
+    pins: unchanged bit for bit.
     """
     sample = sample_step if vocab_shard is None else vocab_shard.sample_step
     step = sample(logits_BCV, temperature_B, greedy_B, noise.uniform, allowed_BW, constrained_B)
