@@ -82,6 +82,21 @@ def demo_gen(demo):
     return build(demo[0], CompileOptions(batch_buckets=(2,), max_seq_len=256))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cpp_builds_through_the_compile_cache():
+    """Every Inductor C++ build in the suite's processes goes through the user-level compile cache's C++ store
+    (`compile.cpp_store`, keyed without the venv's paths), as the generator's own compiles do: a fresh clone's new
+    venv (what `.ci/run` makes) rebuilds none of what an earlier run built, also for the tests' plain
+    `torch.compile` calls (docs/testing.md). Nothing when the cache is off (`DGEMMA_CACHE=off`); a test's own store
+    (a temporary cache) nests inside and takes its builds."""
+    from dgemma_compile.compile.artifacts import ArtifactStore
+    from dgemma_compile.compile.cpp_store import building_from
+
+    store = ArtifactStore.default()
+    with building_from(store.cpp if store is not None else None):
+        yield
+
+
 @pytest.fixture(scope="session")
 def shared_compile_cache(tmp_path_factory):
     """The user-level compile cache every process of the suite shares (`artifacts.cache_root()`, docs/testing.md), for

@@ -140,6 +140,7 @@ def test_isa_probes_are_recorded_by_compiler_cpu_torch_and_flags(tmp_path, monke
     code probe again. Outside the block the original probe is back."""
     from torch._inductor import cpu_vec_isa
 
+    monkeypatch.setattr(S, "_active", [])  # this test's blocks are the outermost (the suite's own is set aside)
     calls = []
 
     def fake_probe(isa, code):
@@ -236,14 +237,19 @@ def test_inputs_resolve_only_to_tensors_of_the_recorded_layout(tiny_model):
             A.resolve_inputs(names, recorded, tiny_model, tensors)
 
 
-def test_changed_compiler_settings_are_a_miss_and_calling_options_are_not(tiny_model, monkeypatch):
+def test_changed_compiler_settings_are_a_miss_and_calling_options_are_not(tiny_model, monkeypatch, tmp_path):
     """A caller's Inductor setting or TORCHINDUCTOR_ variable changes the key; how a step is called (direct calls,
-    guards, recompile limit) does not."""
+    guards, recompile limit) or built (compile workers, precompiled headers: what `cpp_store.building_from` sets, so
+    that a step keyed inside such a block is the one keyed outside) does not."""
     import torch._inductor.config as inductor_config
 
     base = A.step_key(_parts(tiny_model))
     with inductor_config.patch(fallback_random=True):
         assert A.step_key(_parts(tiny_model)) != base
+    with inductor_config.patch(compile_threads=7, cpp_cache_precompile_headers=False):
+        assert A.step_key(_parts(tiny_model)) == base
+    with S.building_from(S.CppStore(tmp_path / "cpp")):
+        assert A.step_key(_parts(tiny_model)) == base
     monkeypatch.setenv("TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "1")
     assert A.step_key(_parts(tiny_model)) != base
     monkeypatch.delenv("TORCHINDUCTOR_EMULATE_PRECISION_CASTS")

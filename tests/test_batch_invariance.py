@@ -149,10 +149,11 @@ def test_compiled_rows_are_bitwise_invariant_across_buckets(demo):
     assert {name.split("[")[1][:2] for name in gen.ready} == {"B1", "B8"}
 
 
-def released_width_model(num_experts: int = 8, top_k: int = 2, vocab_size: int = 16_384) -> dg.DiffusionGemma:
+def released_width_model(dtype: torch.dtype, num_experts: int = 8, top_k: int = 2,
+                         vocab_size: int = 16_384) -> dg.DiffusionGemma:
     """Two layers (one sliding, one full) at the released width (hidden 2816, 16 query heads, sliding 8 x 256 and full
     2 x 512 KV heads, dense MLP 2112, experts of 704, canvas 256, window 1024, soft-cap 30: `test_real_size.TEXT`'s
-    shapes) in bfloat16, random weights (N(0, 0.02) matrices, unit norms; `bench.models.build_direct`). Reduced: 8
+    shapes) in `dtype`, random weights (N(0, 0.02) matrices, unit norms; `bench.models.build_direct`). Reduced: 8
     experts top-2 (routing still splits tokens unevenly among experts) and a vocabulary of 16,384 (as the scaled bench
     model: the lm_head's and the self-conditioning product's other dimension; their GEMM rows, what batching changes,
     stay B x 256), so that the test runs in well under a minute."""
@@ -165,30 +166,36 @@ def released_width_model(num_experts: int = 8, top_k: int = 2, vocab_size: int =
                             "vocab_size": vocab_size, "num_layers": 2, "layer_types": layers,
                             "head_dims": (256, 512), "num_kv_heads": (8, 2), "num_experts": num_experts,
                             "top_k_experts": top_k, "max_position_embeddings": 8192})
-    return build_direct(cfg, torch.device("cpu"), torch.bfloat16)
+    return build_direct(cfg, torch.device("cpu"), dtype)
 
 
-def _bf16_gemm_is_row_invariant() -> bool:
-    """Whether this host's bfloat16 GEMM gives a row the same bits alone (256 rows) as inside 512 rows: oneDNN's AMX
-    kernels (found on a Sapphire Rapids host, 2026-12-06) block over M differently by size and are not; then no
-    bf16 model on the host can be, and the check below has nothing of ours to test."""
+def _gemm_is_row_invariant(dtype: torch.dtype) -> bool:
+    """Whether this host's GEMM in `dtype` gives a row the same bits alone (256 rows) as inside 512 rows: oneDNN's
+    AMX bfloat16 kernels (found on a Sapphire Rapids host, 2026-12-06) block over M differently by size and are not;
+    then no model in that dtype on the host can be, and the check below has nothing of ours to test."""
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(2112, 2816, generator=g) * 0.02).bfloat16()
-    x = torch.randn(512, 2816, generator=g).bfloat16()
+    w = (torch.randn(2112, 2816, generator=g) * 0.02).to(dtype)
+    x = torch.randn(512, 2816, generator=g).to(dtype)
     return torch.equal(torch.nn.functional.linear(x[256:], w), torch.nn.functional.linear(x, w)[256:])
 
 
 @pytest.mark.slow
-def test_released_width_bf16_logits_are_bitwise_batch_invariant():
-    """The released width in bfloat16, eager: each row's float32 logits of two denoise passes (the second
-    self-conditioned on the first) after its prompt's encoder chunk are bitwise those of its solo run, for the
-    batch-invariant experts ("dense", the eager engine's; "grouped", what compiled bfloat16 runs at the released
-    E/K = 16). Fixed shapes as in the engine: prompts padded to one 256-token chunk, a cache of 512 slots for every
-    batch size. Rows: 2 prompts of 200 and 120 tokens; the solo run of the second (~40 s of CPU; a third row of 30
-    tokens added ~15 s and no case: the batch's rows already differ in length and position)."""
-    if not _bf16_gemm_is_row_invariant():
-        pytest.skip("this host's bfloat16 GEMM is not row-invariant (oneDNN AMX kernels): docs/numerics.md")
-    model = released_width_model()
+def test_released_width_logits_are_bitwise_batch_invariant_in_the_hosts_compute_dtype():
+    """The released width in the dtype this host computes the released (bfloat16) checkpoint in
+    (`compute_dtype.for_host`: bfloat16 where its GEMM is native, float32 where it is ATen's slow reference path,
+    e.g. an AVX2-only host; there a bfloat16 run of this test took 10.6 minutes of CI and checked a dtype no default
+    path of the host takes), eager: each row's float32 logits of two denoise passes (the second self-conditioned on
+    the first) after its prompt's encoder chunk are bitwise those of its solo run, for the batch-invariant experts
+    ("dense", the eager engine's; "grouped", what compiled bfloat16 runs at the released E/K = 16, and compiled
+    float32 on CPU at a canvas of 256). Fixed shapes as in the engine: prompts padded to one 256-token chunk, a cache
+    of 512 slots for every batch size. Rows: 2 prompts of 200 and 120 tokens; the solo run of the second (a third row
+    of 30 tokens added time and no case: the batch's rows already differ in length and position)."""
+    from dgemma_compile import compute_dtype
+
+    dtype, _ = compute_dtype.for_host(torch.bfloat16, torch.device("cpu"))
+    if not _gemm_is_row_invariant(dtype):
+        pytest.skip(f"this host's {dtype} GEMM is not row-invariant (oneDNN AMX kernels): docs/numerics.md")
+    model = released_width_model(dtype)
     C, slots = model.config.canvas_length, 512
     g = torch.Generator().manual_seed(0)
     V = model.config.vocab_size
@@ -209,7 +216,7 @@ def test_released_width_bf16_logits_are_bitwise_batch_invariant():
             for k, (solo, together) in enumerate(zip(run([r], moe_impl), batch)):
                 assert solo.dtype == torch.float32
                 assert torch.equal(solo[0], together[r]), \
-                    f"{moe_impl}, row {r}, pass {k}: differs by {(solo[0] - together[r]).abs().max().item():.3g}"
+                    f"{dtype} {moe_impl}, row {r}, pass {k}: differs by {(solo[0] - together[r]).abs().max().item():.3g}"
 
 
 def test_batch_invariant_option_and_rule(demo):

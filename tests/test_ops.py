@@ -155,7 +155,7 @@ def test_decompositions_per_graph():
     for impl in ("dense", "grouped", "gathered"):
         assert key in ops.moe_decompositions(graph(impl))
     assert key not in ops.moe_decompositions(graph("loop"))
-    assert ops.moe.graph_moe_impls(graph("dense", "grouped")) == {"dense", "grouped"}
+    assert [impl for impl, _, _ in ops.moe.graph_moe_calls(graph("dense", "grouped"))] == ["dense", "grouped"]
     assert key in ops.moe_decompositions(graph("grouped"))  # no example values (dtype unknown): traced
     with pytest.raises(ValueError, match="moe_impl"):
         ops.moe_decompositions(graph("loop", "dense"))

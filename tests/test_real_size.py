@@ -282,7 +282,16 @@ def test_bfloat16_logits_within_epsilon_bound(reference):
     bfloat16 keys and values in the cache): added at random, each of relative size up to 2^-8 of values that feed
     logits of scale S, they amount to a few 2^-8 x S more. Measured: 3.5 x 2^-8 x S at seed 0 (S = 20.3), 2.9-3.5
     over seeds 0-2, so the factor 16 leaves 4.5x. A wrong mask, window, RoPE or head layout moves logits by a sizeable
-    share of S (the symmetric window alone: see the symmetric test), far above S / 16."""
+    share of S (the symmetric window alone: see the symmetric test), far above S / 16.
+
+    Skipped where this host's bfloat16 GEMM is ATen's slow reference path (`compute_dtype.probe`: an AVX2-only host,
+    where it took 114 s of CI): no default path of such a host computes in bfloat16 (a bf16 checkpoint loads as
+    float32 there; docs/numerics.md), and the float32 checks of this module still run."""
+    from dgemma_compile import compute_dtype
+
+    probe = compute_dtype.probe(torch.bfloat16)
+    if probe.slow:
+        pytest.skip(f"{probe} (ATen's reference path): this host computes bf16 checkpoints in float32")
     model = dg.load(reference.directory, dtype=torch.bfloat16, vision=False)
     cache = model.new_cache(1, SLOTS)
     dg.encode(model, reference.prompt, cache)

@@ -57,6 +57,10 @@ many recompiles Dynamo allows."""
 CONFIG_MODULES = ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config")
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_")
 ENV_IGNORED = ("TORCHINDUCTOR_CACHE_DIR",)  # where Inductor caches, not what it makes
+CONFIG_IGNORED = {"torch._inductor.config": ("compile_threads", "cpp_cache_precompile_headers")}
+"""Settings of how a graph is built, not what it builds: the number of compile workers and precompiled headers (a
+build speed-up of the same source; `cpp_store.building_from` sets both, and a caller inside such a block must key
+the step as one outside it does)."""
 
 
 def cache_root() -> Path | None:
@@ -104,7 +108,8 @@ def device_identity(device: torch.device) -> str:
 
 def ambient_config() -> dict:
     """The compiler settings a caller changed: per config module already imported, its values that differ from the
-    defaults (a module not imported yet holds only defaults), and the compiler's environment variables."""
+    defaults (a module not imported yet holds only defaults; `CONFIG_IGNORED` left out), and the compiler's
+    environment variables."""
     out = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ENV_IGNORED}
     for name in CONFIG_MODULES:
         mod = sys.modules.get(name)
@@ -112,8 +117,9 @@ def ambient_config() -> dict:
             continue
         # values compared with their defaults (torch's `_is_default` also counts a patch that was undone, as our own
         # `options.applied` patches are, which would make every key after a first compile differ)
+        ignored = CONFIG_IGNORED.get(name, ())
         changed = {k: v for k, v in mod.get_config_copy().items()
-                   if k in mod._config and not _same(v, mod._config[k].default)}
+                   if k in mod._config and k not in ignored and not _same(v, mod._config[k].default)}
         if changed:
             out[name] = _plain(changed)
     return out

@@ -524,8 +524,9 @@ class UnitFactory:
         `CompileOptions.disabled_passes`) and `CompileOptions.inductor_config` for the factory's device, counting
         compiles of unit `name` and their seconds and the passes' matches (`pass_matches`); each compiled graph is
         appended to `sink` if given. With a compile-cache `slot`, the graph is compiled by `standalone_compile(...,
-        aot=True)` (the same Inductor compile, made saveable), its C++ built through the cache's C++ store, and saved
-        as the unit's artifact. Inductor and the passes are imported when a graph compiles (an eager or loaded step
+        aot=True)` (the same Inductor compile, made saveable) and saved as the unit's artifact. With a cache (`store`),
+        every graph's C++ is built through its C++ store (`cpp_store`), slot or not, so that a new venv rebuilds
+        none. Inductor and the passes are imported when a graph compiles (an eager or loaded step
         never imports them)."""
 
         def backend(gm: torch.fx.GraphModule, example_inputs):
@@ -539,7 +540,9 @@ class UnitFactory:
             self.compiles[name] += 1
             pass_config = passes.inductor_config(self.options.disabled_passes, self.options.pass_settings())
             config = {**self.options.inductor_config(self.device.type), **pass_config}
-            store = slot.store.cpp_builds(self.device) if slot is not None else contextlib.nullcontext()
+            # every compile's C++ through the cache's C++ store, also the steps the cache cannot hold (quantized
+            # weights, `artifact_cache=False`): their Inductor graph cache hits in a new venv, and then its g++ builds
+            store = self.store.cpp_builds(self.device) if self.store is not None else contextlib.nullcontext()
             with moe_cache_key(), passes.cache_key(pass_config), torch._inductor.config.patch(config), \
                     passes.recording() as counts, store:
                 key = records.record_key(gm, example_inputs, pass_config)  # before compile_fx changes gm

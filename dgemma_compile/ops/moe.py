@@ -388,11 +388,6 @@ def graph_moe_calls(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch.Tens
     return calls
 
 
-def graph_moe_impls(gm: torch.fx.GraphModule) -> set[str]:
-    """The `impl` arguments of the `dgemma::moe_experts` calls in `gm` and its subgraphs (a Dynamo graph)."""
-    return {impl for impl, _, _ in graph_moe_calls(gm)}
-
-
 def moe_decompositions(gm: torch.fx.GraphModule) -> dict:
     """The decomposition table for compiling `gm` (`compile_fx(gm, ..., decompositions=...)`): Inductor's default
     table (`select_decomp_table()`, read now: it depends on Inductor's config) plus the decomposition of

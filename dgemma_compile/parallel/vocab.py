@@ -49,6 +49,15 @@ def local_rows(table: torch.Tensor, rank: int, world_size: int, source=None, nam
     return torch.cat([part, part.new_zeros(shape)], dim=dim)
 
 
+def held_rows(weight: torch.Tensor, start: torch.Tensor | int, ids: torch.Tensor) -> torch.Tensor:
+    """[..., D] in `weight`'s dtype: the table rows of `ids` (int64 [...]) that this rank holds (`weight` [ceil(V/N),
+    D] is rows `start` ..), zeros for the others; summed over the ranks, every id's row exactly (one nonzero term)."""
+    local = ids - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    rows = F.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+    return torch.where(inside[..., None], rows, torch.zeros_like(rows))
+
+
 class VocabParallelEmbedding(nn.Module):
     """forward(ids [...] int64 in [0, V)) -> [..., D] in the weight's dtype: the full table's rows, bitwise.
     `weight` [ceil(V/N), D] holds this rank's rows (the model's `dtype` / `device` read it)."""
@@ -60,10 +69,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        return funcol.all_reduce(torch.where(inside[..., None], rows, torch.zeros_like(rows)), "sum", self.group)
+        return funcol.all_reduce(held_rows(self.weight, self.start, ids), "sum", self.group)
 
 
 class VocabParallelHead(nn.Module):
@@ -124,11 +130,7 @@ class VocabParallelProduct(nn.Module):
         the row exactly, with no collective added."""
         product = probs_local @ self.weight if self.projection is None else F.linear(probs_local, self.projection)
         if pinned is not None:
-            per = self.weight.shape[0]
-            at = ids - self.start
-            mine = ((at >= 0) & (at < per))[..., None]
-            rows = F.embedding(at.clamp(0, per - 1), self.weight)
-            product = torch.where(pinned[..., None], torch.where(mine, rows, torch.zeros_like(rows)), product)
+            product = torch.where(pinned[..., None], held_rows(self.weight, self.start, ids), product)
         return funcol.all_reduce(product, "sum", self.group)
 
     def forward(self, probs: torch.Tensor, pinned: torch.Tensor | None = None,
