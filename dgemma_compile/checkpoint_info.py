@@ -54,3 +54,13 @@ class CheckpointInfo:
     quant_scheme: str | None = None
     quant_report: "QuantReport | None" = None
     lazy: LazyWeights | None = None
+
+    @property
+    def scheme(self):
+        """The `quant.schemes.Scheme` named by `quant_scheme` (None: not quantized): the one place the model's scheme
+        is looked up from its name."""
+        if self.quant_scheme is None:
+            return None
+        from .quant.schemes import scheme
+
+        return scheme(self.quant_scheme)

@@ -265,7 +265,7 @@ def load(path: str | Path, *, dtype: torch.dtype | None = None, device: str | to
     model.requires_grad_(False)
     model.checkpoint = CheckpointInfo(
         directory=directory,
-        quant_scheme=fmt.scheme if fmt is not None else None,
+        quant_scheme=fmt.scheme.name if fmt is not None else None,
         quant_report=checkpoint.report(model, fmt, quantized, kinds, target, hf_names) if fmt is not None else None,
         lazy=LazyWeights(skipped, target, skipped_quantized,
                          {k: files[k] for s in skipped_quantized.values() for k in s.all_keys()})
@@ -292,7 +292,7 @@ def _assign(model: DiffusionGemma, state: dict[str, torch.Tensor], quantized: di
         raise RuntimeError(f"loader: tensors left unloaded {result.missing_keys}, unexpected {result.unexpected_keys}")
     for name, args in experts.items():
         try:
-            model.get_submodule(name.removesuffix(".weight")).set_quantized(fmt.scheme, *args)
+            model.get_submodule(name.removesuffix(".weight")).set_quantized(fmt.scheme.experts, *args)
         except ValueError as e:
             key = quantized[name].all_keys()[0]
             raise CheckpointError(f"{files[key]}: tensor {quantized[name].module}: {e}") from None
@@ -311,7 +311,7 @@ def _stored_format(directory: Path) -> "checkpoint.StoredFormat | None":
         with quiet_torchao():
             import torchao  # noqa: F401
     except ImportError as e:
-        raise CheckpointError(f"{path}: a quantized checkpoint ({fmt.family.upper()}, runs as {fmt.scheme}) needs "
+        raise CheckpointError(f"{path}: a quantized checkpoint ({fmt.family}, runs as {fmt.scheme}) needs "
                               f"torchao: pip install 'dgemma-compile[quant]' ({e})") from None
     if fmt.w4a4:
         log.warning("%s: NVFP4 W4A4 checkpoint (NVFP4 weights and activations); running it as nvfp4-w4a16 (NVFP4 "

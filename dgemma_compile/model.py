@@ -31,6 +31,7 @@ from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import KVCache, new_cache
 from .masks import flex_block_attention
 from .ops import MOE_IMPLS
+from .ops.expert_formats import NONE, ExpertFormat
 from .ops.moe import run_eager
 from .plan import ForwardPlan
 from .vision import VisionConfig, VisionEncoder
@@ -207,51 +208,47 @@ class Router(nn.Module):
 
 
 class ExpertProjection(nn.Module):
-    """One projection of every routed expert, [E, N, K] (N outputs, K inputs), in the format `quant` names
-    (`ops.moe.EXPERT_QUANTS`), handed to `dgemma::moe_experts` as (weight, scales) -- plain tensors, never a tensor
-    subclass (a torchao tensor passed into a custom op raises):
-
-    | quant              | weight                      | weight_scale                   | weight_global_scale   |
-    |--------------------|-----------------------------|--------------------------------|-----------------------|
-    | "none"             | model dtype [E, N, K]       | None                           | None                  |
-    | "fp8", "fp8-weight-only" | float8_e4m3fn [E, N, K] | float32 [E, N, 1] (per row)  | None                  |
-    | "nvfp4-w4a16"      | uint8 [E, N, K/2] (two e2m1 codes, even column in the low nibble) | float8_e4m3fn [E, N, K/16] | float32 [E, N, 1] |
-
-    Dequantized: fp8 `weight * weight_scale`; NVFP4 `e2m1(code) * weight_scale / weight_global_scale` (the
-    compressed-tensors formula; the global scale is stored per row so that gate and up rows may differ)."""
+    """One projection of every routed expert, [E, N, K] (N outputs, K inputs), stored in the layout of its `format`
+    (an `ops.expert_formats.ExpertFormat`: the tensors, dtypes and shapes, and how they dequantize), handed to
+    `dgemma::moe_experts` as (weight, scales) -- plain tensors, never a tensor subclass (a torchao tensor passed into
+    a custom op raises). The weight is `weight`, the scales the buffers `weight_scale` and `weight_global_scale`
+    (None where the format has fewer)."""
 
     def __init__(self, num_experts: int, out_dim: int, in_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_dim, in_dim))
         self.register_buffer("weight_scale", None)
         self.register_buffer("weight_global_scale", None)
-        self.quant = "none"
+        self.format: ExpertFormat = NONE
+
+    @property
+    def quant(self) -> str:
+        """The format's name (`ops.moe.EXPERT_QUANTS`): the op's `quant` argument."""
+        return self.format.name
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """(E, N, K): the dequantized weight's shape."""
-        E, N, K = self.weight.shape
-        return E, N, K * 2 if self.quant == "nvfp4-w4a16" else K
+        return self.format.dequantized_shape(tuple(self.weight.shape))
 
     def scales(self) -> list[torch.Tensor]:
         """The scale tensors `dgemma::moe_experts` takes beside `weight`: [], [weight_scale] or [weight_scale,
         weight_global_scale]."""
         return [t for t in (self.weight_scale, self.weight_global_scale) if t is not None]
 
-    def set_quantized(self, quant: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+    def set_quantized(self, format: ExpertFormat, weight: torch.Tensor, weight_scale: torch.Tensor,
                       weight_global_scale: torch.Tensor | None = None) -> None:
-        """Replace the weight by its quantized form (layouts in the class docstring; shapes checked against the
-        current (E, N, K)). Raises ValueError naming the tensor for an unknown `quant`, a wrong shape or dtype;
-        nothing changes then."""
-        from .ops.moe import check_expert_weight
-
-        E, N, K = self.shape
-        check_expert_weight(quant, (E, N, K), weight, [weight_scale] + ([] if weight_global_scale is None
-                                                                         else [weight_global_scale]))
+        """Replace the weight by its quantized form in `format`'s layout (`ExpertFormat.check`, against the current
+        (E, N, K)). Raises ValueError naming the tensor for an unquantized `format`, a wrong shape or dtype; nothing
+        changes then."""
+        if not format.quantized:
+            raise ValueError(f"expert weights: set_quantized takes a quantized format, got {format.name!r}")
+        format.check(self.shape, weight, [weight_scale] + ([] if weight_global_scale is None
+                                                             else [weight_global_scale]))
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_global_scale", weight_global_scale)
-        self.quant = quant
+        self.format = format
 
     def extra_repr(self) -> str:
         return f"shape={list(self.shape)}, quant={self.quant}"
@@ -272,7 +269,7 @@ class Experts(nn.Module):
     def quant(self) -> str:
         """The experts' format (`ops.moe.EXPERT_QUANTS`), one for both projections (the op takes one); ValueError if
         they differ."""
-        if self.gate_up_proj.quant != self.down_proj.quant:
+        if self.gate_up_proj.format != self.down_proj.format:
             raise ValueError(f"experts: gate_up_proj is {self.gate_up_proj.quant!r} but down_proj is "
                              f"{self.down_proj.quant!r}; dgemma::moe_experts takes one format for both")
         return self.gate_up_proj.quant

@@ -97,12 +97,12 @@ def test_quantized_experts_split_into_partial_sums_of_the_single_process_op(laye
     import copy
 
     from dgemma_compile.model import Experts
-    from dgemma_compile.quant.schemes import expert_weights
+    from dgemma_compile.quant.schemes import scheme
 
     experts, x, w, idx = layer_inputs
     q = copy.deepcopy(experts)
     for proj, parts in ((q.gate_up_proj, 2), (q.down_proj, 1)):
-        proj.set_quantized(quant, *expert_weights(quant, proj.weight.detach(), parts=parts))
+        proj.set_quantized(scheme(quant).experts, *scheme(quant).expert_weights(proj.weight.detach(), parts=parts))
     world = 2
     with torch.no_grad():
         want = q(x, w, idx, impl)

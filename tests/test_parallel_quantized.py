@@ -25,7 +25,8 @@ from dgemma_compile.parallel.quantized import (cat_projections, narrow_part,  # 
                                                narrow_projection, narrow_tensor, projection)
 from dgemma_compile.parallel.source import FileWeights, ModelWeights  # noqa: E402
 from dgemma_compile.quant.quantize import quiet_torchao  # noqa: E402
-from dgemma_compile.quant.schemes import direct_weight, expert_weights, torchao_config  # noqa: E402
+from dgemma_compile.ops.expert_formats import NONE  # noqa: E402
+from dgemma_compile.quant.schemes import scheme as scheme_named  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"
 
@@ -60,9 +61,9 @@ def test_a_part_keeps_the_values_of_the_range_it_covers(extent_groups, group, da
 def _linear_weight(scheme: str, w: torch.Tensor) -> torch.Tensor:
     """`w` quantized as `quant.quantize` quantizes a linear's weight for `scheme`."""
     with quiet_torchao():
-        config = torchao_config(scheme)
+        config = scheme_named(scheme).torchao_config()
         if config is None:
-            return direct_weight(scheme)(w)
+            return scheme_named(scheme).direct_weight()(w)
         from torchao.quantization import quantize_
 
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
@@ -108,8 +109,11 @@ def _dequantized(p: ExpertProjection) -> torch.Tensor:
 def test_an_expert_projection_slices_by_expert_row_and_column(scheme):
     torch.manual_seed(0)
     w = torch.randn(4, 64, 96)
-    proj = projection("none", w, [], (4, 64, 96)) if scheme == "none" else \
-        projection(scheme, *(lambda t: (t[0], list(t[1:])))(expert_weights(scheme, w, parts=2)), (4, 64, 96))
+    if scheme == "none":
+        proj = projection(NONE, w, [], (4, 64, 96))
+    else:
+        weight, *scales = scheme_named(scheme).expert_weights(w, parts=2)
+        proj = projection(scheme_named(scheme).experts, weight, scales, (4, 64, 96))
     full = _dequantized(proj)
     for dim, start, length in ((0, 2, 2), (1, 16, 16), (1, 32, 32), (2, 48, 48)):
         part = narrow_projection(proj, dim, start, length, "layers.0.experts.down_proj.weight")
@@ -125,7 +129,7 @@ def test_an_expert_projection_slices_by_expert_row_and_column(scheme):
 def _file_source(model) -> FileWeights:
     lazy = model.checkpoint.lazy
     return FileWeights(lazy.float_sources, lazy.dtype, torch.device("cpu"),
-                       quantized=lazy.quantized, files=lazy.files, scheme=model.checkpoint.quant_scheme)
+                       quantized=lazy.quantized, files=lazy.files, scheme=model.checkpoint.scheme)
 
 
 def _skewed(name: str, tmp_path: Path) -> Path:
@@ -279,6 +283,6 @@ def test_an_nvfp4_block_of_16_inputs_is_refused_from_the_files_too(tmp_path):
     stored = StoredWeight(name="layers.0.self_attn.k_proj.weight", module=key, keys={k.rsplit(".", 1)[1]: [k]
                                                                                      for k in parts}, rows=32)
     files = FileWeights({}, torch.float32, torch.device("cpu"), quantized={stored.name: stored},
-                        files={k: tmp_path / "k16.safetensors" for k in parts}, scheme="nvfp4-w4a16")
+                        files={k: tmp_path / "k16.safetensors" for k in parts}, scheme=scheme_named("nvfp4-w4a16"))
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_proj\.weight \(NVFP4\) keeps 8 input columns"):
         files.take(stored.name, torch.empty(32, 16, device="meta"), 1, 0, 8)

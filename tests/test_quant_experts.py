@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchao")
 
+from dgemma_compile.ops import expert_formats  # noqa: E402
 from dgemma_compile.ops import moe as moe_ops  # noqa: E402
-from dgemma_compile.quant.schemes import expert_weights  # noqa: E402
+from dgemma_compile.quant.schemes import scheme  # noqa: E402
 import test_ops  # noqa: E402
 
 op = torch.ops.dgemma.moe_experts
@@ -38,10 +39,10 @@ def test_nvfp4_decoder_is_exact_and_agrees_with_torchao():
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 32, 48, generator=g)
-    packed, block, glob = expert_weights("nvfp4-w4a16", w)
+    packed, block, glob = scheme("nvfp4-w4a16").expert_weights(w)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 32, 24)
     assert block.dtype == torch.float8_e4m3fn and block.shape == (3, 32, 3) and glob.shape == (3, 32, 1)
-    ours = moe_ops.dequantize_expert(packed, [block, glob], "nvfp4-w4a16", torch.float32)
+    ours = expert_formats.NVFP4_W4A16.dequantize(packed, [block, glob], torch.float32)
     assert torch.equal(ours, decode_nvfp4(packed, block, glob))
     for e in range(3):  # torchao's tensor for one expert, same per-tensor scale: its dequantized weight
         pts = per_tensor_amax_to_scale(w[e].abs().amax())
@@ -49,13 +50,13 @@ def test_nvfp4_decoder_is_exact_and_agrees_with_torchao():
         torch.testing.assert_close(ours[e], ref, rtol=1e-6, atol=0)
     # all 16 codes decode to the E2M1 table
     codes = torch.arange(16, dtype=torch.uint8)
-    assert torch.equal(moe_ops.e2m1_values(codes), E2M1)
+    assert torch.equal(expert_formats.e2m1_values(codes), E2M1)
 
 
 def test_gate_and_up_rows_get_their_own_global_scale():
     w = torch.randn(2, 32, 16, generator=torch.Generator().manual_seed(1))
     w[:, 16:] *= 100  # the up rows are 100x larger
-    _, _, glob = expert_weights("nvfp4-w4a16", w, parts=2)
+    _, _, glob = scheme("nvfp4-w4a16").expert_weights(w, parts=2)
     assert (glob[:, :16] == glob[:, :1]).all() and (glob[:, 16:] == glob[:, 16:17]).all()
     amax = lambda t: t.abs().amax(dim=(1, 2))[:, None]  # noqa: E731
     # global = 448 * 6 / amax of its own rows
@@ -87,7 +88,7 @@ def _fp8_reference(x, w, idx, gate_up, down, scheme):
 
 
 def _args(quant, x, w, idx, gate_up, down):
-    gu, dn = expert_weights(quant, gate_up, parts=2), expert_weights(quant, down)
+    gu, dn = scheme(quant).expert_weights(gate_up, parts=2), scheme(quant).expert_weights(down)
     return (x, w, idx, gu[0], list(gu[1:]), dn[0], list(dn[1:]))
 
 
@@ -112,8 +113,8 @@ def test_nvfp4_experts_equal_the_decoded_weights(impl, routing):
     x, w, idx, gate_up, down = experts(24, 8, 2, routing=routing)
     args = _args("nvfp4-w4a16", x, w, idx, gate_up, down)
     ref = moe_ops.moe_experts_loop(
-        x, w, idx, moe_ops.ExpertWeight(decode_nvfp4(args[3], *args[4]), [], "none", x.dtype),
-        moe_ops.ExpertWeight(decode_nvfp4(args[5], *args[6]), [], "none", x.dtype))
+        x, w, idx, moe_ops.ExpertWeight(decode_nvfp4(args[3], *args[4]), [], expert_formats.NONE, x.dtype),
+        moe_ops.ExpertWeight(decode_nvfp4(args[5], *args[6]), [], expert_formats.NONE, x.dtype))
     torch.testing.assert_close(op(*args, impl, "nvfp4-w4a16"), ref, rtol=1e-5, atol=1e-5)
     # and the quantized experts are a close approximation of the original ones (NVFP4: ~10% weight error)
     exact = op(x, w, idx, gate_up, [], down, [], impl, "none")
@@ -145,10 +146,34 @@ def test_set_quantized_checks_the_layout():
     proj = ExpertProjection(2, 32, 16)
     before = proj.weight
     with pytest.raises(ValueError, match=r"weight_scale must be torch.float32 \[2, 32, 1\]"):
-        proj.set_quantized("fp8", torch.zeros(2, 32, 16, dtype=torch.float8_e4m3fn), torch.ones(2, 32))
-    with pytest.raises(ValueError, match="quant must be one of"):
-        proj.set_quantized("int4", torch.zeros(2, 32, 8, dtype=torch.uint8), torch.ones(2, 32, 1))
-    assert proj.weight is before and proj.quant == "none" and proj.weight_scale is None
+        proj.set_quantized(expert_formats.FP8, torch.zeros(2, 32, 16, dtype=torch.float8_e4m3fn), torch.ones(2, 32))
+    with pytest.raises(ValueError, match=r"nvfp4-w4a16 needs an input dim that is a multiple of 16, got 8"):
+        ExpertProjection(2, 32, 8).set_quantized(expert_formats.NVFP4_W4A16, torch.zeros(2, 32, 4, dtype=torch.uint8),
+                                                 torch.ones(2, 32, 1))
+    with pytest.raises(ValueError, match="takes a quantized format, got 'none'"):
+        proj.set_quantized(expert_formats.NONE, torch.zeros(2, 32, 16), torch.ones(2, 32, 1))
+    assert proj.weight is before and proj.format is expert_formats.NONE and proj.weight_scale is None
+    # and the shapes a format stores, both ways
+    assert expert_formats.NVFP4_W4A16.dequantized_shape((2, 32, 8)) == (2, 32, 16)
+    assert expert_formats.NVFP4_W4A16.stored_columns(16) == 8 and expert_formats.FP8.stored_columns(16) == 16
+
+
+def test_a_format_is_looked_up_by_name_once():
+    """Every name the op takes names one object, an unknown one is refused naming the argument, and the schemes'
+    experts are those objects (the op's `quant` argument is the scheme's experts' name)."""
+    from dgemma_compile.config import ConfigError
+    from dgemma_compile.quant.schemes import SCHEME_OBJECTS
+
+    assert tuple(expert_formats.EXPERT_FORMATS) == moe_ops.EXPERT_QUANTS
+    for name, fmt in expert_formats.EXPERT_FORMATS.items():
+        assert expert_formats.expert_format(name) is fmt and str(fmt) == name
+    with pytest.raises(ValueError, match=r"quant must be one of .*got 'int4'"):
+        expert_formats.expert_format("int4")
+    assert {s.experts for s in SCHEME_OBJECTS.values()} <= set(expert_formats.EXPERT_FORMATS.values())
+    assert [s.dynamic_activations for s in SCHEME_OBJECTS.values()] == [True, False, False, False]
+    with pytest.raises(ConfigError, match=r"quant scheme: must be one of .*got 'int4'"):
+        scheme("int4")
+    assert scheme(scheme("fp8")) is scheme("fp8")
 
 
 @pytest.mark.slow

@@ -58,6 +58,13 @@ class ModelChangedError(RuntimeError):
 _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
+def _is_constant(value) -> bool:
+    """A value Dynamo may specialise on and `ModelFingerprint` records: a plain constant (`_CONSTANTS`) or a frozen
+    dataclass (a value object, e.g. an expert projection's `ExpertFormat`; compared by value)."""
+    params = getattr(type(value), "__dataclass_params__", None)
+    return isinstance(value, _CONSTANTS) or (params is not None and params.frozen)
+
+
 @dataclass(frozen=True)
 class ModelFingerprint:
     """What compiled units assume of the model they read: per parameter and buffer (by name) its dtype, device, shape,
@@ -83,7 +90,7 @@ class ModelFingerprint:
                         out.append((kind, dot + k, t.dtype, t.device, tuple(t.shape), t.stride(), t.data_ptr()))
             if not type(mod).__module__.startswith("torch."):
                 out += [("attribute", dot + k, v) for k, v in vars(mod).items()
-                        if k[0] != "_" and k != "training" and isinstance(v, _CONSTANTS)]
+                        if k[0] != "_" and k != "training" and _is_constant(v)]
         return cls(entries=tuple(out))
 
     def changes(self, model: torch.nn.Module) -> list[str]:

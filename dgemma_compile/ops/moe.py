@@ -31,8 +31,8 @@ bfloat16 (`stays_opaque`: `torch._grouped_mm` traces only in bfloat16, and eager
 `resolve_moe_impl` is the rule that picks one.
 
 Weights come as (weight, scales) per projection, plain tensors in the format the `quant` argument names
-(`EXPERT_QUANTS`; layouts in `model.ExpertProjection`), so that quantized experts reach the op without tensor-subclass
-dispatch. Each implementation states the formats it takes (`IMPL_QUANTS`): "loop", "dense" and "gathered" read the
+(`EXPERT_QUANTS`; the format objects and their layouts: `expert_formats.py`), so that quantized experts reach the op
+without tensor-subclass dispatch. Each implementation states the formats it takes (`IMPL_QUANTS`): "loop", "dense" and "gathered" read the
 stored bytes and dequantize the rows they multiply (for "gathered", Inductor fuses the unpacking into the weight loop;
 the weights are never stored dequantized); "grouped" takes unquantized weights only. An unsupported pair is a
 ValueError naming moe_impl and the format, never a silent dequantize to another path.
@@ -47,90 +47,48 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .expert_formats import EXPERT_FORMATS, NONE, ExpertFormat, expert_format
+
 MOE_IMPLS = ("loop", "grouped", "dense", "gathered")
-EXPERT_QUANTS = ("none", "fp8", "fp8-weight-only", "nvfp4-w4a16")
-"""Formats of the expert weights (the `quant` argument): the model dtype; float8_e4m3fn with per-row scales, with
-("fp8") or without ("fp8-weight-only") dynamic per-row fp8 activations; NVFP4 weights with 16-bit activations."""
-IMPL_QUANTS = {"loop": EXPERT_QUANTS, "dense": EXPERT_QUANTS, "gathered": EXPERT_QUANTS, "grouped": ("none",)}
+EXPERT_QUANTS = tuple(EXPERT_FORMATS)
+"""Names of the expert weights' formats (the `quant` argument; the objects: `expert_formats.EXPERT_FORMATS`): the
+model dtype; float8_e4m3fn with per-row scales, with ("fp8") or without ("fp8-weight-only") dynamic per-row fp8
+activations; NVFP4 weights with 16-bit activations."""
+IMPL_QUANTS = {"loop": EXPERT_QUANTS, "dense": EXPERT_QUANTS, "gathered": EXPERT_QUANTS,
+               "grouped": tuple(name for name, f in EXPERT_FORMATS.items() if not f.quantized)}
 """The formats each implementation takes. `torch._grouped_mm` multiplies 16-bit operands only (its fp8 sibling,
 `torch._scaled_grouped_mm`, needs sm90 and per-row scales of both operands; not wired yet)."""
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-AMAX_FLOOR = 1e-12
-"""Lower bound of every amax a scale is computed from (fp8 activation and weight rows, NVFP4 per-tensor scales;
-`quant.schemes`), in float32: a zero row or an all-zero weight stays zero instead of 0/0 = NaN."""
-NVFP4_BLOCK = 16
-"""NVFP4 scales one fp8 factor per 16 consecutive input elements: the input dim must be a multiple of it."""
-
-
-def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """FP4 E2M1 codes (uint8 in [0, 16): sign bit 3, exponent bits 2-1, mantissa bit 0) -> float32 values
-    {0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign. Elementwise arithmetic (no table), so Inductor fuses it into its reader."""
-    mag = (codes & 7).to(torch.int32)
-    exp, man = mag >> 1, (mag & 1).to(torch.float32)
-    val = torch.where(exp == 0, man * 0.5, torch.exp2((exp - 1).to(torch.float32)) * (1.0 + man * 0.5))
-    return torch.where(codes >= 8, -val, val)
-
-
-def dequantize_expert(weight: torch.Tensor, scales: list[torch.Tensor], quant: str, dtype: torch.dtype) -> torch.Tensor:
-    """The [..., N, K] weights in `dtype` from their stored format (any leading dims: all experts, one expert, or
-    gathered rows). fp8: weight * scale; NVFP4: e2m1(code) * block scale / global scale (compressed-tensors' formula,
-    in this order: the product of an e2m1 value and an fp8 scale is exact in float32, so one rounding)."""
-    if quant == "none":
-        return weight
-    if quant in ("fp8", "fp8-weight-only"):
-        return (weight.to(torch.float32) * scales[0]).to(dtype)
-    block, global_scale = scales
-    codes = torch.stack([weight & 15, weight >> 4], dim=-1).flatten(-2)  # even column in the low nibble
-    vals = e2m1_values(codes).unflatten(-1, (-1, NVFP4_BLOCK)) * block.to(torch.float32)[..., None]
-    return (vals / global_scale[..., None]).flatten(-2).to(dtype)
-
-
-def amax_floor(dtype: torch.dtype) -> float:
-    """The amax floor of a tensor of `dtype` (torchao's `hp_value_lb`): torchao clamps and divides by 448 in the
-    tensor's own dtype, where `AMAX_FLOOR` is 0 in float16 (measured: a zero row became NaN); so at least the dtype's
-    smallest normal (float16: 2**-14, whose 1/448 is still a nonzero float16)."""
-    return max(AMAX_FLOOR, torch.finfo(dtype).tiny)
-
-
-def fp8_fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] through float8_e4m3fn with one dynamic scale per row, max(amax, floor) / 448 computed in x's dtype
-    as torchao's per-row activation quantization does (`_choose_scale_float8`; the floor is `amax_floor(x.dtype)`),
-    returned in float32: what an fp8 GEMM multiplies (codes times scale)."""
-    scale = (x.abs().amax(-1, keepdim=True).clamp(min=amax_floor(x.dtype)) / FP8_MAX).to(torch.float32)
-    q = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.to(torch.float32) * scale
 
 
 class ExpertWeight(NamedTuple):
-    """One projection of every expert as the op receives it: stored `weight`, its `scales`, the format `quant` and
-    the `dtype` its products run in: the activations' unquantized; float32 for a quantized format, as torchao's
-    fp8 and NVFP4 linears compute (the implementations round each projection's output to the activations' dtype,
-    as those linears return it)."""
+    """One projection of every expert as the op receives it: stored `weight`, its `scales`, its `format`
+    (`expert_formats.ExpertFormat`) and the `dtype` its products run in (`ExpertFormat.compute_dtype`; the
+    implementations round each projection's output to the activations' dtype, as torchao's linears return it)."""
 
     weight: torch.Tensor
     scales: list[torch.Tensor]
-    quant: str
+    format: ExpertFormat
     dtype: torch.dtype
 
     def rows(self, index: torch.Tensor | int | slice) -> torch.Tensor:
         """Dequantized weights of the experts (or, with a tuple-free slice, rows) `index` selects."""
-        return dequantize_expert(self.weight[index], [s[index] for s in self.scales], self.quant, self.dtype)
+        return self.format.dequantize(self.weight[index], [s[index] for s in self.scales], self.dtype)
 
     def part(self, rows: slice) -> "ExpertWeight":
         """The output rows `rows` of every expert (gate or up half of gate_up), still in the stored format."""
         return self._replace(weight=self.weight[:, rows], scales=[s[:, rows] for s in self.scales])
 
     def all(self) -> torch.Tensor:
-        return dequantize_expert(self.weight, self.scales, self.quant, self.dtype)
+        return self.format.dequantize(self.weight, self.scales, self.dtype)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """The input as this format's GEMM multiplies it, in `dtype`: fp8 per row for "fp8"."""
-        return fp8_fake_quant_rows(x) if self.quant == "fp8" else x.to(self.dtype)
+        """The input as this format's GEMM multiplies it, in `dtype` (`ExpertFormat.activation`)."""
+        return self.format.activation(x, self.dtype)
 
 
 def _as_weight(weight: "torch.Tensor | ExpertWeight", x: torch.Tensor) -> ExpertWeight:
     """The implementations take an `ExpertWeight` or, unquantized, the plain [E, N, K] tensor."""
-    return weight if isinstance(weight, ExpertWeight) else ExpertWeight(weight, [], "none", x.dtype)
+    return weight if isinstance(weight, ExpertWeight) else ExpertWeight(weight, [], NONE, x.dtype)
 
 
 def moe_experts_loop(x_ND, w_NK, idx_NK, gate_up: ExpertWeight, down: ExpertWeight):
@@ -257,33 +215,6 @@ _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "gathered": moe_experts_gathered}
 
 
-def check_expert_weight(quant: str, shape: tuple[int, int, int], weight: torch.Tensor,
-                        scales: list[torch.Tensor]) -> None:
-    """Checks one projection's stored tensors against the layout of `quant` (`model.ExpertProjection`) for a
-    dequantized shape (E, N, K). Raises ValueError naming the tensor and what was expected."""
-    E, N, K = shape
-    if quant not in EXPERT_QUANTS:
-        raise ValueError(f"expert weights: quant must be one of {EXPERT_QUANTS}, got {quant!r}")
-    f8, f32 = torch.float8_e4m3fn, torch.float32
-    if quant == "none":
-        want = [("weight", None, (E, N, K))]
-    elif quant in ("fp8", "fp8-weight-only"):
-        want = [("weight", f8, (E, N, K)), ("weight_scale", f32, (E, N, 1))]
-    else:
-        if K % NVFP4_BLOCK:
-            raise ValueError(f"expert weights: nvfp4-w4a16 needs an input dim that is a multiple of {NVFP4_BLOCK}, "
-                             f"got {K}")
-        want = [("weight", torch.uint8, (E, N, K // 2)), ("weight_scale", f8, (E, N, K // NVFP4_BLOCK)),
-                ("weight_global_scale", f32, (E, N, 1))]
-    got = [weight] + list(scales)
-    if len(got) != len(want):
-        raise ValueError(f"expert weights ({quant}): expected {[w[0] for w in want]}, got {len(got)} tensors")
-    for (name, dtype, shp), t in zip(want, got):
-        if tuple(t.shape) != shp or (dtype is not None and t.dtype != dtype):
-            raise ValueError(f"expert weights ({quant}): {name} must be {dtype or 'the model dtype'} {list(shp)}, "
-                             f"got {t.dtype} {list(t.shape)}")
-
-
 def _check(impl: str, quant: str) -> None:
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
@@ -293,9 +224,10 @@ def _check(impl: str, quant: str) -> None:
 
 
 def _run(x_ND, w_NK, idx_NK, gate_up_EID, gate_up_scales, down_EDI, down_scales, impl, quant) -> torch.Tensor:
-    compute = x_ND.dtype if quant == "none" else torch.float32
-    gate_up = ExpertWeight(gate_up_EID, list(gate_up_scales), quant, compute)
-    down = ExpertWeight(down_EDI, list(down_scales), quant, compute)
+    fmt = expert_format(quant)
+    compute = fmt.compute_dtype(x_ND.dtype)
+    gate_up = ExpertWeight(gate_up_EID, list(gate_up_scales), fmt, compute)
+    down = ExpertWeight(down_EDI, list(down_scales), fmt, compute)
     return _IMPLEMENTATIONS[impl](x_ND, w_NK, idx_NK, gate_up, down)
 
 
@@ -330,7 +262,7 @@ def eager_impl(impl: str, quant: str, x_ND: torch.Tensor) -> str:
     """The implementation the op runs eagerly for `impl` (see the module docstring): `impl` itself, or "grouped" for
     "gathered" on CPU with unquantized float32 / bfloat16 experts (where `torch._grouped_mm` runs eagerly). Traced
     (`moe_decompositions`), `impl` itself always."""
-    if (impl == "gathered" and quant == "none" and x_ND.device.type == "cpu"
+    if (impl == "gathered" and not expert_format(quant).quantized and x_ND.device.type == "cpu"
             and x_ND.dtype in (torch.float32, torch.bfloat16)):
         return "grouped"
     return impl
@@ -435,14 +367,16 @@ class DecompositionTable(dict):
 @contextlib.contextmanager
 def moe_cache_key():
     """Around a compile with `moe_decompositions`: appends a hash of this file to `torch.compiler.config
-    .cache_key_tag`. AOTAutograd's cache key covers the Dynamo graph (where the op still stands) but not the
-    decomposition table, so without the tag a graph compiled without our decompositions, or with an older version of
+    .cache_key_tag` (and of `expert_formats.py`, whose dequantization the decompositions trace). AOTAutograd's cache
+    key covers the Dynamo graph (where the op still stands) but not the decomposition table, so without the tag a graph compiled without our decompositions, or with an older version of
     them, is served from the on-disk cache (observed: a plain Inductor compile of a "dense" graph, then ours, ran
     the opaque op)."""
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     tag = torch.compiler.config.cache_key_tag
-    ours = "dgemma-moe-" + get_hash_for_files((__file__,)).hex()[:16]
+    from . import expert_formats
+
+    ours = "dgemma-moe-" + get_hash_for_files((__file__, expert_formats.__file__)).hex()[:16]
     with torch.compiler.config.patch(cache_key_tag=f"{tag}|{ours}" if tag else ours):
         yield
 
@@ -461,7 +395,7 @@ def resolve_moe_impl(requested: str, *, dtype: torch.dtype, num_experts: int, to
       check accepts only bfloat16, so a grouped graph in float32 or float16 cannot be traced. Measured against
       "dense" on this 2-core CPU, one thread, compiled (bench/results/moe_cpu_*.md): float32 2.2x faster at the
       demo's shapes (16 and 128 tokens, E=8, K=2) and 6.1x at the scaled model's (256 tokens, E=64, K=4).
-    - quantized experts (`quant` != "none"): never "grouped" (`IMPL_QUANTS`), so "gathered" when compiled.
+    - quantized experts (`ExpertFormat.quantized`): never "grouped" (`IMPL_QUANTS`), so "gathered" when compiled.
 
     Raises: ValueError (naming moe_impl) for an unknown name, for "grouped" compiled in a dtype other than bfloat16
     (except float32 on CPU, where it stays an opaque eager call), or for an implementation that does not take the
@@ -479,7 +413,7 @@ def resolve_moe_impl(requested: str, *, dtype: torch.dtype, num_experts: int, to
         return requested
     if not compiled:
         return "loop"
-    if quant == "none" and ((dtype == torch.bfloat16 and num_experts > 4 * top_k) or
+    if not expert_format(quant).quantized and ((dtype == torch.bfloat16 and num_experts > 4 * top_k) or
                             (cpu_float32 and canvas_length is not None and canvas_length >= GROUPED_MIN_CANVAS)):
         return "grouped"
     return "gathered"

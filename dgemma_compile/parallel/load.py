@@ -88,7 +88,7 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
     lazy_weights = model.checkpoint.lazy
     source = FileWeights(lazy_weights.float_sources, lazy_weights.dtype, torch.device(device),
                          quantized=lazy_weights.quantized, files=lazy_weights.files,
-                         scheme=model.checkpoint.quant_scheme)
+                         scheme=model.checkpoint.scheme)
     stored = dict(lazy_weights.float_sources)  # float: counted by our name
     stored.update((k, (p, k)) for k, p in lazy_weights.files.items())  # quantized: by each stored part's key
     full, nbytes = {}, 0

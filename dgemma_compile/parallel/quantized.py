@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..model import ExpertProjection
-from ..ops.moe import NVFP4_BLOCK
+from ..ops.expert_formats import NVFP4_BLOCK, ExpertFormat
 
 
 def part_group(size: int, extent: int, start: int, length: int, name: str) -> int | None:
@@ -133,16 +133,16 @@ def narrow_tensor(weight: torch.Tensor, dim: int, start: int, length: int, name:
                        use_triton_kernel=weight.use_triton_kernel, act_quant_kwargs=weight.act_quant_kwargs)
 
 
-def projection(quant: str, weight: torch.Tensor, scales: list[torch.Tensor], shape: tuple[int, int, int]
-               ) -> ExpertProjection:
+def projection(format: ExpertFormat, weight: torch.Tensor, scales: list[torch.Tensor],
+               shape: tuple[int, int, int]) -> ExpertProjection:
     """An `ExpertProjection` of dequantized shape `shape` (E, N, K) holding `weight` and `scales` in the layout of
-    `quant` (checked by `set_quantized`; "none": a plain weight)."""
+    `format` (checked by `set_quantized`; unquantized: a plain weight)."""
     proj = ExpertProjection(0, shape[1], shape[2])  # no [E, N, K] allocation: the weight is replaced at once
-    if quant == "none":
+    if not format.quantized:
         proj.weight = nn.Parameter(weight, requires_grad=False)
     else:
         proj.weight = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
-        proj.set_quantized(quant, weight, *scales)
+        proj.set_quantized(format, weight, *scales)
     return proj
 
 
@@ -153,7 +153,7 @@ def narrow_projection(proj: ExpertProjection, dim: int, start: int, length: int,
     parts = [narrow_part(p.detach(), shape[dim], dim, start, length, f"{name} ({what})")
              for p, what in zip([proj.weight] + proj.scales(), ("data", "scale", "global scale"))]
     try:
-        return projection(proj.quant, parts[0], parts[1:], shape[:dim] + (length,) + shape[dim + 1:])
+        return projection(proj.format, parts[0], parts[1:], shape[:dim] + (length,) + shape[dim + 1:])
     except ValueError as e:  # the slice is no layout of its format (an NVFP4 input dim of 16 cut)
         raise ValueError(f"tensor parallel: {name}: {e}") from None
 
@@ -161,8 +161,7 @@ def narrow_projection(proj: ExpertProjection, dim: int, start: int, length: int,
 def cat_projections(parts: list[ExpertProjection], dim: int) -> ExpertProjection:
     """Projections of one format side by side along dim 0 (experts) or 1 (output rows; every part of the layouts
     is per row there): one `ExpertProjection`."""
-    quant = parts[0].quant
     tensors = [torch.cat(ts, dim=dim) for ts in zip(*([p.weight.detach()] + p.scales() for p in parts))]
     shape = list(parts[0].shape)
     shape[dim] = sum(p.shape[dim] for p in parts)
-    return projection(quant, tensors[0], tensors[1:], tuple(shape))
+    return projection(parts[0].format, tensors[0], tensors[1:], tuple(shape))

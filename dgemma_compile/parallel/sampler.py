@@ -51,8 +51,9 @@ class VocabShard:
     start: int
     per: int
     vocab_size: int
-    quant: str | None = None
-    """The model's quantization scheme (`quant.SCHEMES`), which names its numerics under the split."""
+    rank_activation_scales: bool = False
+    """The model's quantization scheme quantizes activations per row at run time (`quant.schemes.Scheme
+    .dynamic_activations`: fp8), which names its numerics under the split."""
 
     @property
     def scheme(self) -> str:
@@ -60,7 +61,7 @@ class VocabShard:
         from one process's where the slice is not whole SAMPLE_CHUNK chunks; module docstring). With fp8 (dynamic
         activations) also `+fp8-rank-activations/v1`: a row-parallel projection quantizes each rank's slice of an
         activation row with that slice's own scale, where one process scales the whole row (docs/parallel.md)."""
-        suffix = "+fp8-rank-activations/v1" if self.quant == "fp8" else ""
+        suffix = "+fp8-rank-activations/v1" if self.rank_activation_scales else ""
         return f"{SCHEME}+vocab-shard-{self.world_size}/v1{suffix}"
 
     def masked(self, logits_BCV: torch.Tensor) -> torch.Tensor:

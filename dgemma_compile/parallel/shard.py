@@ -189,7 +189,8 @@ def _shard_vocabulary(model: "DiffusionGemma", rank: int, world: int, group: dis
     head = weight if model.lm_head is None else local_rows(model.lm_head.weight, rank, world, source, "lm_head.weight")
     sc = model.sc_embedding
     product = None if sc is None else local_rows(sc.weight, rank, world, source, "sc_embedding.weight", dim=1)
+    scheme = model.checkpoint.scheme
     shard = VocabShard(group=group, rank=rank, world_size=world, start=start, per=per, vocab_size=V,
-                       quant=model.checkpoint.quant_scheme)
+                       rank_activation_scales=scheme is not None and scheme.dynamic_activations)
     return [(model, "embed_tokens", embed), (model, "lm_head", VocabParallelHead(head, V, group, shard)),
             (model, "sc_embedding", VocabParallelProduct(weight, start, V, group, projection=product))]

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from ..model import ExpertProjection
+from ..ops.expert_formats import NONE
 from .quantized import check_nvfp4_columns, is_quantized, narrow_projection, narrow_tensor, part_group, projection
+
+if TYPE_CHECKING:
+    from ..quant.schemes import Scheme
 
 
 class ModelWeights:
@@ -51,11 +56,12 @@ class FileWeights:
         dtype, device: what a float slice is converted to (the model's weight dtype, the rank's device); quantized
             parts keep their stored dtypes.
         quantized: state-dict name -> `quant.checkpoint.StoredWeight` of every quantized weight left unread, with
-            `files` (checkpoint key -> file) and `scheme` (what they run as) (`model.checkpoint.lazy.quantized`).
+            `files` (checkpoint key -> file) and `scheme` (the `quant.schemes.Scheme` they run as)
+            (`model.checkpoint.lazy.quantized`).
     """
 
     def __init__(self, sources: dict[str, tuple[Path, str]], dtype: torch.dtype, device: torch.device,
-                 quantized: dict | None = None, files: dict[str, Path] | None = None, scheme: str | None = None):
+                 quantized: dict | None = None, files: dict[str, Path] | None = None, scheme: "Scheme | None" = None):
         self.sources, self.dtype, self.device = sources, dtype, device
         self.quantized, self.files, self.scheme = quantized or {}, files or {}, scheme
         self.bytes_read = 0
@@ -96,7 +102,7 @@ class FileWeights:
         builds the whole one. A row range must lie inside one of gate_up's halves (as `shard` asks)."""
         shape = proj.shape[:dim] + (length,) + proj.shape[dim + 1:]
         if name not in self.quantized:
-            return projection("none", self.take(name, proj.weight, dim, start, length), [], shape)
+            return projection(NONE, self.take(name, proj.weight, dim, start, length), [], shape)
         from ..quant.checkpoint import build_experts
 
         stored = self.quantized[name]
@@ -137,7 +143,7 @@ class FileWeights:
                                      rows=length if dim == 1 else rows)
         weight, scale, global_scale = build_experts(sliced, parts, self.device)
         try:
-            return projection(self.scheme, weight, [scale] + ([] if global_scale is None else [global_scale]), shape)
+            return projection(self.scheme.experts, weight, [scale] + ([] if global_scale is None else [global_scale]), shape)
         except ValueError as e:  # the slice is no layout of its format (an NVFP4 input dim of 16 cut)
             raise ValueError(f"tensor parallel: {name}: {e}") from None
 

@@ -39,14 +39,68 @@ import torch
 from torch import nn
 
 from ..model import ExpertProjection
-from ..ops.moe import NVFP4_BLOCK as BLOCK
+from ..ops.expert_formats import NVFP4_BLOCK as BLOCK
 from .quantize import QuantReport, quiet_torchao, weight_bytes
-from .schemes import direct_weight, torchao_config
+from .schemes import Scheme, scheme as scheme_named
 
 FLOAT = ("F32", "BF16", "F16")
-FP8, NVFP4 = "fp8", "nvfp4"
 ROLES = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
 """The tensors of one stored projection `m`, each named `m.<role>`."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A compressed-tensors tensor family: the roles a stored projection must have (`need`; the quantized data
+    first) and may have (`optional`), and each role's safetensors dtypes and shape (`spec`)."""
+
+    name: str
+    """As messages print it: "FP8", "NVFP4"."""
+    need: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+    @property
+    def data_role(self) -> str:
+        """The role holding the quantized data."""
+        return self.need[0]
+
+    def spec(self, lead: tuple[int, ...], N: int, K: int, groups: int = 1) -> dict[str, tuple[tuple[str, ...], tuple]]:
+        """role -> (safetensors dtypes, shape) for a dequantized [*lead, N, K] weight; the global scales of fused
+        experts are [E, groups]."""
+        raise NotImplementedError
+
+    def check_dims(self, K: int) -> str | None:
+        """Why this family cannot store an input dim `K` (None: it can)."""
+        return None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Fp8Family(Family):
+    """`m.weight` float8_e4m3fn [N, K], `m.weight_scale` float [N, 1]."""
+
+    def spec(self, lead, N, K, groups=1):
+        return {"weight": (("F8_E4M3",), (*lead, N, K)), "weight_scale": (FLOAT, (*lead, N, 1))}
+
+
+@dataclass(frozen=True)
+class Nvfp4Family(Family):
+    """`m.weight_packed` uint8 [N, K/2], `m.weight_scale` float8_e4m3fn [N, K/16], `m.weight_global_scale` float [1]
+    (fused experts: [E, groups]); `m.input_global_scale` likewise, for W4A4."""
+
+    def spec(self, lead, N, K, groups=1):
+        scalar = (lead[0], groups) if lead else (1,)
+        return {"weight_packed": (("U8",), (*lead, N, K // 2)), "weight_scale": (("F8_E4M3",), (*lead, N, K // BLOCK)),
+                "weight_global_scale": (FLOAT, scalar), "input_global_scale": (FLOAT, scalar)}
+
+    def check_dims(self, K):
+        return f"input dim {K} is not a multiple of {BLOCK} (NVFP4 block)" if K % BLOCK else None
+
+
+FP8 = Fp8Family("FP8", need=("weight", "weight_scale"))
+NVFP4 = Nvfp4Family("NVFP4", need=("weight_packed", "weight_scale", "weight_global_scale"),
+                    optional=("input_global_scale",))
 
 
 class FormatError(ValueError):
@@ -56,11 +110,12 @@ class FormatError(ValueError):
 
 @dataclass(frozen=True)
 class StoredFormat:
-    """What config.json's `quantization_config` says. scheme: the `quant.SCHEMES` name it runs as; family: "fp8" or
-    "nvfp4"; w4a4: NVFP4 activations were asked for (run as W4A16); ignore: module names the tool left unquantized."""
+    """What config.json's `quantization_config` says. scheme: the `quant.schemes.Scheme` it runs as; family: the
+    tensor family it stores (`FP8`, `NVFP4`); w4a4: NVFP4 activations were asked for (run as W4A16); ignore: module
+    names the tool left unquantized."""
 
-    scheme: str
-    family: str
+    scheme: Scheme
+    family: Family
     w4a4: bool = False
     ignore: tuple[str, ...] = ()
 
@@ -124,7 +179,8 @@ def read_format(config: dict, source: str) -> StoredFormat | None:
         found[gname] = _group_format(group, group.get("format") or qc.get("format"),
                                      f"{where}.config_groups.{gname}")
     if len(set(found.values())) != 1:
-        raise FormatError(f"{where}.config_groups: mixed schemes {found}; one scheme per checkpoint is supported")
+        named = {g: f"{s}{' (W4A4)' if w4a4 else ''}" for g, (s, _, w4a4) in found.items()}
+        raise FormatError(f"{where}.config_groups: mixed schemes {named}; one scheme per checkpoint is supported")
     scheme, family, w4a4 = next(iter(found.values()))
     ignore = qc.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
@@ -132,7 +188,9 @@ def read_format(config: dict, source: str) -> StoredFormat | None:
     return StoredFormat(scheme=scheme, family=family, w4a4=w4a4, ignore=tuple(ignore))
 
 
-def _group_format(group: dict, fmt: str | None, where: str) -> tuple[str, str, bool]:
+def _group_format(group: dict, fmt: str | None, where: str) -> tuple[Scheme, Family, bool]:
+    """(the scheme it runs as, its tensor family, W4A4 asked for) of one config group; `fmt` the compressed-tensors
+    format name, the one place the family is looked up from a string."""
     weights, acts = group.get("weights"), group.get("input_activations")
     if group.get("output_activations"):
         raise FormatError(f"{where}.output_activations is set; output quantization is not supported")
@@ -142,10 +200,10 @@ def _group_format(group: dict, fmt: str | None, where: str) -> tuple[str, str, b
         _require(weights, f"{where}.weights", "FP8 (float-quantized) weights", num_bits=8, type="float",
                  strategy="channel", symmetric=True, dynamic=False, group_size=None, block_structure=None)
         if acts is None:
-            return "fp8-weight-only", FP8, False
+            return scheme_named("fp8-weight-only"), FP8, False
         _require(acts, f"{where}.input_activations", "FP8 activations", num_bits=8, type="float", strategy="token",
                  symmetric=True, dynamic=True)
-        return "fp8", FP8, False
+        return scheme_named("fp8"), FP8, False
     if fmt == "nvfp4-pack-quantized":
         _require(weights, f"{where}.weights", "NVFP4 weights", num_bits=4, type="float", strategy="tensor_group",
                  group_size=BLOCK, symmetric=True, dynamic=False)
@@ -153,10 +211,10 @@ def _group_format(group: dict, fmt: str | None, where: str) -> tuple[str, str, b
             raise FormatError(f"{where}.weights.scale_dtype is {weights['scale_dtype']!r}; NVFP4 loads with "
                               f"'torch.float8_e4m3fn' scales only")
         if acts is None:
-            return "nvfp4-w4a16", NVFP4, False
+            return scheme_named("nvfp4-w4a16"), NVFP4, False
         _require(acts, f"{where}.input_activations", "NVFP4 activations", num_bits=4, type="float",
                  strategy="tensor_group", group_size=BLOCK, dynamic="local")
-        return "nvfp4-w4a16", NVFP4, True
+        return scheme_named("nvfp4-w4a16"), NVFP4, True
     raise FormatError(f"{where}.format is {fmt!r}; supported: 'float-quantized' (FP8) and 'nvfp4-pack-quantized'")
 
 
@@ -221,8 +279,9 @@ def _experts(name, base, shape, fmt, header, file_of) -> StoredWeight | None:
             module = f"{prefix}.{e}.{p}"
             found = _family_keys(module + ".", fmt, header, file_of)
             if found is None:
-                raise FormatError(f"{file_of(first[_data_role(fmt)])}: tensor {module}.{_data_role(fmt)} is missing "
-                                  f"(expert {e} of {E}; the other experts are stored quantized)")
+                role = fmt.family.data_role
+                raise FormatError(f"{file_of(first[role])}: tensor {module}.{role} is missing (expert {e} of {E}; "
+                                  "the other experts are stored quantized)")
             _check(found, fmt, (), N // groups, K, header, file_of, module)
             for role, k in found.items():
                 keys.setdefault(role, []).append(k)
@@ -231,10 +290,6 @@ def _experts(name, base, shape, fmt, header, file_of) -> StoredWeight | None:
                           f"experts of {prefix} store an input_global_scale and others do not")
     return StoredWeight(name=name, module=f"{prefix}.*.{'/'.join(per_expert)}", keys=keys, experts=True,
                         groups=groups, rows=N // groups)
-
-
-def _data_role(fmt: StoredFormat) -> str:
-    return "weight" if fmt.family == FP8 else "weight_packed"
 
 
 def _family_keys(module: str, fmt: StoredFormat, header: Header, file_of) -> dict[str, str] | None:
@@ -255,16 +310,16 @@ def _select(names: dict[str, str], module: str, fmt: StoredFormat, header: Heade
     present = {role: k for role, k in names.items() if k in header}
     if not present or set(present) == {"weight"} and header[present["weight"]][0] in FLOAT:
         return None
-    need = ("weight", "weight_scale") if fmt.family == FP8 else ("weight_packed", "weight_scale", "weight_global_scale")
-    allowed = set(need) | ({"input_global_scale"} if fmt.family == NVFP4 else set())
+    need = fmt.family.need
+    allowed = set(need) | set(fmt.family.optional)
     anchor = next(iter(present.values()))
     for role, key in present.items():
         if role not in allowed:
-            raise FormatError(f"{file_of(key)}: tensor {key} is not part of the {fmt.family.upper()} family the "
+            raise FormatError(f"{file_of(key)}: tensor {key} is not part of the {fmt.family} family the "
                               f"quantization_config declares ({fmt.scheme})")
     for role in need:
         if role not in present:
-            raise FormatError(f"{file_of(anchor)}: tensor {names[role]} is missing (the {fmt.family.upper()} family "
+            raise FormatError(f"{file_of(anchor)}: tensor {names[role]} is missing (the {fmt.family} family "
                               f"of {module} needs {', '.join(names[r] for r in need)})")
     if "input_global_scale" in present and not fmt.w4a4:
         raise FormatError(f"{file_of(present['input_global_scale'])}: tensor {present['input_global_scale']} is an "
@@ -276,15 +331,11 @@ def _check(keys: dict[str, str], fmt: StoredFormat, lead: tuple[int, ...], N: in
            module: str, groups: int = 1) -> None:
     """Each tensor's dtype and shape against the family's layout for a dequantized [*lead, N, K] weight; the global
     scales of fused experts are [E, groups]."""
-    if fmt.family == FP8:
-        spec = {"weight": (("F8_E4M3",), (*lead, N, K)), "weight_scale": (FLOAT, (*lead, N, 1))}
-    else:
-        if K % BLOCK:
-            key = keys["weight_packed"]
-            raise FormatError(f"{file_of(key)}: tensor {key}: input dim {K} is not a multiple of {BLOCK} (NVFP4 block)")
-        scalar = (lead[0], groups) if lead else (1,)
-        spec = {"weight_packed": (("U8",), (*lead, N, K // 2)), "weight_scale": (("F8_E4M3",), (*lead, N, K // BLOCK)),
-                "weight_global_scale": (FLOAT, scalar), "input_global_scale": (FLOAT, scalar)}
+    why = fmt.family.check_dims(K)
+    if why is not None:
+        key = keys[fmt.family.data_role]
+        raise FormatError(f"{file_of(key)}: tensor {key}: {why}")
+    spec = fmt.family.spec(lead, N, K, groups)
     for role, key in keys.items():
         dtypes, shape = spec[role]
         dt, got = header[key]
@@ -292,20 +343,20 @@ def _check(keys: dict[str, str], fmt: StoredFormat, lead: tuple[int, ...], N: in
             raise FormatError(f"{file_of(key)}: tensor {key} has dtype {dt}, expected {' or '.join(dtypes)}")
         if tuple(got) != tuple(shape):
             raise FormatError(f"{file_of(key)}: tensor {key} has shape {list(got)}, expected {list(shape)} (the "
-                              f"{fmt.family.upper()} layout of {module}, dequantized {[*lead, N, K]})")
+                              f"{fmt.family} layout of {module}, dequantized {[*lead, N, K]})")
 
 
 # ----- tensors -------------------------------------------------------------------------------------------------------
-def template(scheme: str, device: torch.device, dtype: torch.dtype):
+def template(scheme: Scheme, device: torch.device, dtype: torch.dtype):
     """A torchao weight as `quantize` builds it for `scheme` on `device` for a `dtype` model (a 16x16 one): its
     settings (mm config, activation kwargs with the dtype's amax floor, kernel preference, scale layout) are copied
     onto the loaded tensors, so that a loaded model and a model quantized on load are the same kind of model."""
     lin = nn.Linear(BLOCK, BLOCK, bias=False, device="meta")  # no random init: the caller's RNG stays as it was
     lin.weight = nn.Parameter(torch.ones(BLOCK, BLOCK, device=device, dtype=dtype), requires_grad=False)
     with quiet_torchao():
-        config = torchao_config(scheme)
+        config = scheme.torchao_config()
         if config is None:
-            return direct_weight(scheme, device)(lin.weight.detach())
+            return scheme.direct_weight(device)(lin.weight.detach())
         from torchao.quantization import quantize_
 
         quantize_(lin, config)
@@ -382,7 +433,7 @@ def report(model: nn.Module, fmt: StoredFormat, quantized: dict, kinds: dict[str
     """What the checkpoint stores quantized, and what it leaves in float with the reason (its ignore list, a float
     tensor, or a part no Linear holds); bytes_before: the same model with every weight in the model dtype.
     `candidates`: our parameter name -> the checkpoint keys that may hold it (`loader.hf_names`)."""
-    report = QuantReport(scheme=fmt.scheme, quantized=[n.removesuffix(".weight") for n in quantized])
+    report = QuantReport(scheme=fmt.scheme.name, quantized=[n.removesuffix(".weight") for n in quantized])
     ignore = set(fmt.ignore)
     for name in kinds:
         if name not in quantized:

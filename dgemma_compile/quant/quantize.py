@@ -20,8 +20,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..model import ExpertProjection
-from .schemes import (NUMERICS, check_scheme, direct_weight, expert_weights, torchao_config, unsupported_expert_dims,
-                      unsupported_weight)
+from .schemes import NUMERICS, Scheme, check_scheme
 
 log = logging.getLogger("dgemma_compile")
 
@@ -47,7 +46,7 @@ def _parts(name: str) -> int:
     return 2 if name.endswith("gate_up_proj") else 1
 
 
-def _tied_copies(model: nn.Module, scheme: str, report: "QuantReport") -> None:
+def _tied_copies(model: nn.Module, scheme: Scheme, report: "QuantReport") -> None:
     """The embeddings' two products as `nn.Linear`s for the scheme to quantize: `lm_head` (the logits; only for tied
     models: an untied lm_head is an `nn.Linear` already) and `sc_embedding` (the self-conditioning product
     probs [.., V] @ table [V, D], i.e. a projection with weight table.T [D, V]). A copy whose dims the scheme cannot
@@ -59,7 +58,7 @@ def _tied_copies(model: nn.Module, scheme: str, report: "QuantReport") -> None:
     copies.append(("sc_embedding", "sc_embedding (the self-conditioning product probs @ embeddings)",
                    table.T.contiguous()))
     for attr, what, weight in copies:
-        why = unsupported_weight(scheme, weight)
+        why = scheme.unsupported_weight(weight)
         if why is not None:
             report.excluded.append((what, why))
             continue
@@ -102,8 +101,9 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
     return [t]
 
 
-def quantize(model: nn.Module, scheme: str) -> QuantReport:
-    """Quantize `model`'s covered projections to `scheme` (`schemes.SCHEMES`) in place; returns the report.
+def quantize(model: nn.Module, scheme: "str | Scheme") -> QuantReport:
+    """Quantize `model`'s covered projections to `scheme` (a name of `schemes.SCHEMES`, or its `Scheme`) in place;
+    returns the report.
 
     Raises:
         ConfigError: an unknown scheme, `nvfp4` (W4A4) on a device without sm100 tensor cores, an NVFP4 scheme on a
@@ -111,7 +111,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             missing (the `[quant]` extra). Raised before any weight changes.
     """
     device = next(model.parameters()).device
-    check_scheme(scheme, device, next(model.parameters()).dtype)
+    scheme = check_scheme(scheme, device, next(model.parameters()).dtype)
     if model.checkpoint.quant_scheme is not None:
         raise ConfigError(f"quant scheme: the model is already quantized ({model.checkpoint.quant_scheme}); quantize a model "
                           "loaded from a float checkpoint")
@@ -122,10 +122,10 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
         with quiet_torchao():
             import torchao  # noqa: F401
     except ImportError as e:
-        raise ConfigError(f"quant scheme {scheme!r} needs torchao: pip install 'dgemma-compile[quant]' ({e})") from None
-    report = QuantReport(scheme=scheme, bytes_before=weight_bytes(model))
+        raise ConfigError(f"quant scheme {scheme.name!r} needs torchao: pip install 'dgemma-compile[quant]' ({e})") from None
+    report = QuantReport(scheme=scheme.name, bytes_before=weight_bytes(model))
     experts = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertProjection)]
-    expert_why = {name: unsupported_expert_dims(scheme, m.shape) for name, m in experts}
+    expert_why = {name: scheme.unsupported_expert_dims(m.shape) for name, m in experts}
     _tied_copies(model, scheme, report)
     chosen = []
     for name, module in model.named_modules():
@@ -133,7 +133,7 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             continue
         if _is_router(name) or name.startswith("vision."):
             continue  # listed once in EXCLUDED_PARTS / VISION_EXCLUDED
-        why = unsupported_weight(scheme, module.weight)
+        why = scheme.unsupported_weight(module.weight)
         if why is not None:
             report.excluded.append((name, why))
         else:
@@ -142,14 +142,14 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
         report.excluded.append(VISION_EXCLUDED)
     report.excluded += list(EXCLUDED_PARTS)
     with quiet_torchao():
-        config = torchao_config(scheme)
+        config = scheme.torchao_config()
         if config is not None:
             from torchao.quantization import quantize_
 
             wanted = set(chosen)
             quantize_(model, config, filter_fn=lambda m, fqn: fqn in wanted)
         else:
-            build = direct_weight(scheme, device)
+            build = scheme.direct_weight(device)
             modules = dict(model.named_modules())
             for name in chosen:
                 lin = modules[name]
@@ -158,11 +158,11 @@ def quantize(model: nn.Module, scheme: str) -> QuantReport:
             if expert_why[name] is not None:
                 report.excluded.append((name, expert_why[name]))
                 continue
-            proj.set_quantized(scheme, *expert_weights(scheme, proj.weight.detach(), parts=_parts(name)))
+            proj.set_quantized(scheme.experts, *scheme.expert_weights(proj.weight.detach(), parts=_parts(name)))
             chosen.append(name)
     report.quantized = chosen
     report.bytes_after = weight_bytes(model)
-    model.checkpoint.quant_scheme = scheme
+    model.checkpoint.quant_scheme = scheme.name
     log.debug("%s", report.text())
     return report
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.expert_formats import expert_format
 from ..ops.moe import moe_experts_grouped
 
 # (block_m, block_n, block_k): small-M decode-like tiles and larger prefill tiles; tl.dot needs each >= 16
@@ -110,7 +111,7 @@ def register_moe_lowering(impls: tuple[str, ...] = ("grouped",),
 
     def lowering(*args, **kwargs):
         tensors, impl, quant = _call_args(args, kwargs)
-        if impl not in impls or quant != "none" or tensors[0].get_device().type != "cuda":
+        if impl not in impls or expert_format(quant).quantized or tensors[0].get_device().type != "cuda":
             return None  # Inductor's usual lowering (its fallback kernel for this op)
         result, _choice = autotune_custom_op(name="dgemma_moe_experts", decompositions=decompositions,
                                              inputs=tensors, non_tensor_args=kwargs_list, op_overload=fallback)
