@@ -161,7 +161,7 @@ class Bucket:
         sizes = tuple(sizes)
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes) or \
                 list(sizes) != sorted(set(sizes)):
-            raise ConfigError(f"sizes: must be increasing positive integers, got {sizes!r}")
+            raise ConfigError("sizes", f"must be increasing positive integers, got {sizes!r}")
         self.model, self.sizes, self.rows = model, sizes, sizes[-1]
         cfg = (config or model.generation_config).resolved(model.config)
         self.config = cfg
@@ -174,7 +174,7 @@ class Bucket:
                       paged_cache(model, B, max_seq_len, block_size=block, page_size=page_size, kv_pages=kv_pages))
         if max_logprobs is not None and (not isinstance(max_logprobs, int) or isinstance(max_logprobs, bool)
                                          or not 0 <= max_logprobs <= 64):
-            raise ConfigError(f"max_logprobs: must be None or an integer in [0, 64], got {max_logprobs!r}")
+            raise ConfigError("max_logprobs", f"must be None or an integer in [0, 64], got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
         self.state = DenoiseState.allocate(model, B, cfg.stability_threshold if cfg.stop_early else 0, max_logprobs)
         self.inputs = StepInputs.allocate(model, B, C, max_denoising_steps)
@@ -212,7 +212,7 @@ class Bucket:
         """The step over the first `size` rows (made on first use; with a `unit` maker, compiled on its first call).
         Raises ConfigError for a size not in `sizes`."""
         if size not in self.sizes:
-            raise ConfigError(f"size: {size} is not one of this bucket's batch sizes {self.sizes}")
+            raise ConfigError("size", f"{size} is not one of this bucket's batch sizes {self.sizes}")
         if size not in self._views:
             full = size == self.rows
             cache = self.cache if full else self.cache.view(size)
@@ -255,7 +255,7 @@ class Bucket:
         (compiled already), else the smallest size >= live (which then compiles). Raises ConfigError past B."""
         fits = [b for b in self.sizes if b >= max(live, 1)]
         if not fits:
-            raise ConfigError(f"rows: {live} live rows, more than this bucket's {self.rows}")
+            raise ConfigError("rows", f"{live} live rows, more than this bucket's {self.rows}")
         if warm is not None:
             ready = [b for b in fits if warm(b)]
             if ready:
@@ -326,7 +326,7 @@ class Bucket:
         token, the k <= `max_logprobs` most likely (id, log p)) -- `steps.logprobs` of that step; one host read.
         Raises ConfigError for k above `max_logprobs`."""
         if self.max_logprobs is None or k > self.max_logprobs:
-            raise ConfigError(f"top_logprobs: {k} is more than this bucket keeps (max_logprobs={self.max_logprobs})")
+            raise ConfigError("top_logprobs", f"{k} is more than this bucket keeps (max_logprobs={self.max_logprobs})")
         if not rows:
             return []
         idx = torch.tensor(rows, device=self.state.steps.device)

@@ -97,7 +97,7 @@ def resolve_canvases(canvas, n: int, cfgs: Sequence[GenerationConfig], vocab_siz
     if isinstance(canvas, (str, Canvas)):
         canvas = [canvas] * n
     if not isinstance(canvas, (list, tuple)) or len(canvas) != n:
-        raise ConfigError(f"canvas: give a text template, or one canvas (or None) per prompt ({n}), got "
+        raise ConfigError("canvas", f"give a text template, or one canvas (or None) per prompt ({n}), got "
                           f"{canvas!r:.80}")
     return [None if c is None else canvas_of(c, cfg, vocab_size, tokenizer, name=f"canvas[{i}]")
             for i, (c, cfg) in enumerate(zip(canvas, cfgs))]
@@ -113,24 +113,24 @@ def canvas_of(c, cfg: GenerationConfig, vocab_size: int, tokenizer=None, *, pinn
         ids, pin = list(c.ids), c.pinned
     elif isinstance(c, str):
         if tokenizer is None:
-            raise ConfigError(f"tokenizer: {name} is text; a text canvas needs the checkpoint's tokenizer")
+            raise ConfigError("tokenizer", f"{name} is text; a text canvas needs the checkpoint's tokenizer")
         ids, pin = parse_template(c, tokenizer), pinned
     elif isinstance(c, (list, tuple)):
         ids, pin = list(c), pinned
     else:
-        raise ConfigError(f"{name}: a canvas is text, a list of token ids and None, or a Canvas; got "
+        raise ConfigError(name, "a canvas is text, a list of token ids and None, or a Canvas; got "
                           f"{type(c).__name__}")
     if not isinstance(pin, bool):
-        raise ConfigError(f"{name}: pinned must be a bool, got {pin!r}")
+        raise ConfigError(name, f"pinned must be a bool, got {pin!r}")
     if not ids:
-        raise ConfigError(f"{name}: an empty canvas")
+        raise ConfigError(name, "an empty canvas")
     bad = [t for t in ids if t is not None and (not isinstance(t, int) or isinstance(t, bool)
                                                 or not 0 <= t < vocab_size)]
     if bad:
-        raise ConfigError(f"{name}: token ids must be integers in [0, {vocab_size}) or None (free), got {bad[0]!r}")
+        raise ConfigError(name, f"token ids must be integers in [0, {vocab_size}) or None (free), got {bad[0]!r}")
     if all(t is None for t in ids):
-        raise ConfigError(f"{name}: no position is given (every position is free: leave the canvas out)")
+        raise ConfigError(name, "no position is given (every position is free: leave the canvas out)")
     if len(ids) > cfg.max_new_tokens:
-        raise ConfigError(f"{name}: {len(ids)} positions, more than max_new_tokens={cfg.max_new_tokens} (a canvas "
+        raise ConfigError(name, f"{len(ids)} positions, more than max_new_tokens={cfg.max_new_tokens} (a canvas "
                           f"covers the request's first output positions)")
     return Canvas(tuple(ids), pin)

@@ -253,16 +253,16 @@ def read_prompts_file(name: str) -> list[PromptLine]:
     else:
         path = Path(name)
         if not path.exists():
-            raise ConfigError(f"--prompts-file: {name}: no such file")
+            raise ConfigError("--prompts-file", f"{name}: no such file")
         if path.is_dir():
-            raise ConfigError(f"--prompts-file: {name}: is a directory")
+            raise ConfigError("--prompts-file", f"{name}: is a directory")
         try:
             data = path.read_bytes()
         except OSError as e:
-            raise ConfigError(f"--prompts-file: {name}: {e.strerror or e}") from None
+            raise ConfigError("--prompts-file", f"{name}: {e.strerror or e}") from None
     lines = [parse_prompt_line(i, raw) for i, raw in enumerate(data.splitlines(), 1) if raw.strip()]
     if not lines:
-        raise ConfigError(f"--prompts-file: {name}: no prompts")
+        raise ConfigError("--prompts-file", f"{name}: no prompts")
     return lines
 
 
@@ -463,23 +463,23 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
     from .text import check_stop_strings
 
     if args.prompt is not None and args.prompts_file is not None:
-        raise ConfigError("prompt: give a prompt or --prompts-file, not both")
+        raise ConfigError("prompt", "give a prompt or --prompts-file, not both")
     if args.prompt is None and args.prompts_file is None:
-        raise ConfigError("prompt: give a prompt, or --prompts-file FILE")
+        raise ConfigError("prompt", "give a prompt, or --prompts-file FILE")
     if args.batch_size is not None and args.prompts_file is None:
-        raise ConfigError("batch_size: --batch-size applies to --prompts-file only")
+        raise ConfigError("batch_size", "--batch-size applies to --prompts-file only")
     if args.image and args.prompts_file is not None:
-        raise ConfigError("image: --image applies to one prompt, not to --prompts-file")
+        raise ConfigError("image", "--image applies to one prompt, not to --prompts-file")
     if args.template is not None and args.prompts_file is not None:
-        raise ConfigError("template: --template applies to one prompt, not to --prompts-file")
+        raise ConfigError("template", "--template applies to one prompt, not to --prompts-file")
     if args.live and args.prompts_file is not None:
-        raise ConfigError("live: --live draws one prompt's canvas, not --prompts-file's")
+        raise ConfigError("live", "--live draws one prompt's canvas, not --prompts-file's")
     if args.max_soft_tokens is not None and not args.image:
-        raise ConfigError("max_soft_tokens: --max-soft-tokens applies to --image only")
+        raise ConfigError("max_soft_tokens", "--max-soft-tokens applies to --image only")
     if args.batch_size is not None and args.batch_size < 1:
-        raise ConfigError(f"batch_size: must be a positive integer, got {args.batch_size}")
+        raise ConfigError("batch_size", f"must be a positive integer, got {args.batch_size}")
     if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"threads: must be a positive integer, got {args.threads}")
+        raise ConfigError("threads", f"must be a positive integer, got {args.threads}")
     check_stop_strings(args.stop, "--stop")
     args.tensor_parallel = ranks is not None
     lines, args.pil_images = _shared(ranks, lambda: _read_inputs(args))  # before any loading
@@ -554,7 +554,7 @@ def _load(model_dir, args: argparse.Namespace, ranks):
     except (CheckpointError, ConfigError):  # the checkpoint's or the scheme's own error, as without ranks
         raise
     except ValueError as e:  # a split the shapes refuse (`parallel.shard`)
-        raise ConfigError(f"tensor_parallel_size: {e}") from None
+        raise ConfigError("tensor_parallel_size", str(e)) from None
 
 
 def _constraint(args: argparse.Namespace):
@@ -574,11 +574,11 @@ def _constraint(args: argparse.Namespace):
     try:
         text = Path(args.json_schema).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--json-schema: cannot read {args.json_schema} ({e})") from None
+        raise ConfigError("--json-schema", f"cannot read {args.json_schema} ({e})") from None
     try:
         return Constraint.json_schema(text)
     except ConfigError as e:
-        raise ConfigError(f"--json-schema: {args.json_schema}: {e}") from None
+        raise ConfigError("--json-schema", f"{args.json_schema}: {e}") from None
 
 
 def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
@@ -755,7 +755,7 @@ def explain_command(args: argparse.Namespace) -> int:
     from .config import ConfigError
 
     if args.batch_size < 1:
-        raise ConfigError(f"batch_size: must be a positive integer, got {args.batch_size}")
+        raise ConfigError("batch_size", f"must be a positive integer, got {args.batch_size}")
     model = load(args.model if args.model is not None else DEMO_MODEL)
     _quantize(model, args.quant)
     # one bucket that also serves the default workload's two-row batch; 256 slots as `dgemma generate` uses for a
@@ -777,7 +777,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
     key = args.api_key if args.api_key is not None else os.environ.get("DGEMMA_API_KEY")
     if key is not None and not key.strip():
-        raise ConfigError("api_key: --api-key / DGEMMA_API_KEY is empty; give a key or leave both unset")
+        raise ConfigError("api_key", "--api-key / DGEMMA_API_KEY is empty; give a key or leave both unset")
     return key
 
 
@@ -794,7 +794,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
         from dgemma_runtime.metrics import ServeMetrics
         from dgemma_runtime.server import create_app
     except ImportError as e:
-        raise ConfigError(f"serve: needs the [serve] extra (pip install 'dgemma-compile[serve]'): {e}") from None
+        raise ConfigError("serve", f"needs the [serve] extra (pip install 'dgemma-compile[serve]'): {e}") from None
     from . import load_tokenizer
     from dgemma_runtime import build_engine
     from dgemma_runtime.parallel import ParallelSchedule
@@ -803,23 +803,23 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
                  "max_image_bytes", "max_image_pixels", "max_grammar_bytes", "grammar_memory", "grammar_workers"):
         v = getattr(args, name)
         if v is not None and v < 1:
-            raise ConfigError(f"{name}: must be a positive integer, got {v}")
+            raise ConfigError(name, f"must be a positive integer, got {v}")
     if not 0 <= args.max_logprobs <= 64:
-        raise ConfigError(f"max_logprobs: must be an integer in [0, 64], got {args.max_logprobs}")
+        raise ConfigError("max_logprobs", f"must be an integer in [0, 64], got {args.max_logprobs}")
     if not args.header_timeout > 0:
-        raise ConfigError(f"header_timeout: must be a positive number of seconds, got {args.header_timeout}")
+        raise ConfigError("header_timeout", f"must be a positive number of seconds, got {args.header_timeout}")
     if not args.input_timeout > 0:
-        raise ConfigError(f"input_timeout: must be a positive number of seconds, got {args.input_timeout}")
+        raise ConfigError("input_timeout", f"must be a positive number of seconds, got {args.input_timeout}")
     if not args.grammar_timeout > 0:
-        raise ConfigError(f"grammar_timeout: must be a positive number of seconds, got {args.grammar_timeout}")
+        raise ConfigError("grammar_timeout", f"must be a positive number of seconds, got {args.grammar_timeout}")
     if args.grammar_cache_bytes < 0:
-        raise ConfigError(f"grammar_cache_bytes: must be an integer >= 0, got {args.grammar_cache_bytes}")
+        raise ConfigError("grammar_cache_bytes", f"must be an integer >= 0, got {args.grammar_cache_bytes}")
     if args.image_dir is not None and not args.image_dir.is_dir():
-        raise ConfigError(f"image_dir: {args.image_dir} is not a directory")
+        raise ConfigError("image_dir", f"{args.image_dir} is not a directory")
     from .preprocess import ImageSources
 
     if (args.allow_private_image_urls or args.allowed_media_domains) and not args.allow_image_urls:
-        raise ConfigError("allow_image_urls: --allow-private-image-urls and --allowed-media-domains apply to fetched "
+        raise ConfigError("allow_image_urls", "--allow-private-image-urls and --allowed-media-domains apply to fetched "
                           "image URLs: add --allow-image-urls")
     domains = (None if args.allowed_media_domains is None else
                frozenset(d.lower().rstrip(".") for d in args.allowed_media_domains))
@@ -928,11 +928,11 @@ def cache_command(args: argparse.Namespace) -> int:
         return 0
     store = ArtifactStore.default()
     if store is None:
-        raise ConfigError(f"cache: {cache_root()} is not a usable directory (DGEMMA_CACHE_DIR, XDG_CACHE_HOME)")
+        raise ConfigError("cache", f"{cache_root()} is not a usable directory (DGEMMA_CACHE_DIR, XDG_CACHE_HOME)")
     if args.action == "clear":
         failed = store.clear()
         if failed:
-            raise ConfigError(f"cache: could not remove {len(failed)} path(s) under {store.root}: {failed[0]}")
+            raise ConfigError("cache", f"could not remove {len(failed)} path(s) under {store.root}: {failed[0]}")
         print(f"compile cache: cleared {store.root}")
         return 0
     entries = store.entries()
@@ -955,7 +955,7 @@ def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> i
     if not args.group_timeout > 0:
         from .config import ConfigError
 
-        raise ConfigError(f"group_timeout: must be a positive number of seconds, got {args.group_timeout}")
+        raise ConfigError("group_timeout", f"must be a positive number of seconds, got {args.group_timeout}")
     command = generate_command if args.command == "generate" else serve_command
 
     def body(ranks: "R.Ranks") -> int:
@@ -963,7 +963,7 @@ def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> i
         try:
             return command(args, ranks)
         except RuntimeError as e:  # gloo / nccl: a peer's connection closed, or the group's timeout passed
-            if isinstance(e, R.ParallelError) or str(e).startswith("tensor parallel:"):
+            if isinstance(e, R.ParallelError):  # ours (its message says which rank and why)
                 message = str(e)
             else:
                 message = (f"tensor parallel: rank {ranks.rank} of {ranks.world_size}: a collective failed, a rank died "

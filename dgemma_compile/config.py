@@ -35,13 +35,32 @@ DEFAULT_ROPE = {
 FLOAT32_MAX = 3.4028234663852886e38  # temperatures live in float32 tables
 
 
+CONTEXT_LENGTH = "context_length_exceeded"
+"""`ConfigError.code` of a prompt (and its budget of new tokens) beyond the model's context or a cache's slots: the
+code OpenAI's API and vLLM answer such a request with."""
+
+
 class ConfigError(ValueError):
-    """An invalid configuration value; the message names the parameter (and the file, when read from one)."""
+    """An invalid configuration value. `ConfigError(param, problem, code=None)`: `param` names what is invalid (a
+    parameter, or the file it was read from), `problem` says what is wrong with it; str() is "param: problem".
+    `ConfigError(message)`: a problem naming no single parameter (`param` None). `code`: a kind callers map without
+    reading the message (`CONTEXT_LENGTH`), or None. The HTTP layer maps `param` and `code` to its 400's fields and
+    the CLI prints str(); nothing parses the message."""
+
+    def __init__(self, param: object, problem: str | None = None, *, code: str | None = None):
+        if problem is None:
+            param, problem = None, str(param)
+        self.param = None if param is None else str(param)
+        self.problem, self.code = problem, code
+        super().__init__(problem if self.param is None else f"{self.param}: {problem}")
+
+    def __reduce__(self):  # pickles with its fields (a rank or a worker process may send it)
+        return type(self), (self.param, self.problem), {"code": self.code}
 
 
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
-        raise ConfigError(f"{name}: {msg}")
+        raise ConfigError(name, msg)
 
 
 def _is_int(x: Any) -> bool:
@@ -134,16 +153,16 @@ class ModelConfig:
         try:
             return cls._from_hf_dict(cfg)
         except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
+            raise ConfigError(source, str(e)) from None
         except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise ConfigError(f"{source}: malformed DiffusionGemma config ({type(e).__name__}: {e})") from None
+            raise ConfigError(source, f"malformed DiffusionGemma config ({type(e).__name__}: {e})") from None
 
     @classmethod
     def _from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         mt = cfg.get("model_type")
         if mt != "diffusion_gemma" and "DiffusionGemmaForBlockDiffusion" not in archs:
-            raise ConfigError(f"model_type: not a DiffusionGemma checkpoint (model_type={mt!r}, architectures={archs})")
+            raise ConfigError("model_type", f"not a DiffusionGemma checkpoint (model_type={mt!r}, architectures={archs})")
         t = cfg.get("text_config")
         _require(isinstance(t, dict), "text_config", "missing")
         get = lambda k, d=None: d if t.get(k) is None else t[k]  # noqa: E731 - absent or null -> transformers default
@@ -306,7 +325,7 @@ class GenerationConfig:
                 kw["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
             return cls(**kw)
         except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
+            raise ConfigError(source, str(e)) from None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -314,9 +333,9 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
+        raise ConfigError(path, "file not found") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        raise ConfigError(path, f"not valid JSON ({e})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+        raise ConfigError(path, "expected a JSON object")
     return data

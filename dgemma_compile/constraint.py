@@ -64,30 +64,30 @@ class Constraint:
     def __post_init__(self) -> None:
         k, s = self.kind, self.spec
         if k not in KINDS:
-            raise ConfigError(f"constraint: kind must be one of {KINDS}, got {k!r}")
+            raise ConfigError("constraint", f"kind must be one of {KINDS}, got {k!r}")
         if k == "regex" and (not isinstance(s, str) or not s):
-            raise ConfigError(f"constraint: a regex must be a non-empty string, got {s!r}")
+            raise ConfigError("constraint", f"a regex must be a non-empty string, got {s!r}")
         if k == "choice" and (not isinstance(s, tuple) or not s or
                               any(not isinstance(c, str) or not c for c in s)):
-            raise ConfigError(f"constraint: choice must be a non-empty list of non-empty strings, got {s!r}")
+            raise ConfigError("constraint", f"choice must be a non-empty list of non-empty strings, got {s!r}")
         if k == "json_schema":
             if not isinstance(s, str):
-                raise ConfigError(f"constraint: a json_schema must be JSON text, got {type(s).__name__}")
+                raise ConfigError("constraint", f"a json_schema must be JSON text, got {type(s).__name__}")
             try:
                 value = json.loads(s)
             except ValueError as e:
-                raise ConfigError(f"constraint: the json_schema is not valid JSON ({e})") from None
+                raise ConfigError("constraint", f"the json_schema is not valid JSON ({e})") from None
             if not isinstance(value, (dict, bool)):
-                raise ConfigError(f"constraint: a json_schema must be an object or a boolean, got {s[:40]!r}")
+                raise ConfigError("constraint", f"a json_schema must be an object or a boolean, got {s[:40]!r}")
         if k == "structural_tag":
             try:
                 value = json.loads(s) if isinstance(s, str) else None
             except ValueError:
                 value = None
             if not isinstance(value, dict):
-                raise ConfigError(f"constraint: a structural_tag must be the JSON text of an object, got {s!r:.60}")
+                raise ConfigError("constraint", f"a structural_tag must be the JSON text of an object, got {s!r:.60}")
         if k == "json_object" and s is not None:
-            raise ConfigError("constraint: json_object takes no spec")
+            raise ConfigError("constraint", "json_object takes no spec")
 
     @classmethod
     def regex(cls, pattern: str) -> "Constraint":
@@ -98,7 +98,7 @@ class Constraint:
     def choice(cls, options: Sequence[str]) -> "Constraint":
         """The text equals one of `options`."""
         if isinstance(options, str) or not isinstance(options, Sequence):
-            raise ConfigError(f"constraint: choice must be a list of strings, got {options!r}")
+            raise ConfigError("constraint", f"choice must be a list of strings, got {options!r}")
         return cls("choice", tuple(options))
 
     @classmethod
@@ -129,7 +129,7 @@ def compile_constraint(compiler, constraint: Constraint):
     import xgrammar as xgr
 
     if not isinstance(constraint, Constraint):
-        raise ConfigError(f"constraint: must be a dgemma_compile Constraint, got {type(constraint).__name__}")
+        raise ConfigError("constraint", f"must be a dgemma_compile Constraint, got {type(constraint).__name__}")
     try:
         if constraint.kind == "regex":
             return compiler.compile_regex(constraint.spec)
@@ -143,7 +143,7 @@ def compile_constraint(compiler, constraint: Constraint):
     except (RuntimeError, ValueError, TypeError) as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         reason = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
-        raise ConstraintError(f"constraint: the grammar library cannot compile this {constraint.kind}: "
+        raise ConstraintError("constraint", f"the grammar library cannot compile this {constraint.kind}: "
                               f"{reason}") from None
 
 
@@ -281,10 +281,10 @@ def resolve_constraints(constraint: Constraint | Sequence[Constraint | None] | N
     if constraint is None or isinstance(constraint, Constraint):
         return [constraint] * n
     if isinstance(constraint, (str, bytes)) or not isinstance(constraint, Sequence) or len(constraint) != n:
-        raise ConfigError(f"constraint: give one Constraint, or one (or None) per prompt ({n}), got {constraint!r}")
+        raise ConfigError("constraint", f"give one Constraint, or one (or None) per prompt ({n}), got {constraint!r}")
     for c in constraint:
         if c is not None and not isinstance(c, Constraint):
-            raise ConfigError(f"constraint: entries must be Constraint or None, got {type(c).__name__}")
+            raise ConfigError("constraint", f"entries must be Constraint or None, got {type(c).__name__}")
     return list(constraint)
 
 
@@ -298,13 +298,13 @@ def row_grammars(model, constraints: list, cfgs, tokenizer, compiled: list | Non
     if all(c is None for c in constraints):
         return [None] * len(constraints)
     if tokenizer is None:
-        raise ConfigError("tokenizer: a constraint needs the checkpoint's tokenizer (generate(..., tokenizer=...))")
+        raise ConfigError("tokenizer", "a constraint needs the checkpoint's tokenizer (generate(..., tokenizer=...))")
     out: list[RowGrammar | None] = []
     for c, cfg, done in zip(constraints, cfgs, compiled or [None] * len(constraints)):
         if c is not None and cfg.ignore_eos:
-            raise ConfigError("ignore_eos: a constrained request ends with the grammar's eos; ignore_eos is refused")
+            raise ConfigError("ignore_eos", "a constrained request ends with the grammar's eos; ignore_eos is refused")
         g = None if c is None else GrammarLibrary.for_model(tokenizer, model, cfg.eos_token_ids).matcher(c, done)
         if g is not None and g.dead_end:
-            raise ConstraintError(f"constraint: no token of the model's vocabulary can begin this {c.kind}")
+            raise ConstraintError("constraint", f"no token of the model's vocabulary can begin this {c.kind}")
         out.append(g)
     return out

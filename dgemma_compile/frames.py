@@ -80,5 +80,5 @@ def frame_callbacks(on_frame, n: int) -> list[FrameCallback | None]:
         return [on_frame] * n
     cbs = list(on_frame) if isinstance(on_frame, (list, tuple)) else None
     if cbs is None or len(cbs) != n or any(c is not None and not callable(c) for c in cbs):
-        raise ConfigError(f"on_frame: give one callable, or one callable or None per prompt ({n}), got {on_frame!r}")
+        raise ConfigError("on_frame", f"give one callable, or one callable or None per prompt ({n}), got {on_frame!r}")
     return cbs

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import DEFAULT_MAX_SEQ_LEN, ConfigError, GenerationConfig
+from .config import CONTEXT_LENGTH, DEFAULT_MAX_SEQ_LEN, ConfigError, GenerationConfig
 from .model import DiffusionGemma
 from .observe import STEP, Observer, SpanTimer
 from .ops.moe import resolve_moe_impl
@@ -111,22 +111,22 @@ def validate_prompts(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
     prompt and the problem."""
     cfg = model.config
     if len(prompts) == 0:
-        raise ConfigError("prompts: no prompt given")
+        raise ConfigError("prompts", "no prompt given")
     out = []
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     for i, p in enumerate(prompts):
         max_new_tokens = budgets[i]
         ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
         if not ids:
-            raise ConfigError(f"prompts[{i}]: empty prompt")
+            raise ConfigError(f"prompts[{i}]", "empty prompt")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= cfg.vocab_size for t in ids):
-            raise ConfigError(f"prompts[{i}]: token ids must be integers in [0, {cfg.vocab_size})")
+            raise ConfigError(f"prompts[{i}]", f"token ids must be integers in [0, {cfg.vocab_size})")
         if len(ids) >= cfg.max_position_embeddings:
-            raise ConfigError(f"prompts[{i}]: {len(ids)} tokens, longer than the model's context "
-                              f"({cfg.max_position_embeddings})")
+            raise ConfigError(f"prompts[{i}]", f"{len(ids)} tokens, longer than the model's context "
+                              f"({cfg.max_position_embeddings})", code=CONTEXT_LENGTH)
         if len(ids) + max_new_tokens > cfg.max_position_embeddings:
-            raise ConfigError(f"max_new_tokens: prompts[{i}] ({len(ids)} tokens) + {max_new_tokens} new tokens exceed "
-                              f"the model's context ({cfg.max_position_embeddings})")
+            raise ConfigError("max_new_tokens", f"prompts[{i}] ({len(ids)} tokens) + {max_new_tokens} new tokens exceed "
+                              f"the model's context ({cfg.max_position_embeddings})", code=CONTEXT_LENGTH)
         out.append(ids)
     return out
 
@@ -135,7 +135,7 @@ def _seeds(seed: int | Sequence[int], n: int) -> list[int]:
     is_int = lambda s: isinstance(s, int) and not isinstance(s, bool)  # noqa: E731
     seeds = [seed] * n if is_int(seed) else list(seed) if isinstance(seed, (list, tuple)) else None
     if seeds is None or len(seeds) != n or any(not is_int(s) or not 0 <= s < 2**64 for s in seeds):
-        raise ConfigError(f"seed: give one integer in [0, 2**64), or one per prompt ({n}), got {seed!r}")
+        raise ConfigError("seed", f"give one integer in [0, 2**64), or one per prompt ({n}), got {seed!r}")
     return seeds
 
 
@@ -156,11 +156,11 @@ def resolve_configs(model: DiffusionGemma, config: GenerationConfig | Sequence[G
         return [(config or default).resolved(model.config)] * n
     cfgs = [(c or default).resolved(model.config) for c in config]
     if len(cfgs) != n:
-        raise ConfigError(f"config: give one GenerationConfig, or one per prompt ({n}), got {len(cfgs)}")
+        raise ConfigError("config", f"give one GenerationConfig, or one per prompt ({n}), got {len(cfgs)}")
     for name in STRUCTURAL:
         values = {getattr(c, name) for c in cfgs}
         if len(values) > 1:
-            raise ConfigError(f"config: {name} must be the same for every request of a call, got {sorted(values)}")
+            raise ConfigError("config", f"{name} must be the same for every request of a call, got {sorted(values)}")
     return cfgs
 
 
@@ -197,10 +197,10 @@ def constrained_slots(prompts: Sequence[Sequence[int]], cfgs: Sequence[Generatio
 def check_slots(needed: int, max_seq_len: int, name: str) -> None:
     """Raise `ConfigError` (naming `name`) unless `max_seq_len` is a positive integer >= `needed` committed slots."""
     if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
-        raise ConfigError(f"max_seq_len: must be a positive integer, got {max_seq_len!r}")
+        raise ConfigError("max_seq_len", f"must be a positive integer, got {max_seq_len!r}")
     if needed > max_seq_len:
-        raise ConfigError(f"max_seq_len: these requests need {needed} committed slots per row, more than "
-                          f"{name}={max_seq_len}")
+        raise ConfigError("max_seq_len", f"these requests need {needed} committed slots per row, more than "
+                          f"{name}={max_seq_len}", code=CONTEXT_LENGTH)
 
 
 @torch.no_grad()
@@ -270,7 +270,7 @@ def generate(model: DiffusionGemma, prompts: Sequence[Sequence[int]],
     check_slots(max(needed, constrained_slots(prompts, cfgs, grammars)), max_seq_len, "max_seq_len")
     items = prepare_images(model, prompts, images)
     if not isinstance(fuse_commit, bool):
-        raise ConfigError(f"fuse_commit: must be a bool, got {fuse_commit!r}")
+        raise ConfigError("fuse_commit", f"must be a bool, got {fuse_commit!r}")
     impl = resolve_moe_impl(moe_impl, dtype=model.dtype, num_experts=model.config.num_experts,
                             top_k=model.config.top_k_experts, compiled=False, quant=model.expert_quant)
     runner = EagerSteps(model, cfgs, seeds, max_seq_len, impl, fuse_commit)

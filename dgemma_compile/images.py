@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ConfigError
+from .config import CONTEXT_LENGTH, ConfigError
 from .kv_cache import KVCache, PagedKVCache
 from . import uniform
 from .phases import ENCODER
@@ -137,43 +137,43 @@ def prepare(model, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[I
         if image_id is not None:
             for i, p in enumerate(prompts):
                 if image_runs(p, image_id):
-                    raise ConfigError(f"prompts[{i}]: holds image placeholders (id {image_id}) but no images were "
+                    raise ConfigError(f"prompts[{i}]", f"holds image placeholders (id {image_id}) but no images were "
                                       f"given")
         return [None] * R
     if not isinstance(images, (list, tuple)) or len(images) != R:
-        raise ConfigError(f"images: give one list of images (or None) per prompt ({R}), got "
+        raise ConfigError("images", f"give one list of images (or None) per prompt ({R}), got "
                           f"{len(images) if isinstance(images, (list, tuple)) else type(images).__name__}")
     if vision is None and any(imgs for imgs in images):
-        raise ConfigError("images: this model has no vision encoder (a text-only checkpoint, one whose image token id "
+        raise ConfigError("images", "this model has no vision encoder (a text-only checkpoint, one whose image token id "
                           "is outside its vocabulary, or loaded with vision=False)")
     out: list[ImagePrompt | None] = []
     for i, (p, imgs) in enumerate(zip(prompts, images)):
         imgs = list(imgs or [])
         runs = image_runs(p, image_id) if image_id is not None else []
         if len(runs) != len(imgs):
-            raise ConfigError(f"prompts[{i}]: {len(runs)} image placeholder runs (id {image_id}) but {len(imgs)} "
+            raise ConfigError(f"prompts[{i}]", f"{len(runs)} image placeholder runs (id {image_id}) but {len(imgs)} "
                               f"images given")
         if not runs:
             out.append(None)
             continue
         for k, img in enumerate(imgs):
             if not isinstance(img, Image):
-                raise ConfigError(f"images[{i}][{k}]: must be a dgemma_compile.images.Image, got "
+                raise ConfigError(f"images[{i}][{k}]", "must be a dgemma_compile.images.Image, got "
                                   f"{type(img).__name__}")
         start, n = runs[-1]
         if start + n >= len(p):
-            raise ConfigError(f"prompts[{i}]: ends with an image; at least one token must follow the last image "
+            raise ConfigError(f"prompts[{i}]", "ends with an image; at least one token must follow the last image "
                               f"(the processor writes eoi after each)")
         widest = max(n for _, n in runs)
         if widest > MAX_GROUP:
-            raise ConfigError(f"prompts[{i}]: an image of {widest} soft tokens, more than the {MAX_GROUP} served")
+            raise ConfigError(f"prompts[{i}]", f"an image of {widest} soft tokens, more than the {MAX_GROUP} served")
         for k, ((_, n), img) in enumerate(zip(runs, imgs)):
             try:
                 soft = vision.soft_tokens(img.pixel_values, img.position_ids)
             except ConfigError as e:
-                raise ConfigError(f"images[{i}][{k}]: {e}") from None
+                raise ConfigError(f"images[{i}][{k}]", str(e)) from None
             if soft != n:
-                raise ConfigError(f"images[{i}][{k}]: {soft} soft tokens, but its placeholder run in "
+                raise ConfigError(f"images[{i}][{k}]", f"{soft} soft tokens, but its placeholder run in "
                                   f"prompts[{i}] holds {n}")
         out.append(ImagePrompt(runs=runs, images=imgs, digests=[digest(im) for im in imgs], length=len(p),
                                chunk=model.config.canvas_length, vision=vision))
@@ -257,11 +257,12 @@ def prefill_images(model, cache, row: int, prompt: Sequence[int], item: ImagePro
     paged = isinstance(cache, PagedKVCache)
     held = int(cache.lengths[row])
     if not paged and (held != 0 or start != 0):
-        raise ConfigError(f"cache: row {row} holds {held} tokens; images are encoded into an empty row")
+        raise ConfigError("cache", f"row {row} holds {held} tokens; images are encoded into an empty row")
     if paged and held != start:
-        raise ConfigError(f"cache: row {row} holds {held} tokens, but the image prefix is to start at {start}")
+        raise ConfigError("cache", f"row {row} holds {held} tokens, but the image prefix is to start at {start}")
     if L > cache.max_seq_len:
-        raise ConfigError(f"max_seq_len: the image prefix is {L} tokens, more than the cache's {cache.max_seq_len}")
+        raise ConfigError("max_seq_len", f"the image prefix is {L} tokens, more than the cache's {cache.max_seq_len}",
+                          code=CONTEXT_LENGTH)
     widest = max(chunk, max(n for _, n in item.runs))
     scratch = model.new_cache(1, cache.max_seq_len, block_size=widest)
     if start:

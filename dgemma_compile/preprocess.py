@@ -37,7 +37,7 @@ def _pil():
         from PIL import Image as PILImage
         from PIL import UnidentifiedImageError
     except ImportError:
-        raise ConfigError("image: reading images needs pillow (pip install pillow)") from None
+        raise ConfigError("image", "reading images needs pillow (pip install pillow)") from None
     return PILImage, UnidentifiedImageError
 
 
@@ -47,10 +47,10 @@ def read_image(path: str | Path, *, max_bytes: int = 32 * 2**20, max_pixels: int
     image, or truncated."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"image: {p}: file not found")
+        raise ConfigError("image", f"{p}: file not found")
     size = p.stat().st_size
     if size > max_bytes:
-        raise ConfigError(f"image: {p}: {size} bytes, more than the {max_bytes} allowed")
+        raise ConfigError("image", f"{p}: {size} bytes, more than the {max_bytes} allowed")
     return _decode(p, f"image: {p}", max_pixels)
 
 
@@ -64,15 +64,15 @@ def decode_data_url(url: str, name: str, *, max_bytes: int = 32 * 2**20, max_pix
     head, sep, data = url.partition(",")
     if not url.startswith("data:") or not sep or not head.endswith(";base64"):
         scheme = url.split(":", 1)[0][:16] if ":" in url else url[:16]
-        raise ConfigError(f"{name}: only data:image/...;base64 URLs are accepted, got a {scheme!r} URL")
+        raise ConfigError(name, f"only data:image/...;base64 URLs are accepted, got a {scheme!r} URL")
     if len(data) > (max_bytes * 4) // 3 + 4:
-        raise ConfigError(f"{name}: the image is more than the {max_bytes} bytes allowed")
+        raise ConfigError(name, f"the image is more than the {max_bytes} bytes allowed")
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise ConfigError(f"{name}: the data URL is not valid base64") from None
+        raise ConfigError(name, "the data URL is not valid base64") from None
     if len(raw) > max_bytes:
-        raise ConfigError(f"{name}: the image is more than the {max_bytes} bytes allowed")
+        raise ConfigError(name, f"the image is more than the {max_bytes} bytes allowed")
     return _decode_bytes(raw, name, max_pixels)
 
 
@@ -115,27 +115,27 @@ def open_image_url(url: str, name: str, sources: ImageSources = ImageSources()):
         return decode_data_url(url, name, max_bytes=sources.max_bytes, max_pixels=sources.max_pixels)
     if scheme == "file" or (scheme == "" and url.startswith("/")):
         if sources.directory is None:
-            raise ConfigError(f"{name}: local files are not served (the server was started without --image-dir)")
+            raise ConfigError(name, "local files are not served (the server was started without --image-dir)")
         path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path) if scheme else url).resolve()
         root = Path(sources.directory).resolve()
         if not path.is_relative_to(root):
-            raise ConfigError(f"{name}: {path} is outside the allowed image directory")
+            raise ConfigError(name, f"{path} is outside the allowed image directory")
         try:
             return read_image(path, max_bytes=sources.max_bytes, max_pixels=sources.max_pixels)
         except ConfigError as e:
-            raise ConfigError(f"{name}: {str(e).removeprefix('image: ')}") from None
+            raise ConfigError(name, e.problem if e.param == "image" else str(e)) from None
     if scheme in ("http", "https"):
         if not sources.fetch:
-            raise ConfigError(f"{name}: http(s) image URLs are not fetched (the server was started without "
+            raise ConfigError(name, "http(s) image URLs are not fetched (the server was started without "
                               f"--allow-image-urls)")
         try:
             raw = fetch(url, sources.policy())
         except FetchError as e:
-            raise ConfigError(f"{name}: {e}") from None
+            raise ConfigError(name, str(e)) from None
         if len(raw) > sources.max_bytes:
-            raise ConfigError(f"{name}: the image is more than the {sources.max_bytes} bytes allowed")
+            raise ConfigError(name, f"the image is more than the {sources.max_bytes} bytes allowed")
         return _decode_bytes(raw, name, sources.max_pixels)
-    raise ConfigError(f"{name}: unsupported image URL scheme {scheme or url[:16]!r} (data:, file: or http(s))")
+    raise ConfigError(name, f"unsupported image URL scheme {scheme or url[:16]!r} (data:, file: or http(s))")
 
 
 def _decode(source, name: str, max_pixels: int):
@@ -146,17 +146,17 @@ def _decode(source, name: str, max_pixels: int):
         with PILImage.open(source) as im:
             w, h = im.size
             if w * h > max_pixels:
-                raise ConfigError(f"{name}: the image is {w}x{h} = {w * h} pixels, more than the {max_pixels} allowed "
+                raise ConfigError(name, f"the image is {w}x{h} = {w * h} pixels, more than the {max_pixels} allowed "
                                   f"(dgemma serve --max-image-pixels)")
             im.load()  # decode now: a truncated file fails here, not later
             return im.convert("RGB")
     except Unidentified:
-        raise ConfigError(f"{name}: not an image pillow can read") from None
+        raise ConfigError(name, "not an image pillow can read") from None
     except PILImage.DecompressionBombError:  # pillow's own bound (2 x Image.MAX_IMAGE_PIXELS), checked at open
-        raise ConfigError(f"{name}: the image has more pixels than the {max_pixels} allowed "
+        raise ConfigError(name, f"the image has more pixels than the {max_pixels} allowed "
                           f"(dgemma serve --max-image-pixels)") from None
     except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
-        raise ConfigError(f"{name}: could not decode the image ({e})") from None
+        raise ConfigError(name, f"could not decode the image ({e})") from None
 
 
 def _decode_bytes(raw: bytes, name: str, max_pixels: int = DEFAULT_MAX_PIXELS):
@@ -179,7 +179,7 @@ def image_processor(model, directory: str | Path | None = None, *, max_soft_toke
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     if model.vision is None:
-        raise ConfigError("image: this model has no vision encoder (a text-only checkpoint, one whose image token id "
+        raise ConfigError("image", "this model has no vision encoder (a text-only checkpoint, one whose image token id "
                           "is outside its vocabulary, or loaded with vision=False)")
     tower = model.vision.hf_config
     settings = {"patch_size": tower.patch_size, "pooling_kernel_size": tower.pooling_kernel_size}
@@ -190,19 +190,19 @@ def image_processor(model, directory: str | Path | None = None, *, max_soft_toke
             try:
                 saved = json.loads(path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{path}: not valid JSON ({e})") from None
+                raise ConfigError(path, f"not valid JSON ({e})") from None
             saved = saved.get("image_processor", saved) if isinstance(saved, dict) else {}
             settings.update({k: saved[k] for k in PROCESSOR_SETTINGS if k in saved})
             for k in ("patch_size", "pooling_kernel_size"):  # the tower reads patches of its own size only
                 if settings[k] != getattr(tower, k):
-                    raise ConfigError(f"{path}: {k} {settings[k]!r} differs from the vision tower's "
+                    raise ConfigError(path, f"{k} {settings[k]!r} differs from the vision tower's "
                                       f"{getattr(tower, k)!r} (config.json vision_config)")
             break
     if max_soft_tokens is not None:
         settings["max_soft_tokens"] = max_soft_tokens
     budget = settings.get("max_soft_tokens", 280)
     if budget not in SOFT_TOKEN_BUDGETS:
-        raise ConfigError(f"max_soft_tokens: must be one of {SOFT_TOKEN_BUDGETS}, got {budget!r}")
+        raise ConfigError("max_soft_tokens", f"must be one of {SOFT_TOKEN_BUDGETS}, got {budget!r}")
     return Gemma4ImageProcessorPil(**settings)
 
 

@@ -147,14 +147,14 @@ def seed_tensor(seeds: Iterable[int], device: torch.device | str | None = None) 
     [0, 2**64).
     """
     if isinstance(seeds, (str, bytes)) or not isinstance(seeds, Iterable):
-        raise ConfigError(f"seed: expected a sequence of ints, got {type(seeds).__name__}")
+        raise ConfigError("seed", f"expected a sequence of ints, got {type(seeds).__name__}")
     bits = []
     for s in seeds:
         if not isinstance(s, numbers.Integral) or isinstance(s, bool):
-            raise ConfigError(f"seed: expected an int, got {type(s).__name__} {s!r}")
+            raise ConfigError("seed", f"expected an int, got {type(s).__name__} {s!r}")
         s = int(s)
         if not 0 <= s < 2**64:
-            raise ConfigError(f"seed: must be in [0, 2**64), got {s}")
+            raise ConfigError("seed", f"must be in [0, 2**64), got {s}")
         bits.append(s - 2**64 if s >= 2**63 else s)
     return torch.tensor(bits, dtype=torch.int64, device=device)
 

@@ -53,9 +53,9 @@ def check_encodable(tokenizer, text: str, name: str = "prompt", *, add_special_t
     it), so a caller need not encode again; None where the text was not encoded whole (no unknown token, or a slow
     tokenizer)."""
     if not isinstance(text, str):
-        raise ConfigError(f"{name}: must be a string, got {type(text).__name__}")
+        raise ConfigError(name, f"must be a string, got {type(text).__name__}")
     if not text:
-        raise ConfigError(f"{name}: empty {name}")
+        raise ConfigError(name, f"empty {name}")
     unk = tokenizer.unk_token_id
     if unk is None:
         return None
@@ -71,9 +71,9 @@ def check_encodable(tokenizer, text: str, name: str = "prompt", *, add_special_t
     if not pieces:
         return None if enc is None else [int(t) for t in enc["input_ids"]]
     if all(len(p) == 1 for p in pieces):
-        raise ConfigError(f"{name}: characters the model's tokenizer cannot encode: {''.join(sorted(set(pieces)))!r}")
+        raise ConfigError(name, f"characters the model's tokenizer cannot encode: {''.join(sorted(set(pieces)))!r}")
     shown = ", ".join(repr(p[:40]) for p in list(dict.fromkeys(pieces))[:8])
-    raise ConfigError(f"{name}: text the model's tokenizer cannot encode: {shown}")
+    raise ConfigError(name, f"text the model's tokenizer cannot encode: {shown}")
 
 
 def _without_added_tokens(tokenizer, text: str) -> str:
@@ -114,14 +114,14 @@ class ImageSlots:
         """Raises ConfigError when the model has no vision encoder or the tokenizer lacks one of the ids."""
         vision = model.vision
         if vision is None:
-            raise ConfigError("image: this model has no vision encoder")
+            raise ConfigError("image", "this model has no vision encoder")
         c = vision.config
         names = []
         for name, i in (("image_token_id", c.image_token_id), ("boi_token_id", c.boi_token_id),
                         ("eoi_token_id", c.eoi_token_id)):
             tok = tokenizer.convert_ids_to_tokens(i) if i is not None and i < len(tokenizer) else None
             if tok is None:
-                raise ConfigError(f"{name}: {i} is not a token of the checkpoint's tokenizer")
+                raise ConfigError(name, f"{i} is not a token of the checkpoint's tokenizer")
             names.append(tok)
         return cls(*names, soft_tokens=tuple(int(n) for n in soft_tokens))
 
@@ -133,7 +133,7 @@ class ImageSlots:
         if found == 0 and prepend:
             text, found = self.image_token * len(self.soft_tokens) + text, len(self.soft_tokens)
         if found != len(self.soft_tokens):
-            raise ConfigError(f"{name}: {found} image placeholders ({self.image_token}) but {len(self.soft_tokens)} "
+            raise ConfigError(name, f"{found} image placeholders ({self.image_token}) but {len(self.soft_tokens)} "
                               f"images")
         parts = text.split(self.image_token)
         out = parts[0]
@@ -169,7 +169,7 @@ def chat_template(tokenizer) -> str:
     if isinstance(template, Mapping):
         template = template.get("default")
     if not template:
-        raise ConfigError(f"chat template: {where} has none (no chat_template.jinja, no \"chat_template\" in "
+        raise ConfigError("chat template", f"{where} has none (no chat_template.jinja, no \"chat_template\" in "
                           f"tokenizer_config.json); give a raw prompt instead")
     return template
 
@@ -180,7 +180,7 @@ def _texts(content: Any) -> list[str]:
         return [content]
     if isinstance(content, list) and all(isinstance(p, Mapping) for p in content):
         return [p["text"] for p in content if p.get("type") == "text" and isinstance(p.get("text"), str)]
-    raise ConfigError(f"messages: content must be a string or a list of parts, got {type(content).__name__}")
+    raise ConfigError("messages", f"content must be a string or a list of parts, got {type(content).__name__}")
 
 
 def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_id: int | None,
@@ -203,16 +203,16 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_i
     try:
         import jinja2
     except ImportError:  # transformers renders templates with jinja2 but does not require it
-        raise ConfigError("chat template: rendering one needs jinja2 (pip install jinja2)") from None
+        raise ConfigError("chat template", "rendering one needs jinja2 (pip install jinja2)") from None
     if not messages:
-        raise ConfigError("messages: no message given")
+        raise ConfigError("messages", "no message given")
     for m in messages:
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise ConfigError(f"messages: each message needs a role and a content, got {m!r}")
+            raise ConfigError("messages", f"each message needs a role and a content, got {m!r}")
         name = "prompt" if m["role"] == "user" else str(m["role"])
         texts = _texts(m["content"])
         if not any(texts) and not m.get("tool_calls"):
-            raise ConfigError(f"{name}: empty {name}")
+            raise ConfigError(name, f"empty {name}")
         for t in texts:
             if t:
                 check_encodable(tokenizer, t, name)
@@ -222,7 +222,7 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_i
         rendered = tokenizer.apply_chat_template([dict(m) for m in messages], chat_template=template,
                                                  add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
     except jinja2.TemplateError as e:
-        raise ConfigError(f"chat template: {e}") from None
+        raise ConfigError("chat template", str(e)) from None
     if images is not None:
         rendered = images.expand(rendered, "chat template")
     return with_one_bos(tokenizer(rendered, add_special_tokens=False)["input_ids"], bos_token_id)
@@ -287,9 +287,9 @@ def check_stop_strings(stops: Sequence[str] | str | None, name: str = "stop") ->
         return ()
     items = [stops] if isinstance(stops, str) else list(stops) if isinstance(stops, (list, tuple)) else None
     if items is None or any(not isinstance(x, str) for x in items):
-        raise ConfigError(f"{name}: must be a string or a list of strings, got {stops!r}")
+        raise ConfigError(name, f"must be a string or a list of strings, got {stops!r}")
     if any(x == "" for x in items):
-        raise ConfigError(f"{name}: empty stop string")
+        raise ConfigError(name, "empty stop string")
     return tuple(items)
 
 

@@ -250,7 +250,7 @@ def check_enforceable(parameters: Any, name: str) -> None:
     for path, node in _walk(parameters, name):
         for k in _UNENFORCED:
             if k in node:
-                raise ConfigError(f"{path}: {k!r} cannot be enforced in Gemma4's tool-call syntax by the grammar "
+                raise ConfigError(path, f"{k!r} cannot be enforced in Gemma4's tool-call syntax by the grammar "
                                   f"library (xgrammar drops string length bounds there); remove it, or "
                                   f"bound the string with a \"pattern\" instead")
 
@@ -280,5 +280,5 @@ def tool_call_constraint(functions: Sequence[Mapping], choice: str, *, parallel:
         fmt = TagsWithSeparatorFormat(tags=[_tag(f) for f in functions], separator="", at_least_one=True,
                                       stop_after_first=not parallel)
     else:
-        raise ConfigError(f"tool_choice: only 'required' and a named function are enforced, got {choice!r}")
+        raise ConfigError("tool_choice", f"only 'required' and a named function are enforced, got {choice!r}")
     return Constraint.structural_tag(StructuralTag(format=fmt).model_dump_json())

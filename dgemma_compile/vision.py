@@ -49,13 +49,13 @@ class VisionConfig:
         if tower is None:
             return None
         if not isinstance(tower, dict) or tower.get("model_type", "gemma4_vision") != "gemma4_vision":
-            raise ConfigError(f"{source}: vision_config: only a gemma4_vision tower is supported, got "
+            raise ConfigError(source, "vision_config: only a gemma4_vision tower is supported, got "
                               f"{tower.get('model_type') if isinstance(tower, dict) else tower!r}")
         ids = {}
         for name, default in (("image_token_id", 258_880), ("boi_token_id", 255_999), ("eoi_token_id", 258_882)):
             v = cfg.get(name, default)
             if (v is not None or name == "image_token_id") and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ConfigError(f"{source}: {name}: must be a non-negative token id, got {v!r}")
+                raise ConfigError(source, f"{name}: must be a non-negative token id, got {v!r}")
             ids[name] = v
         text = cfg.get("text_config") or {}
         return cls(**ids, bidirectional_groups=text.get("use_bidirectional_attention") == "vision", tower=dict(tower))
@@ -137,14 +137,14 @@ class VisionEncoder(nn.Module):
         if P <= 0 or pixel_values.shape[1] != self.patch_dim or not pixel_values.is_floating_point():
             got = (f"{pixel_values.dtype} {list(pixel_values.shape)}" if isinstance(pixel_values, torch.Tensor)
                    else type(pixel_values).__name__)
-            raise ConfigError(f"pixel_values: must be a float tensor [patches, {self.patch_dim}], got {got}")
+            raise ConfigError("pixel_values", f"must be a float tensor [patches, {self.patch_dim}], got {got}")
         if (not isinstance(position_ids, torch.Tensor) or position_ids.shape != (P, 2)
                 or position_ids.dtype not in (torch.int64, torch.int32)):
             got = (f"{position_ids.dtype} {list(position_ids.shape)}" if isinstance(position_ids, torch.Tensor)
                    else type(position_ids).__name__)
-            raise ConfigError(f"position_ids: must be an integer tensor [{P}, 2] (one (x, y) per patch), got {got}")
+            raise ConfigError("position_ids", f"must be an integer tensor [{P}, 2] (one (x, y) per patch), got {got}")
         if P % self.pooling:
-            raise ConfigError(f"pixel_values: {P} patches, not a multiple of the pooling ({self.pooling})")
+            raise ConfigError("pixel_values", f"{P} patches, not a multiple of the pooling ({self.pooling})")
         return int((position_ids != -1).any(-1).sum()) // self.pooling
 
     @torch.no_grad()

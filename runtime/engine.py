@@ -362,11 +362,11 @@ class Engine:
             self.memory.check(needed)
         width = self.bucket.inputs.temperature.shape[1]
         if cfg.max_denoising_steps > width:
-            raise ConfigError(f"max_denoising_steps: {cfg.max_denoising_steps} is more than this server allows "
+            raise ConfigError("max_denoising_steps", f"{cfg.max_denoising_steps} is more than this server allows "
                               f"({width})")
         for name, value in self.structural.items():
             if getattr(cfg, name) != value:
-                raise ConfigError(f"{name}: this server runs {value!r}, got {getattr(cfg, name)!r}")
+                raise ConfigError(name, f"this server runs {value!r}, got {getattr(cfg, name)!r}")
         return cfg, needed
 
     def submit(self, request: Request) -> Request:
@@ -387,7 +387,7 @@ class Engine:
                 cancel: the ended-requests counter is untouched).
         """
         if len(requests) > self.max_queue:
-            raise ConfigError(f"max_queue: {len(requests)} requests at once can never wait in this engine's queue of "
+            raise ConfigError("max_queue", f"{len(requests)} requests at once can never wait in this engine's queue of "
                               f"{self.max_queue}")
         for r in requests:
             self._prepare(r)
@@ -404,16 +404,16 @@ class Engine:
         """`submit`'s validation of one request (its config, slots, canvas, grammar and stop matcher)."""
         k = request.draft_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ConfigError(f"draft_every: must be an integer >= 0, got {k!r}")
+            raise ConfigError("draft_every", f"must be an integer >= 0, got {k!r}")
         lp = request.logprobs
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or self.max_logprobs is None
                                or not 0 <= lp <= self.max_logprobs):
-            raise ConfigError(f"top_logprobs: must be an integer in [0, {self.max_logprobs}] (the server's "
+            raise ConfigError("top_logprobs", f"must be an integer in [0, {self.max_logprobs}] (the server's "
                               f"--max-logprobs), got {lp!r}")
         request.config, request.slots = self._check(request.prompt, request.config, request.seed, request.images)
         if request.canvas is not None:  # ids in the vocabulary, within the budget (`canvas.canvas_of`)
             if not isinstance(request.canvas, Canvas):
-                raise ConfigError(f"canvas: must be a dgemma_compile.canvas.Canvas, got {type(request.canvas).__name__}")
+                raise ConfigError("canvas", f"must be a dgemma_compile.canvas.Canvas, got {type(request.canvas).__name__}")
             canvas_of(request.canvas, request.config, self.model.config.vocab_size)
 
         request.prompt = list(request.prompt)
@@ -831,7 +831,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     if generator is not None:
         gen_fuses = generator.fuse_commit
         if fuse_commit is not None and fuse_commit != gen_fuses:
-            raise ConfigError(f"fuse_commit: {fuse_commit}, but the given generator was built with commit fusion "
+            raise ConfigError("fuse_commit", f"{fuse_commit}, but the given generator was built with commit fusion "
                               f"{'on' if gen_fuses else 'off'}")
         fuse_commit = gen_fuses
         batch_sizes = generator.options.batch_buckets
@@ -839,7 +839,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         batch_sizes = tuple(sorted({1 << k for k in range(max_batch.bit_length()) if 1 << k < max_batch} | {max_batch}))
     batch_sizes = tuple(batch_sizes)
     if batch_sizes[-1:] != (max_batch,) and generator is None:
-        raise ConfigError(f"batch_sizes: must end at max_batch={max_batch}, got {batch_sizes!r}")
+        raise ConfigError("batch_sizes", f"must end at max_batch={max_batch}, got {batch_sizes!r}")
     fuse = CompileOptions(fuse_commit=fuse_commit).commit_fusion(model.device.type)
     paging = dict(page_size=page_size, kv_pages=kv_pages) if page_size is not None else {}
     if eager:

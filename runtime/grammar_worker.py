@@ -5,7 +5,8 @@ Started by `grammars.Worker` with pipes on stdin / stdout. Frames are an 8-byte 
 bytes. The first frame from the server is JSON {"info": xgrammar `TokenizerInfo.serialize_json()`, "memory_bytes":
 the address space the compiles may add, "threads": xgrammar compile threads}; the worker answers b"ready" once its
 limit is set. Then each request is JSON {"kind", "spec"} (a `Constraint`'s fields) and each answer one frame:
-b"o" + the compiled grammar's `CompiledGrammar.serialize_json()` (UTF-8), b"e" + the ConstraintError's message, or
+b"o" + the compiled grammar's `CompiledGrammar.serialize_json()` (UTF-8), b"e" + the ConstraintError's problem
+(`ConfigError.problem`: the request names the field), or
 b"m" + a message when the memory limit was hit (the process may also just die there: the server reads EOF).
 The worker exits at EOF on stdin, and (Linux) when its parent dies (PR_SET_PDEATHSIG).
 """
@@ -78,8 +79,9 @@ def main() -> None:
             answer = b"o" + compile_constraint(compiler, c).serialize_json().encode()
         except MemoryError as e:
             answer = b"m" + str(e).encode()
-        except ConfigError as e:  # xgrammar turns a failed allocation into an error naming std::bad_alloc
-            answer = (b"m" if "bad_alloc" in str(e) else b"e") + str(e).encode()
+        except ConfigError as e:  # xgrammar turns a failed allocation into an error naming std::bad_alloc (its
+            # message, the library's: no type of its own to read); "e" sends the problem, the request names the field
+            answer = (b"m" if "bad_alloc" in str(e) else b"e") + e.problem.encode()
         write_frame(out, answer)
 
 

@@ -212,8 +212,7 @@ class GrammarService:
                            code="grammar_memory")
         if kind == b"e":
             self._count("error")
-            message = payload.decode()
-            raise APIError(400, f"{field}: {message.split(':', 1)[1].strip()}", param=field)
+            raise APIError(400, f"{field}: {payload.decode()}", param=field)  # the constraint's problem
         import xgrammar as xgr
 
         # off the event loop: its time grows with the grammar (bounded by the worker's limits)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dgemma_compile.config import ConfigError
+from dgemma_compile.config import CONTEXT_LENGTH, ConfigError
 from dgemma_compile.images import ImagePrompt
 from dgemma_compile.kv_cache import PagedKVCache
 from .image_pages import cut_hit, page_keys
@@ -58,7 +58,7 @@ class PagedMemory:
 
     def __init__(self, cache: PagedKVCache, chunk: int, prefix_cache: bool = True):
         if prefix_cache and cache.page_size % chunk:
-            raise ConfigError(f"prefix_cache: page_size {cache.page_size} must be a multiple of the encoder chunk "
+            raise ConfigError("prefix_cache", f"page_size {cache.page_size} must be a multiple of the encoder chunk "
                               f"{chunk}")
         self.cache, self.chunk = cache, chunk
         self.pool = PagePool(cache)
@@ -72,8 +72,8 @@ class PagedMemory:
         """Raise ConfigError when a request of `slots` committed slots could never be admitted (more pages than the
         pool)."""
         if self.pool.pages_for(slots) > self.pool.capacity:
-            raise ConfigError(f"max_seq_len: this request needs {self.pool.pages_for(slots)} KV pages, more than the "
-                              f"server's pool ({self.pool.capacity})")
+            raise ConfigError("max_seq_len", f"this request needs {self.pool.pages_for(slots)} KV pages, more than the "
+                              f"server's pool ({self.pool.capacity})", code=CONTEXT_LENGTH)
 
     def computing(self, prompt: Sequence[int], images: ImagePrompt | None = None) -> bool:
         """Whether the first page of `prompt` beyond its cached run (within the pages a hit may cover) is being

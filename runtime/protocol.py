@@ -41,6 +41,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_serializer,
                       model_validator)
 
+from dgemma_compile.config import ConfigError
+
 
 class APIError(Exception):
     """An error answered as OpenAI does: HTTP `status`, body {"error": {message, type, param, code}}."""
@@ -95,8 +97,8 @@ def _refuse_unsupported(values: Any, neutral: dict[str, tuple[tuple, str]]) -> A
             v = values.get(name)
             if v is not None and not any(_same(v, n) for n in ok):
                 accepted = ", ".join(json.dumps(n) for n in ok) or "null"
-                raise ValueError(f"{name}: {json.dumps(v)[:80]} is not supported by this server (accepted: absent, "
-                                 f"null, {accepted}); {why}")
+                raise ConfigError(name, f"{json.dumps(v)[:80]} is not supported by this server (accepted: absent, "
+                                  f"null, {accepted}); {why}")
     return values
 
 
@@ -171,13 +173,13 @@ class _Common(BaseModel):
     @model_validator(mode="after")
     def _stream_only(self):
         if self.diffusion_pinned is not None and self.diffusion_seed_canvas is None:
-            raise ValueError("diffusion_pinned: says whether the seed canvas is held; needs diffusion_seed_canvas")
+            raise ConfigError("diffusion_pinned", "says whether the seed canvas is held; needs diffusion_seed_canvas")
         if self.draft_every is not None and not self.stream:
-            raise ValueError("draft_every: draft events are streamed; needs stream=true")
+            raise ConfigError("draft_every", "draft events are streamed; needs stream=true")
         if self.stream_options is not None and self.stream_options.include_canvas_frames and not self.stream:
-            raise ValueError("stream_options.include_canvas_frames: canvas frames are streamed; needs stream=true")
+            raise ConfigError("stream_options.include_canvas_frames", "canvas frames are streamed; needs stream=true")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed with stream=true")
+            raise ConfigError("stream_options", "only allowed with stream=true")
         return self
 
     @field_validator("max_tokens")
@@ -217,10 +219,10 @@ class CompletionRequest(_Common):
     @classmethod
     def _unsupported(cls, values):
         if isinstance(values, dict) and values.get("echo") not in (None, False) and values.get("logprobs") is not None:
-            raise ValueError("echo: echo with logprobs asks for the prompt's logprobs, which this server cannot give: "
-                             "a block-diffusion model encodes its prompt causally, once, with no distribution over "
-                             "the prompt's tokens (only the generated blocks are denoised); ask for logprobs without "
-                             "echo")
+            raise ConfigError("echo", "echo with logprobs asks for the prompt's logprobs, which this server cannot give: "
+                              "a block-diffusion model encodes its prompt causally, once, with no distribution over "
+                              "the prompt's tokens (only the generated blocks are denoised); ask for logprobs without "
+                              "echo")
         return _refuse_unsupported(values, NEUTRAL_COMPLETION)
 
     def prompts(self) -> list[str | list[int]]:
@@ -283,10 +285,10 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _content_or_calls(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content: a message needs a content (only an assistant message with tool_calls may "
-                             "omit it)")
+            raise ConfigError("content", "a message needs a content (only an assistant message with tool_calls may "
+                              "omit it)")
         if self.tool_calls and self.role != "assistant":
-            raise ValueError("tool_calls: only an assistant message carries tool_calls")
+            raise ConfigError("tool_calls", "only an assistant message carries tool_calls")
         return self
 
     @field_validator("content", mode="before")
@@ -347,7 +349,7 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs: true (OpenAI's rule)")
+            raise ConfigError("top_logprobs", "needs logprobs: true (OpenAI's rule)")
         return self
 
     @model_validator(mode="after")
@@ -373,7 +375,7 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of prompt and messages")
+            raise ConfigError("prompt", "give exactly one of prompt and messages")
         return self
 
 
@@ -533,6 +535,7 @@ def validation_message(error: Exception) -> tuple[str, str | None]:
     msg = e.get("msg", str(error)).removeprefix("Value error, ")
     if e.get("type") == "extra_forbidden":
         return f"{'.'.join(loc)}: unrecognized request argument", (loc[0] if loc else None)
-    if not loc and ": " in msg:  # a model-level check naming its field ("echo: echo with logprobs ...")
-        return msg, msg.split(":", 1)[0]
+    raised = (e.get("ctx") or {}).get("error")  # the exception a validator raised (pydantic keeps the object)
+    if not loc and isinstance(raised, ConfigError):  # a model-level check naming its field ("echo", ...)
+        return str(raised), raised.param
     return (f"{'.'.join(loc)}: {msg}" if loc else msg), (loc[0] if loc else None)

@@ -304,8 +304,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             return canvas_of(req.diffusion_seed_canvas, cfg, engine.model.config.vocab_size, tokenizer,
                              pinned=req.diffusion_pinned is not False, name="diffusion_seed_canvas")
         except ConfigError as e:
-            message = str(e).replace("max_new_tokens=", "max_tokens=")
-            if message.startswith("tokenizer:"):
+            message = str(e).replace("max_new_tokens=", "max_tokens=")  # the request's name of the budget
+            if e.param == "tokenizer":
                 message = "diffusion_seed_canvas: a text canvas needs the server's tokenizer; give token ids"
             raise P.APIError(400, message, param="diffusion_seed_canvas") from None
 
@@ -333,9 +333,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         except QueueFullError as e:
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         except ConfigError as e:  # the constraint's (a matcher made at submit)
-            message = str(e)
-            if field is not None and message.split(":", 1)[0] in ("constraint", "ignore_eos", "tokenizer"):
-                raise P.APIError(400, f"{field}: {message.split(':', 1)[1].strip()}", param=field) from None
+            if field is not None and e.param in ("constraint", "ignore_eos", "tokenizer"):
+                raise P.APIError(400, f"{field}: {e.problem}", param=field) from None
             raise _config_error(e) from None
         return choices
 
@@ -476,9 +475,9 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         model = engine.model
         first = parts[0][0]
         if model.vision is None:
-            raise ConfigError(f"{first}: image_url parts need a model with a vision encoder; this one has none")
+            raise ConfigError(first, "image_url parts need a model with a vision encoder; this one has none")
         if len(parts) > MAX_IMAGES:
-            raise ConfigError(f"{parts[MAX_IMAGES][0]}: more than the {MAX_IMAGES} images a request may hold")
+            raise ConfigError(parts[MAX_IMAGES][0], f"more than the {MAX_IMAGES} images a request may hold")
         sources = image_sources or ImageSources()
         pil = [open_image_url(url, name, sources) for name, url in parts]
         images = preprocess(model, pil)
@@ -633,13 +632,10 @@ def _cancel_unfinished(engine: Engine, choices: list[EngineRequest], reasons: li
 
 
 def _config_error(e: ConfigError) -> P.APIError:
-    """A ConfigError ("name: problem") -> 400 naming the request parameter."""
-    message = str(e)
-    name = message.split(":", 1)[0]
-    # the engine's names -> the request's ("max_seq_len": prompt + max_tokens beyond this server's cache)
-    param = {"max_new_tokens": "max_tokens", "max_seq_len": "max_tokens", "prompts[0]": "prompt"}.get(name, name)
-    code = "context_length_exceeded" if "context" in message or "max_seq_len" in message else None
-    return P.APIError(400, message, param=param, code=code)
+    """A ConfigError -> 400 naming the request parameter (`ConfigError.param`, the engine's names mapped to the
+    request's: "max_seq_len" is prompt + max_tokens beyond this server's cache) with its `code`."""
+    param = {"max_new_tokens": "max_tokens", "max_seq_len": "max_tokens", "prompts[0]": "prompt"}.get(e.param, e.param)
+    return P.APIError(400, str(e), param=param, code=e.code)
 
 
 async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, events: asyncio.Queue, req: P._Common,

@@ -117,8 +117,8 @@ def request_constraint(values: dict[str, Any]) -> tuple[Constraint | None, str |
                 c = _schema(name, v)
             else:
                 c = _structured_outputs(v)
-        except ConfigError as e:  # Constraint's own checks ("constraint: ...")
-            raise _bad(name, str(e).removeprefix("constraint: ")) from None
+        except ConfigError as e:  # Constraint's own checks (param "constraint": the request's field here)
+            raise _bad(name, e.problem if e.param == "constraint" else str(e)) from None
         if c is not None:
             found.append((c, name))
     if len(found) > 1:

@@ -124,8 +124,7 @@ def resolve_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Too
             try:
                 check_enforceable(f.get("parameters"), f"tools[{names.index(f['name'])}].function.parameters")
             except ConfigError as e:
-                param = str(e).split(":", 1)[0]
-                raise APIError(400, str(e), param=param) from None
+                raise APIError(400, str(e), param=e.param) from None
         constraint = tool_call_constraint(enforced, choice, parallel=parallel)
     return ToolRequest(tools=[{"type": "function", "function": f} for f in functions], choice=choice,
                        function=function, parallel=parallel, constraint=constraint)

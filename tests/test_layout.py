@@ -7,6 +7,7 @@ packages pyproject.toml lists are every package directory, so `pip install .` sh
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -149,3 +150,20 @@ def test_the_model_imports_no_caller_of_itself():
             todo.append(dep)
     assert not [m for m in seen if "dgemma_compile.model" in refers[m]]
     assert "dgemma_compile.model" in refers["dgemma_compile.uniform"]  # the caller refers to the model, not back
+
+
+_MESSAGE_READS = re.compile(r"(str\((e|exc|err|error)\)|\bmessage)\s*\.\s*(split|startswith|removeprefix|partition)\(")
+
+
+def test_errors_are_read_by_type_not_by_message():
+    """Issue 41 item 4: the CLI and the HTTP layer map an error by its class and fields (`ConfigError.param`, `.code`,
+    `ParallelError`), never by parsing its text: no module of either package splits or prefix-matches an exception's
+    message. (xgrammar's out-of-memory, a library's text with no type of its own, is matched by substring in
+    `runtime/grammar_worker.py`, not by these forms.)"""
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+             for p in _py_files("dgemma_compile") + _py_files("runtime")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if _MESSAGE_READS.search(line)]
+    assert not found, found
+    # and the pattern does catch what it forbids
+    assert _MESSAGE_READS.search('param = str(e).split(":", 1)[0]')
+    assert _MESSAGE_READS.search('if message.startswith("tokenizer:"):')

@@ -201,3 +201,24 @@ def test_an_unhandled_exception_is_counted_as_a_500():
         assert client.get("/nowhere").status_code == 404
     counts = {s.labels["status"]: s.value for m in registry.collect() for s in m.samples if s.name.endswith("_total")}
     assert counts == {"500": 1.0, "404": 1.0}, counts
+
+
+def test_a_config_error_maps_to_the_400_by_its_fields():
+    """Issue 41 item 4: the 400 of a `ConfigError` takes its `param` (the engine's name mapped to the request's) and
+    its `code` from the error's fields: a context-length refusal is one by its code, whatever its text says; a message
+    that merely mentions the context is not; the fields survive a pickle (a rank or a worker may send one)."""
+    import pickle
+
+    from dgemma_compile.config import CONTEXT_LENGTH, ConfigError
+    from dgemma_runtime.server import _config_error
+
+    err = _config_error(ConfigError("max_seq_len", "this request needs 9 KV pages, more than 8", code=CONTEXT_LENGTH))
+    assert (err.status, err.param, err.code) == (400, "max_tokens", "context_length_exceeded")
+    assert err.message == "max_seq_len: this request needs 9 KV pages, more than 8"
+    err = _config_error(ConfigError("stop", "mentions the context and max_seq_len in its text"))
+    assert (err.param, err.code) == ("stop", None)
+    err = _config_error(ConfigError("a problem naming no single parameter"))
+    assert (err.param, err.code, err.message) == (None, None, "a problem naming no single parameter")
+    back = pickle.loads(pickle.dumps(ConfigError("prompts[0]", "empty prompt", code=CONTEXT_LENGTH)))
+    assert (back.param, back.problem, back.code, str(back)) == ("prompts[0]", "empty prompt", CONTEXT_LENGTH,
+                                                                "prompts[0]: empty prompt")

@@ -281,7 +281,7 @@ class CompiledGenerator:
         items = prepare_images(self.model, prompts, images)
         steps = max(c.max_denoising_steps for c in cfgs)
         if steps > self.options.max_denoising_steps:
-            raise ConfigError(f"max_denoising_steps: {steps} is more than this generator's temperature table holds "
+            raise ConfigError("max_denoising_steps", f"{steps} is more than this generator's temperature table holds "
                               f"(CompileOptions.max_denoising_steps={self.options.max_denoising_steps})")
         bucket = self.bucket(cfgs[0])
         for view in bucket.views():
@@ -302,7 +302,7 @@ class CompiledGenerator:
         if not view.unit.ready:
             busy = bucket.row_state.phase[:view.rows].ne(int(Phase.FREE)).any()
             if bool(busy):
-                raise ConfigError("warmup: the bucket has busy rows (an engine is running on it)")
+                raise ConfigError("warmup", "the bucket has busy rows (an engine is running on it)")
             view.refresh()
             view.unit.prepare()  # compiles; on CUDA captures its graph here, not inside a request
         return time.perf_counter() - start

@@ -117,30 +117,30 @@ class CompileOptions:
     def __post_init__(self) -> None:
         b = self.batch_buckets
         if not b or any(not isinstance(x, int) or x <= 0 for x in b) or list(b) != sorted(set(b)):
-            raise ConfigError(f"batch_buckets: must be increasing positive integers, got {b!r}")
+            raise ConfigError("batch_buckets", f"must be increasing positive integers, got {b!r}")
         for name in ("max_seq_len", "max_denoising_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{name}: must be a positive integer, got {v!r}")
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
         if self.moe_impl not in ("auto", *MOE_IMPLS):
-            raise ConfigError(f"moe_impl: must be one of {('auto', *MOE_IMPLS)}, got {self.moe_impl!r}")
+            raise ConfigError("moe_impl", f"must be one of {('auto', *MOE_IMPLS)}, got {self.moe_impl!r}")
         if not isinstance(self.skip_guards, bool):
-            raise ConfigError(f"skip_guards: must be a bool, got {self.skip_guards!r}")
+            raise ConfigError("skip_guards", f"must be a bool, got {self.skip_guards!r}")
         if not (self.fuse_commit is None or isinstance(self.fuse_commit, bool)):
-            raise ConfigError(f"fuse_commit: must be None, True or False, got {self.fuse_commit!r}")
+            raise ConfigError("fuse_commit", f"must be None, True or False, got {self.fuse_commit!r}")
         if not (self.batch_invariant is None or isinstance(self.batch_invariant, bool)):
-            raise ConfigError(f"batch_invariant: must be None, True or False, got {self.batch_invariant!r}")
+            raise ConfigError("batch_invariant", f"must be None, True or False, got {self.batch_invariant!r}")
         if not isinstance(self.artifact_cache, bool):
-            raise ConfigError(f"artifact_cache: must be a bool, got {self.artifact_cache!r}")
+            raise ConfigError("artifact_cache", f"must be a bool, got {self.artifact_cache!r}")
         if not isinstance(self.direct_calls, bool):
-            raise ConfigError(f"direct_calls: must be a bool, got {self.direct_calls!r}")
+            raise ConfigError("direct_calls", f"must be a bool, got {self.direct_calls!r}")
         if not (self.cpp_wrapper is None or isinstance(self.cpp_wrapper, bool)):
-            raise ConfigError(f"cpp_wrapper: must be None, True or False, got {self.cpp_wrapper!r}")
+            raise ConfigError("cpp_wrapper", f"must be None, True or False, got {self.cpp_wrapper!r}")
         v = self.sample_step_fusion_min_bytes
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"sample_step_fusion_min_bytes: must be an int >= 0, got {v!r}")
+            raise ConfigError("sample_step_fusion_min_bytes", f"must be an int >= 0, got {v!r}")
         if not isinstance(self.disabled_passes, tuple):
-            raise ConfigError(f"disabled_passes: must be a tuple of pass names, got {self.disabled_passes!r}")
+            raise ConfigError("disabled_passes", f"must be a tuple of pass names, got {self.disabled_passes!r}")
         try:
             check_names(self.disabled_passes)
         except ValueError as e:
@@ -148,11 +148,11 @@ class CompileOptions:
         _check_attention_kernel_options(self.attention_kernel_options)
         k = self.max_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64):
-            raise ConfigError(f"max_logprobs: must be None or an integer in [0, 64], got {self.max_logprobs!r}")
+            raise ConfigError("max_logprobs", f"must be None or an integer in [0, 64], got {self.max_logprobs!r}")
         if self.attention_kernel_options is not None:  # a private copy: the caller's dicts may change later
             object.__setattr__(self, "attention_kernel_options", copy.deepcopy(self.attention_kernel_options))
         if self.recompile_limit < 2 * len(b):
-            raise ConfigError(f"recompile_limit: must be >= 2 * len(batch_buckets) = {2 * len(b)}")
+            raise ConfigError("recompile_limit", f"must be >= 2 * len(batch_buckets) = {2 * len(b)}")
 
 
     def attention_kernels(self) -> dict:
@@ -177,7 +177,7 @@ class CompileOptions:
         """Whether generators on `device_type` promise batch-invariant rows (`batch_invariant`, None resolved).
         Raises ConfigError for True off the CPU (not measured there)."""
         if self.batch_invariant and device_type != "cpu":
-            raise ConfigError(f"batch_invariant: measured on CPU only; on {device_type} GEMM kernels change with the "
+            raise ConfigError("batch_invariant", f"measured on CPU only; on {device_type} GEMM kernels change with the "
                               "row count: use batch_invariant=False or None")
         return device_type == "cpu" if self.batch_invariant is None else self.batch_invariant
 
@@ -197,7 +197,7 @@ def _check_attention_kernel_options(k) -> None:
     if (not isinstance(k, dict) or not set(k) <= set(QUERY_KINDS)
             or any(not isinstance(v, dict) or not set(v) <= {SLIDING, FULL}
                    or any(not isinstance(o, dict) for o in v.values()) for v in k.values())):
-        raise ConfigError(f"attention_kernel_options: must be {shape}, got {k!r}")
+        raise ConfigError("attention_kernel_options", f"must be {shape}, got {k!r}")
     from torch.nn.attention import flex_attention
 
     known = getattr(flex_attention, "FlexKernelOptions", None)
@@ -206,11 +206,11 @@ def _check_attention_kernel_options(k) -> None:
         for layer_type, options in per_type.items():
             bad = [n for n in options if not isinstance(n, str) or (names is not None and n not in names)]
             if bad:
-                raise ConfigError(f"attention_kernel_options[{kind!r}][{layer_type!r}]: unknown option(s) {bad}; "
+                raise ConfigError(f"attention_kernel_options[{kind!r}][{layer_type!r}]", f"unknown option(s) {bad}; "
                                   f"FlexAttention's kernel options are {sorted(names or ())}")
             if kind == "canvas" and (options.get("FORCE_USE_FLEX_ATTENTION", True) is not True
                                      or "DECODE" in str(options.get("BACKEND", "")).upper()):
-                raise ConfigError(f"attention_kernel_options['canvas'][{layer_type!r}]: canvas queries stay pinned to "
+                raise ConfigError(f"attention_kernel_options['canvas'][{layer_type!r}]", "canvas queries stay pinned to "
                                   "the main FlexAttention template (FORCE_USE_FLEX_ATTENTION=True), never flex-decoding")
 
 
@@ -234,13 +234,13 @@ def check_batch_invariant(canvas_length: int, dtype: torch.dtype, moe_impl: str)
         ConfigError: naming batch_invariant, for a canvas below the switch, an unmeasured dtype or a "loop" MoE."""
     switch = GEMM_ROW_SWITCH.get(dtype)
     if switch is None:
-        raise ConfigError(f"batch_invariant: not measured for {dtype} (only {sorted(map(str, GEMM_ROW_SWITCH))}); "
+        raise ConfigError("batch_invariant", f"not measured for {dtype} (only {sorted(map(str, GEMM_ROW_SWITCH))}); "
                           "use batch_invariant=False")
     if canvas_length < switch:
-        raise ConfigError(f"batch_invariant: a canvas of {canvas_length} tokens gives GEMMs of fewer rows than the "
+        raise ConfigError("batch_invariant", f"a canvas of {canvas_length} tokens gives GEMMs of fewer rows than the "
                           f"{switch} from which {dtype} rows keep their bits; use batch_invariant=False")
     if moe_impl not in BATCH_INVARIANT_MOE:
-        raise ConfigError(f"batch_invariant: moe_impl {moe_impl!r} is not batch-invariant (one GEMM per expert over "
+        raise ConfigError("batch_invariant", f"moe_impl {moe_impl!r} is not batch-invariant (one GEMM per expert over "
                           f"its routed tokens); use one of {BATCH_INVARIANT_MOE} or batch_invariant=False")
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import ParallelError
+
 
 class HostChannel:
     """A broadcast from rank `src` (0) over a gloo group of every rank (module docstring).
@@ -30,7 +32,7 @@ class HostChannel:
 
     def __init__(self, timeout_s: float, src: int = 0):
         if not dist.is_initialized():
-            raise RuntimeError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
+            raise ParallelError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.src = src
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -44,7 +46,7 @@ class HostChannel:
     def send(self, message: Any = None) -> Any:
         """Rank 0: broadcast `message` (any picklable object; None: nothing new) and return it."""
         if not self.leader:
-            raise RuntimeError(f"tensor parallel: rank {self.rank} cannot send on the host channel (rank {self.src} "
+            raise ParallelError(f"tensor parallel: rank {self.rank} cannot send on the host channel (rank {self.src} "
                                f"decides)")
         data = b"" if message is None else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         dist.broadcast(torch.tensor([len(data)], dtype=torch.long), self.src, group=self.group)
@@ -56,7 +58,7 @@ class HostChannel:
         """Any other rank: the message rank 0 sends next (None: nothing new). Raises RuntimeError (gloo) when rank 0
         died or sent nothing within the timeout."""
         if self.leader:
-            raise RuntimeError(f"tensor parallel: rank {self.src} sends on the host channel, it does not receive")
+            raise ParallelError(f"tensor parallel: rank {self.src} sends on the host channel, it does not receive")
         header = torch.zeros(1, dtype=torch.long)
         dist.broadcast(header, self.src, group=self.group)
         n = int(header[0])

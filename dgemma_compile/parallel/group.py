@@ -15,11 +15,13 @@ import os
 import torch
 import torch.distributed as dist
 
+from .errors import ParallelError
+
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class RendezvousError(RuntimeError):
+class RendezvousError(ParallelError):
     """The environment does not describe a rank of a process group (a variable missing or malformed)."""
 
 
@@ -63,7 +65,7 @@ def init(device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_
     """
     rank, world = env_rank()
     if dist.is_initialized():
-        raise RuntimeError("tensor parallel: a process group is already initialised in this process")
+        raise ParallelError("tensor parallel: a process group is already initialised in this process")
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

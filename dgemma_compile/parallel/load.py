@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..loader import CheckpointError, load
+from .errors import ParallelError
 from .shard import shard
 from .source import FileWeights
 
@@ -75,7 +76,7 @@ def load_sharded(path: str | Path, group: dist.ProcessGroup | None = None, *, dt
         RuntimeError: no process group is initialised.
     """
     if not dist.is_initialized():
-        raise RuntimeError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
+        raise ParallelError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
     if quant is not None:
         from ..quant import quantize
 

@@ -28,15 +28,12 @@ import torch
 
 from . import group
 from .channel import HostChannel
+from .errors import ParallelError
 from .launch import free_port
 
 DEFAULT_GROUP_TIMEOUT_S = 300.0
 """Seconds a rank waits in a collective for its peers: long enough for the ranks' compiles of a new batch size to
 drift apart on a shared CPU, short enough that a stalled rank ends the run (a crashed one ends it at once)."""
-
-
-class ParallelError(RuntimeError):
-    """A tensor-parallel run cannot start or lost a rank (the message says which and why)."""
 
 
 def torchrun_env() -> bool:

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .expert_parallel import ExpertParallelExperts, check_expert_parallel, check_expert_split
+from .errors import ParallelError
 from .experts import TensorParallelExperts, check_experts
 from .linear import RowParallelLinear, column_parallel, split
 from .sampler import VocabShard
@@ -128,7 +129,7 @@ def shard(model: "DiffusionGemma", group: dist.ProcessGroup | None = None, *, so
     if model.tensor_parallel is not None:
         raise ValueError("tensor parallel: the model is already sharded")
     if not dist.is_initialized():
-        raise RuntimeError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
+        raise ParallelError("tensor parallel: no process group; call dgemma_compile.parallel.init() first")
     group = dist.group.WORLD if group is None else group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     cfg = model.config

@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from ..model import ExpertProjection
 from ..ops.expert_formats import NONE
+from .errors import ParallelError
 from .quantized import check_nvfp4_columns, is_quantized, narrow_projection, narrow_tensor, part_group, projection
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class FileWeights:
         path, key = self.sources[name]
         part = self._read(path, key, dim, start, length, name)
         if tuple(part.shape) != tuple(full.shape[:dim]) + (length,) + tuple(full.shape[dim + 1:]):
-            raise RuntimeError(f"tensor parallel: {path}: {key} slice along dim {dim} has shape {list(part.shape)}")
+            raise ParallelError(f"tensor parallel: {path}: {key} slice along dim {dim} has shape {list(part.shape)}")
         return part.to(device=self.device, dtype=self.dtype).contiguous()
 
     def take_projection(self, name: str, proj: ExpertProjection, dim: int, start: int, length: int

@@ -113,10 +113,10 @@ def quantize(model: nn.Module, scheme: "str | Scheme") -> QuantReport:
     device = next(model.parameters()).device
     scheme = check_scheme(scheme, device, next(model.parameters()).dtype)
     if model.checkpoint.quant_scheme is not None:
-        raise ConfigError(f"quant scheme: the model is already quantized ({model.checkpoint.quant_scheme}); quantize a model "
+        raise ConfigError("quant scheme", f"the model is already quantized ({model.checkpoint.quant_scheme}); quantize a model "
                           "loaded from a float checkpoint")
     if model.tensor_parallel is not None:
-        raise ConfigError("quant scheme: the model is sharded for tensor parallel (parallel.shard); quantize it "
+        raise ConfigError("quant scheme", "the model is sharded for tensor parallel (parallel.shard); quantize it "
                           "before sharding (a rank's slice of a row-parallel weight would get scales of its own)")
     try:
         with quiet_torchao():

@@ -79,12 +79,12 @@ class Scheme:
 
     def direct_weight(self, device: torch.device | None = None):
         """A function weight -> torchao tensor, for a scheme without a torchao config. Raises ConfigError otherwise."""
-        raise ConfigError(f"quant scheme: {self.name!r} is applied through torchao's config only")
+        raise ConfigError("quant scheme", f"{self.name!r} is applied through torchao's config only")
 
     def expert_weights(self, weight: torch.Tensor, parts: int = 1) -> tuple[torch.Tensor, ...]:
         """The routed experts' [E, N, K] weight in the plain layout of `experts` (`ExpertFormat.layout`), built
         with torchao's quantization primitives. `parts`: equal row ranges scaled apart (gate_up's gate and up)."""
-        raise ConfigError(f"quant scheme: {self.name!r} has no expert format")
+        raise ConfigError("quant scheme", f"{self.name!r} has no expert format")
 
     def __str__(self) -> str:
         return self.name
@@ -124,7 +124,7 @@ class Nvfp4Scheme(Scheme):
     def check(self, device, dtype):
         """torchao's NVFP4 quantization takes bfloat16 or float32 weights; W4A4 needs sm100."""
         if dtype == torch.float16:
-            raise ConfigError(f"quant scheme {self.name!r}: torchao's NVFP4 takes bfloat16 or float32 weights; this "
+            raise ConfigError(f"quant scheme {self.name!r}", "torchao's NVFP4 takes bfloat16 or float32 weights; this "
                               "model is float16 (load it with --dtype bfloat16)")
         if self.w4a4:
             major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
@@ -183,7 +183,7 @@ def scheme(name: "str | Scheme") -> Scheme:
     try:
         return SCHEME_OBJECTS[name]
     except (KeyError, TypeError):
-        raise ConfigError(f"quant scheme: must be one of {SCHEMES}, got {name!r}") from None
+        raise ConfigError("quant scheme", f"must be one of {SCHEMES}, got {name!r}") from None
 
 
 def check_scheme(name: str, device: torch.device, dtype: torch.dtype) -> Scheme:
