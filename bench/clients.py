@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from dgemma_compile.demo import DEMO_MODEL
+
+from .server import running_server
 
 HOST = "127.0.0.1"
 MODEL = "dgemma-demo"
@@ -146,41 +146,26 @@ def main(argv: list[str] | None = None) -> int:
         for name, pkgs in PACKAGES.items():
             subprocess.run([sys.executable, "-m", "venv", str(args.venvs / name)], check=True)
             subprocess.run([str(args.venvs / name / "bin" / "pip"), "install", "-q", *pkgs], check=False)
-    url = f"http://{HOST}:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "dgemma_compile.cli", "serve", "--eager", "--host", HOST,
-                               "--port", str(args.port), "--max-batch", "4"], stderr=subprocess.PIPE, text=True)
     rows = []
-    try:
-        deadline = time.time() + 120
-        while True:
+    with running_server(["--eager", "--max-batch", "4"], port=args.port, timeout_s=120) as server, \
+            tempfile.TemporaryDirectory() as d:
+        url = server.url
+        inp = _inputs(Path(d))
+        env = {**os.environ, "OPENAI_API_KEY": "none", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "NO_PROXY": HOST}
+        for name, venv, cmd, unset in _runs(url, args.venvs, inp, args.requests):
+            if not (args.venvs / venv).exists():
+                rows.append((name, "not installed", 0.0, []))
+                continue
+            t0 = time.perf_counter()
             try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit("dgemma serve did not come up")
-            time.sleep(0.3)
-        with tempfile.TemporaryDirectory() as d:
-            inp = _inputs(Path(d))
-            env = {**os.environ, "OPENAI_API_KEY": "none", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                   "NO_PROXY": HOST}
-            for name, venv, cmd, unset in _runs(url, args.venvs, inp, args.requests):
-                if not (args.venvs / venv).exists():
-                    rows.append((name, "not installed", 0.0, []))
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=d,
-                                       env={k: v for k, v in env.items() if k not in unset})
-                    status, out = f"exit {r.returncode}", r.stdout + r.stderr
-                except subprocess.TimeoutExpired as e:
-                    status, out = "timed out", (e.stdout or b"").decode(errors="replace")
-                rows.append((name, status, time.perf_counter() - t0, _tail(out)))
-                print(f"{name}: {status}", file=sys.stderr, flush=True)
-    finally:
-        server.send_signal(2)
-        server.communicate(timeout=30)
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=d,
+                                   env={k: v for k, v in env.items() if k not in unset})
+                status, out = f"exit {r.returncode}", r.stdout + r.stderr
+            except subprocess.TimeoutExpired as e:
+                status, out = "timed out", (e.stdout or b"").decode(errors="replace")
+            rows.append((name, status, time.perf_counter() - t0, _tail(out)))
+            print(f"{name}: {status}", file=sys.stderr, flush=True)
     date = datetime.date.today().isoformat()
     out = args.out or Path(__file__).parent / "results" / f"clients_cpu_{date}.md"
     lines = [f"# Clients against `dgemma serve --eager` (demo model), {date}", "",

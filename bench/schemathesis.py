@@ -14,14 +14,12 @@ Checks that do not apply are excluded with their reason (`EXCLUDED`).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
+
+from .server import running_server
 
 KEY = "bench-schemathesis-key"
 EXCLUDED = {
@@ -32,23 +30,6 @@ EXCLUDED = {
     "use_after_free": "no resources", "ensure_resource_availability": "no resources",
     "object_level_authorization": "one key, no per-object access",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(url: str, timeout_s: float) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"the server did not answer {url} within {timeout_s:g} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,14 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"schemathesis not found at {args.schemathesis}: see `python -m bench.schemathesis --help`",
               file=sys.stderr)
         return 2
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "DGEMMA_API_KEY": KEY}
-    server = subprocess.Popen([sys.executable, "-c", "from dgemma_compile.cli import main; raise SystemExit(main())",
-                               "serve", "--eager", "--port", str(port),
-                               "--max-batch", "2", "--max-seq-len", "256", "--max-queue", "8"], env=env)
-    try:
-        _wait(base + "/health", 300)
+    flags = ["--eager", "--max-batch", "2", "--max-seq-len", "256", "--max-queue", "8"]
+    with running_server(flags, timeout_s=300, env={"DGEMMA_API_KEY": KEY}) as server:
+        base = server.url
         cmd = [args.schemathesis, "run", base + "/openapi.json", "--checks", "all",
                "--exclude-checks", ",".join(EXCLUDED), "--max-time", str(args.max_time),
                "--max-examples", str(args.max_examples), "--workers", args.workers,
@@ -80,9 +56,6 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--report", "junit", "--report-dir", args.report]
         print("$", " ".join(c if KEY not in c else c.replace(KEY, "<key>") for c in cmd), flush=True)
         return subprocess.call(cmd)
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 if __name__ == "__main__":

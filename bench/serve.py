@@ -23,16 +23,14 @@ import argparse
 import asyncio
 import os
 import re
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from . import environment
+from .server import running_server
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "dgemma-demo"
@@ -140,27 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     load_start = environment.load_average()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.TemporaryFile("w+")  # the server's stderr (a pipe nobody reads could fill and block it)
-    proc = subprocess.Popen([sys.executable, "-m", "dgemma_compile.cli", "serve", "--port", str(port), "--max-batch",
-                             str(args.max_batch), "--max-seq-len", str(args.max_seq_len), "--max-queue", "1024"],
-                            stderr=log, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.perf_counter()
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                log.seek(0)
-                raise SystemExit(f"dgemma serve exited: {log.read()}")
-            time.sleep(0.5)
-        setup_s = time.perf_counter() - t0
+    flags = ["--max-batch", str(args.max_batch), "--max-seq-len", str(args.max_seq_len), "--max-queue", "1024"]
+    with running_server(flags, timeout_s=1800) as server:
+        url, setup_s = server.url, server.ready_s
         rows = []
         for n in levels:
             duration = args.duration_64 if (n >= 64 and args.duration_64) else args.duration
@@ -168,15 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             r = rows[-1]
             print(f"c={n}: {r['requests']} req, {r['tok_s']:.1f} tok/s, p50 {r['p50']:.3f}s p99 {r['p99']:.3f}s, "
                   f"failed {r['failed']} lost {r['lost']}", file=sys.stderr)
-        offline, texts = _offline(prompts, args.max_batch, args.max_seq_len)
-    finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.seek(0)
-        served = [ln for ln in log.read().splitlines() if "serving" in ln]
+        served = [ln for ln in server.log().splitlines() if "serving" in ln]
+    offline, texts = _offline(prompts, args.max_batch, args.max_seq_len)
     offline_match = sum(tasks.check(prompts[i], t) for i, t in texts.items()) / len(texts)
     lines = [f"# dgemma serve load test: demo model, CPU ({environment.today()})", "",
              f"`OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} python -m bench.serve "

@@ -359,3 +359,24 @@ def test_startup_dry_run_plans_every_command_with_its_caches(tmp_path, capsys):
     assert rows["generate"]["target"] == "<= 1.0x transformers: met" and rows["generate"]["step"] == "loaded"
     assert rows["help"]["target"] == "< 0.5 s: met" and rows["prompts-file"]["target"].endswith("missed")
     assert startup.target(rows["generate"], "empty", None) == "<= 1.5x transformers: met"
+
+
+@pytest.mark.slow
+def test_running_server_is_ready_when_health_answers_and_stops_on_exit():
+    """`bench.server.running_server`, the one server start of bench.serve, bench.clients and bench.schemathesis: it
+    yields once /health answers 200 (the demo model, eager), keeps the server's output, and stops the process on
+    exit; a server that cannot start is a SystemExit carrying its output, not a hang."""
+    import httpx
+
+    from bench.server import running_server
+
+    with running_server(["--eager", "--max-batch", "1", "--max-seq-len", "256"], timeout_s=240) as server:
+        assert httpx.get(server.url + "/health").status_code == 200 and server.ready_s > 0
+        r = httpx.post(server.url + "/v1/completions", json={"model": "dgemma-demo", "prompt": "sort 3 1 2=",
+                                                             "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+        proc = server.proc
+    assert proc.poll() is not None
+    with pytest.raises(SystemExit, match=r"dgemma serve exited \(2\):\n.*max_batch: must be a positive integer"):
+        with running_server(["--eager", "--max-batch", "0"], timeout_s=240):
+            pass
