@@ -1,4 +1,4 @@
-"""The grouped-GEMM MoE Triton kernels (`templates/moe_grouped_gemm.py`, `templates/moe_lowering.py`) against
+"""The grouped-GEMM MoE Triton kernels (`experimental/moe_grouped_gemm.py`, `experimental/moe_lowering.py`) against
 `moe_experts_loop`, run by Triton's interpreter on the CPU (`triton_support.py`)."""
 
 import os
@@ -33,7 +33,7 @@ def moe_kernels():
     """The kernel module, checked to be interpreted when running on the CPU."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from dgemma_compile.templates import moe_grouped_gemm
+    from dgemma_compile.experimental import moe_grouped_gemm
 
     if DEVICE == "cpu" and not isinstance(moe_grouped_gemm._gate_up_kernel, InterpretedFunction):
         pytest.fail("moe_grouped_gemm was imported before TRITON_INTERPRET=1 was set: its kernels are not interpreted")
@@ -162,7 +162,7 @@ SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dgemma_compile.templates import moe_grouped_gemm as m
+from dgemma_compile.experimental import moe_grouped_gemm as m
 
 assert not triton.knobs.runtime.interpret
 blocks = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, UPCAST=False)
@@ -179,7 +179,7 @@ for ptr in ("*bf16", "*fp16", "*fp32"):
 # the launcher as moe_lowering's autotuning choice: traced by make_fx into two user-kernel nodes, static grid
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
-from dgemma_compile.templates.moe_lowering import _triton_choice
+from dgemma_compile.experimental.moe_lowering import _triton_choice
 args = (torch.randn(5, 16).bfloat16(), torch.rand(5, 2), torch.tensor([[0, 1]] * 5), torch.randn(3, 16, 16).bfloat16(),
         torch.randn(3, 16, 8).bfloat16())
 gm = make_fx(lambda *a: _triton_choice(*a, block_m=16, block_n=64, block_k=64), tracing_mode="fake")(*args)
@@ -210,7 +210,7 @@ def test_moe_lowering_is_explicit_and_leaves_cpu_graphs_unchanged(monkeypatch):
         pytest.skip("checks the CPU path; the CUDA path is for the GPU script")
     from torch._inductor.lowering import user_lowerings
 
-    from dgemma_compile.templates import moe_lowering
+    from dgemma_compile.experimental import moe_lowering
 
     op = torch.ops.dgemma.moe_experts.default
     assert not moe_lowering.moe_lowering_registered() and op not in user_lowerings

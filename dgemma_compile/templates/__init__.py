@@ -3,8 +3,8 @@
 - `sample_step.py`: the CUDA implementation of `dgemma::sample_step` (`sample_step_triton`, oracle
   `sampler.sample_step`) and Philox4x32-10 as a Triton device function (`philox4x32_triton`, `philox_uniform`,
   oracle `rng.philox4x32` / `rng.step_noise`).
-- `moe_grouped_gemm.py`: grouped-GEMM kernels of `dgemma::moe_experts` (`moe_experts_triton`, oracle
-  `ops.moe.moe_experts_loop`); `moe_lowering.py`: their Inductor lowering, registered explicitly.
+
+The grouped-GEMM MoE kernels and their lowering, which no default path reaches, are in `dgemma_compile/experimental/`.
 
 Importing this package imports no submodule, so it works without triton (only in the `test` extra); import a kernel
 module explicitly, e.g. `from dgemma_compile.templates import sample_step`, where triton is installed.

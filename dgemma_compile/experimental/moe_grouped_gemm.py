@@ -29,7 +29,7 @@ GELU (tanh approximation, as `F.gelu(approximate="tanh")` documents it, after He
 Quantized experts (a weight scale) are not supported by these kernels: the launcher takes plain weights only, and
 the op refuses a scale before any implementation runs (scaled weights take the extern path).
 
-Importing this module imports triton; `dgemma_compile.templates` does not import it.
+Importing this module imports triton; `dgemma_compile.experimental` does not import it.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def moe_experts_triton(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI, *, block_m: in
     no TF32). Quantized experts (a weight scale) are not supported here.
 
     Launches go through `torch.library.wrap_triton`, so make_fx can trace this function (the kernels become
-    `triton_kernel_wrapper` nodes: how `templates/moe_lowering.py` offers it to Inductor's autotuner); eagerly, and
+    `triton_kernel_wrapper` nodes: how `experimental/moe_lowering.py` offers it to Inductor's autotuner); eagerly, and
     for interpreted kernels, they are plain launches.
 
     Raises: ValueError naming the tensor for a wrong shape, dtype or device (see `check_moe_args`).
