@@ -55,7 +55,7 @@ class Constraint:
     """What a constrained request's text must be: a regex's full match (`regex`), one of the strings in `choice`,
     a JSON value valid under a JSON schema (`json_schema`, the schema as JSON text), any JSON object
     (`json_object`) or the text an xgrammar structural tag describes (`structural_tag`, its JSON text: Gemma4's tool
-    calls, `tool_calls.py`). Build with the class methods; `spec` is the pattern, the choices (a tuple of strings),
+    calls, `runtime/tool_syntax.py`). Build with the class methods; `spec` is the pattern, the choices (a tuple of strings),
     the schema or tag text (None for `json_object`). Raises ConfigError (naming `constraint`) for a malformed one."""
 
     kind: str
@@ -113,7 +113,7 @@ class Constraint:
 
     @classmethod
     def structural_tag(cls, tag: Mapping | str) -> "Constraint":
-        """The text matches an xgrammar structural tag (a dict or its JSON text; `tool_calls.tool_call_constraint`
+        """The text matches an xgrammar structural tag (a dict or its JSON text; `tool_syntax.tool_call_constraint`
         builds the one of Gemma4's tool calls)."""
         return cls("structural_tag", tag if isinstance(tag, str) else json.dumps(tag))
 

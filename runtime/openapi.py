@@ -52,7 +52,7 @@ STRUCTURED = {  # runtime/structured.py's shapes
 }
 
 
-TOOLS = {  # runtime/tools.py's shapes (each tool's own checks are 400s naming tools[i])
+TOOLS = {  # runtime/tool_calls.py's shapes (each tool's own checks are 400s naming tools[i])
     "tools": {"type": ["array", "null"]},
     "parallel_tool_calls": {"type": ["boolean", "null"]},
     "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required", None]}, {

@@ -8,7 +8,7 @@ neutral value and refused otherwise with a 400 naming the field and the values i
 the request runs to `max_tokens`, its eos ids kept as ordinary tokens; `GenerationConfig.ignore_eos`).
 Structured outputs (`response_format` json_schema / json_object, vLLM's `guided_regex` / `guided_choice` /
 `guided_json` and `structured_outputs`) on both routes: `structured.py`. Tool calls (chat `tools`, `tool_choice`,
-`parallel_tool_calls`; messages with `tool_calls` and `tool` messages): `tools.py`. `user` and `metadata` are accepted and
+`parallel_tool_calls`; messages with `tool_calls` and `tool` messages): `tool_calls.py`. `user` and `metadata` are accepted and
 ignored. Chat content is a string or text and `image_url` parts (an `image_url` is decoded by the server: `data:`
 URLs, and local files or http(s) URLs where the server allows them, on a model with a vision encoder; see
 `server.py`); any other part (audio, file) is refused, never dropped.
@@ -469,7 +469,7 @@ class ToolCallOut(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The answer; `tool_calls` only where calls were parsed (`tools.py`), and then `content` may be null."""
+    """The answer; `tool_calls` only where calls were parsed (`tool_calls.py`), and then `content` may be null."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None

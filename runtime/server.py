@@ -112,7 +112,7 @@ from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, 
 from .metrics import CONTENT_TYPE_LATEST
 from .openapi import document as openapi_document
 from .structured import FIELDS as STRUCTURED_FIELDS, request_constraint
-from .tools import ToolAnswer, ToolRequest, resolve_tools, template_messages
+from .tool_calls import ToolAnswer, ToolRequest, resolve_tools, template_messages
 
 GOLDEN = 0x9E3779B97F4A7C15
 ERRORS = {400: "invalid request: malformed JSON, an unknown or unsupported field, a bad value, a prompt beyond the "

@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError
-from .constraint import Constraint
+from dgemma_compile.config import ConfigError
+from dgemma_compile.constraint import Constraint
 
 TOOL_CALL_START = "<|tool_call>"
 TOOL_CALL_END = "<tool_call|>"

@@ -27,9 +27,9 @@ from typing import Any
 
 from dgemma_compile.config import ConfigError
 from dgemma_compile.constraint import Constraint
-from dgemma_compile.tool_calls import NAME_RE, ToolCall, ToolCallScanner, check_enforceable, tool_call_constraint
 
 from .protocol import APIError
+from .tool_syntax import NAME_RE, ToolCall, ToolCallScanner, check_enforceable, tool_call_constraint
 
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 
