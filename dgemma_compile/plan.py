@@ -3,7 +3,7 @@
 A forward processes one block of T token slots per row (the cache layout of `kv_cache.py`). Each row has a mode:
 - ENCODER: a prefill chunk or a commit. Causal; its first `n_new[b]` block tokens are real; they are written to the
   committed slots and advance `cache.lengths[b]` (by the model, after the layers).
-- DENOISE: a canvas. Bidirectional over the whole block plus the visible context; every block token is real;
+- DENOISE_MODE: a canvas. Bidirectional over the whole block plus the visible context; every block token is real;
   nothing is committed (its keys/values only pass through the block slots). Its input is the self-conditioned
   embedding, with the previous step's signal where `self_conditioning[b]` (zero otherwise).
 - IDLE: no real token, nothing committed; its outputs are meaningless.
@@ -18,11 +18,12 @@ goes to (`slots`: position -> slot, the identity for the static cache: committed
 others in their own block slot; a paged cache supplies another mapping), and per layer type the RoPE tables and the
 attention mask. The model reads only the plan, so one forward serves rows in different phases.
 
-One form: `mode` is an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE` codes, and every per-row field is a tensor;
-a uniform pass (`uniform.py`: every row one mode) gives every row one code (`every_row`). Inductor's CPU flex
-template rejects mask tensors computed inside a compiled graph, so a compiled step builds its plan outside the
-compiled region or into preallocated buffers (`PlanBuffers`), whose tensors are then graph inputs. A fused plan
-(T = 2C, `canvas=C`) also takes `COMMIT_DENOISE` rows; its DENOISE rows hold their canvas in the first C tokens (C
+One form: `mode` is an int64 tensor [B] of `IDLE` / `ENCODER` / `DENOISE_MODE` codes (forward modes: the row phases
+of `phases.py` are another set), and every per-row field is a tensor; a uniform pass (`uniform.py`: every row one
+mode) gives every row one code (`every_row`). Inductor's CPU flex template rejects mask tensors computed inside a
+compiled graph, so a compiled step builds its plan outside the compiled region or into preallocated buffers
+(`PlanBuffers`), whose tensors are then graph inputs. A fused plan
+(T = 2C, `canvas=C`) also takes `COMMIT_DENOISE` rows; its DENOISE_MODE rows hold their canvas in the first C tokens (C
 real, the rest idle: the keys a canvas sees are those of a [B, C] denoise step plus masked ones), its encoder rows
 chunks of up to 2C tokens.
 
@@ -42,8 +43,7 @@ from .kv_cache import KVCache, commit_slots
 from .masks import (block_mask_mod, commit_denoise_mask_mod, dense_block_mask, dense_commit_denoise_mask,
                     dense_mask, make_block_mask, select_mask_mod, block_sparsity, sparsity_of)
 from .ops.moe import materialize_many
-from .phases import COMMIT_DENOISE, ENCODER, IDLE  # the forward modes (`phases.Mode`)
-from .phases import DENOISE_MODE as DENOISE
+from .phases import COMMIT_DENOISE, DENOISE_MODE, ENCODER, IDLE  # the forward modes (`phases.Mode`)
 
 
 @dataclass
@@ -52,7 +52,7 @@ class ForwardPlan:
     plan whose rows all have one mode code (`every_row`), so the model never dispatches on a field's type.
 
     Attributes:
-        mode: int64 [B], `IDLE` / `ENCODER` / `DENOISE` / `COMMIT_DENOISE` per row.
+        mode: int64 [B], `IDLE` / `ENCODER` / `DENOISE_MODE` / `COMMIT_DENOISE` per row.
         encoder_tokens: bool, broadcastable to [B, T] ([B, 1] per row, [B, T] for a fused plan): tokens in encoder
             mode (the layers' encoder scalar).
         denoise_tokens: like `encoder_tokens`, tokens in denoise mode (they take the self-conditioned embedding).
@@ -98,8 +98,8 @@ QUERY_KINDS = ("encoder", "canvas")
 
 
 def every_row(cache: KVCache, mode: int) -> torch.Tensor:
-    """int64 [B] of one mode code (`ENCODER`, `DENOISE`, `COMMIT_DENOISE`) for every row of `cache`: the `mode` of a
-    uniform pass (`uniform.py`)."""
+    """int64 [B] of one mode code (`ENCODER`, `DENOISE_MODE`, `COMMIT_DENOISE`) for every row of `cache`: the `mode`
+    of a uniform pass (`uniform.py`)."""
     return torch.full((cache.batch_size,), mode, dtype=torch.long, device=cache.lengths.device)
 
 
@@ -112,7 +112,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: torch.Tensor, n_new: torc
     Args:
         model: the `DiffusionGemma` that will run the plan (its config, attention backend, window kind, RoPE).
         cache: the cache the forward reads and writes; T <= cache.block_size.
-        mode: int64 [B], each row's `IDLE` / `ENCODER` / `DENOISE` (and `COMMIT_DENOISE` in a fused plan); a
+        mode: int64 [B], each row's `IDLE` / `ENCODER` / `DENOISE_MODE` (and `COMMIT_DENOISE` in a fused plan); a
             uniform pass gives every row one code (`every_row`).
         n_new: int64 [B], real tokens of encoder rows (0 <= n_new <= T), or tokens committed by a commit + denoise
             row (0 <= n_new <= C, and lengths + n_new <= S: a precondition, not checked); ignored for other rows;
@@ -120,7 +120,7 @@ def build_plan(model, cache: KVCache, T: int, *, mode: torch.Tensor, n_new: torc
         self_conditioning: bool [B], denoise rows that receive the previous step's signal (default none).
         canvas: C, the canvas length (default T). T = 2C makes a fused plan (commit fusion): `COMMIT_DENOISE` rows
             commit their first n_new tokens and denoise the next block's canvas in the second half (`masks.
-            commit_denoise_mask_mod`); DENOISE rows hold their canvas in the first half (C real tokens, the second
+            commit_denoise_mask_mod`); DENOISE_MODE rows hold their canvas in the first half (C real tokens, the second
             half idle), encoder rows chunks of up to T tokens.
         check_values: check the mode values and that committing rows have `n_new` (reads the device: a host
             synchronisation; the uniform passes and `PlanBuffers.fill`, which may run compiled, turn it off).
@@ -163,16 +163,16 @@ def build_plan(model, cache: KVCache, T: int, *, mode: torch.Tensor, n_new: torc
         raise ValueError(f"groups: an int64 tensor [B={B}, T={T}] of a plan that is not fused; got {got}"
                          f"{' with canvas = T / 2' if fused else ''}")
     if check_values:
-        top = COMMIT_DENOISE if fused else DENOISE
+        top = COMMIT_DENOISE if fused else DENOISE_MODE
         if bool(((mode < IDLE) | (mode > top)).any()):
-            raise ValueError(f"mode: per-row modes are IDLE, ENCODER, DENOISE ({IDLE}, {ENCODER}, {DENOISE}; "
+            raise ValueError(f"mode: per-row modes are IDLE, ENCODER, DENOISE_MODE ({IDLE}, {ENCODER}, {DENOISE_MODE}; "
                              f"COMMIT_DENOISE ({COMMIT_DENOISE}) only in a fused plan, T = 2 x canvas), got "
                              f"{mode.tolist()}")
         if n_new is None and bool(((mode == ENCODER) | (mode == COMMIT_DENOISE)).any()):
             raise ValueError("n_new: required for encoder and commit + denoise rows")
     i_T = torch.arange(T, device=dev)
     positions = lengths[:, None] + i_T[None, :]
-    encoder_rows, denoise_rows = mode == ENCODER, mode == DENOISE
+    encoder_rows, denoise_rows = mode == ENCODER, mode == DENOISE_MODE
     n_B = n_new if n_new is not None else torch.zeros(B, dtype=torch.long, device=dev)
     real = torch.where(encoder_rows, n_B, torch.where(denoise_rows, C, 0))
     if fused:  # per token: a commit + denoise row is encoder in its first half, denoise in its second
@@ -255,8 +255,8 @@ class PlanBuffers:
         B, dev = cache.batch_size, cache.lengths.device
         self.mixed = mixed
         # the per-row inputs: a mixed plan's `fill` rewrites them (every row IDLE until then); the uniform denoise
-        # plan's stay every row DENOISE
-        self.mode = torch.full((B,), IDLE if mixed else DENOISE, dtype=torch.long, device=dev)
+        # plan's stay every row DENOISE_MODE
+        self.mode = torch.full((B,), IDLE if mixed else DENOISE_MODE, dtype=torch.long, device=dev)
         self.n_new = torch.zeros(B, dtype=torch.long, device=dev)
         self.self_conditioning = torch.zeros(B, dtype=torch.bool, device=dev)
         self._dense: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None  # `eager_plan`'s masks, their key

@@ -11,14 +11,14 @@ from torch.nn.attention.flex_attention import create_mask
 
 import dgemma_compile as dg
 from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask
-from dgemma_compile.plan import COMMIT_DENOISE, DENOISE, ENCODER, IDLE, PlanBuffers, build_plan, every_row
+from dgemma_compile.plan import COMMIT_DENOISE, DENOISE_MODE, ENCODER, IDLE, PlanBuffers, build_plan, every_row
 from dgemma_compile.uniform import commit_denoise_block, denoise_block, encode_block
 
 S = 48  # committed slots per row
 # (mode, tokens committed before the forward, real tokens of an encoder row, self-conditioned)
 ROWS = [(ENCODER, 0, 5, False),   # a prefill chunk (shorter than the block)
-        (DENOISE, 21, 0, True),   # a denoise step with the previous step's logits
-        (DENOISE, 9, 0, False),   # a block's first denoise step
+        (DENOISE_MODE, 21, 0, True),   # a denoise step with the previous step's logits
+        (DENOISE_MODE, 9, 0, False),   # a block's first denoise step
         (ENCODER, 30, 8, False),  # a commit (a whole block)
         (IDLE, 5, 0, False)]      # a row with nothing to do
 
@@ -53,7 +53,7 @@ def _separately(model, cache, ids, sc_logits, moe_impl):
         c = _row_cache(cache, r)
         if mode == ENCODER:
             y = encode_block(model, ids[r:r + 1], c, torch.tensor([n]), moe_impl=moe_impl)[0, :n]
-        elif mode == DENOISE:
+        elif mode == DENOISE_MODE:
             y = denoise_block(model, ids[r:r + 1], c, sc_logits[r:r + 1] if with_sc else None,
                                     moe_impl=moe_impl)[0]
         else:
@@ -71,7 +71,7 @@ def _check(model, mixed_hidden, mixed_cache, expected):
     for r, ((mode, _, n, _), (y, c)) in enumerate(zip(ROWS, expected)):
         if mode == ENCODER:
             torch.testing.assert_close(mixed_hidden[r, :n], y, atol=1e-5, rtol=1e-5, msg=f"row {r} hidden")
-        elif mode == DENOISE:
+        elif mode == DENOISE_MODE:
             torch.testing.assert_close(model.logits(mixed_hidden[r:r + 1])[0], y, atol=1e-5, rtol=1e-5,
                                        msg=f"row {r} logits")
         assert mixed_cache.lengths[r] == c.lengths[0], f"row {r} length"
@@ -130,7 +130,7 @@ def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
                                           T=16), "per-row modes are IDLE"),
                                     (dict(mode=torch.full((5,), 3), canvas=8, T=16), "n_new: required for encoder"),
                                     (dict(mode=torch.full((5,), 2), canvas=5), "canvas: a plan's canvas is T or T / 2"),
-                                    (dict(mode=torch.full((5,), -1)), "per-row modes are IDLE, ENCODER, DENOISE"),
+                                    (dict(mode=torch.full((5,), -1)), "per-row modes are IDLE, ENCODER, DENOISE_MODE"),
                                     (dict(mode=torch.full((5,), 2), groups=torch.zeros(5, 16, dtype=torch.long),
                                           canvas=8, T=16), "groups: .* not fused"),
                                     (dict(mode=torch.full((5,), 1), groups=torch.zeros(5, 3, dtype=torch.long),
@@ -253,7 +253,7 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
         cache.reset()
         dg.encode(model, torch.randint(3, V, (3, max(lengths)), generator=g), cache, input_lengths=torch.tensor(lengths))
         plan.fill()
-        fresh = build_plan(model, cache, C, mode=every_row(cache, DENOISE))
+        fresh = build_plan(model, cache, C, mode=every_row(cache, DENOISE_MODE))
         assert torch.equal(plan.plan.positions, fresh.positions)
         with torch.no_grad():
             assert torch.equal(denoise_block(model, canvas, cache, None, plan=plan.plan),
@@ -366,9 +366,9 @@ def test_kernel_options_are_in_the_captured_graph(tiny_dir):
 # --- a fused mixed plan (T = 2C): the serving engine's commit fusion, row by row ------------------------------------
 # (mode, tokens committed before the forward, committed tokens (encoder: real), self-conditioned)
 FUSED_ROWS = [(ENCODER, 0, 5, False),          # a prefill chunk in the first half
-              (DENOISE, 21, 0, True),          # a denoise step (canvas in the first half), self-conditioned
+              (DENOISE_MODE, 21, 0, True),          # a denoise step (canvas in the first half), self-conditioned
               (COMMIT_DENOISE, 9, None, False),  # a commit (n_new = C) and the next block's first step
-              (DENOISE, 30, 0, False),         # a block's first denoise step (after its prompt)
+              (DENOISE_MODE, 30, 0, False),         # a block's first denoise step (after its prompt)
               (IDLE, 5, 0, False)]
 
 
@@ -398,7 +398,7 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
             c = _row_cache(cache, r)
             if m == ENCODER:
                 y = encode_block(model, first[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0, :n_new[r]]
-            elif m == DENOISE:
+            elif m == DENOISE_MODE:
                 y = denoise_block(model, first[r:r + 1], c, None, torch.tensor([with_sc]), moe_impl="dense",
                                         self_conditioning_embeds=model.self_conditioning_embedding(sc_probs[r:r + 1]))[0]
             elif m == COMMIT_DENOISE:
@@ -414,7 +414,7 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
     for r, ((m, _, _, _), (y, c)) in enumerate(zip(FUSED_ROWS, expected)):
         if m == ENCODER:
             assert torch.equal(hidden[r, :n_new[r]], y), f"row {r} hidden"
-        elif m == DENOISE:
+        elif m == DENOISE_MODE:
             assert torch.equal(model.logits(hidden[r:r + 1, :C])[0], y), f"row {r} logits"
         elif m == COMMIT_DENOISE:
             assert torch.equal(model.logits(hidden[r:r + 1, C:])[0], y), f"row {r} logits"
@@ -422,7 +422,7 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
         for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
             assert torch.equal(k[r, :, :S], c.keys[layer][0, :, :S]), f"row {r} layer {layer} keys"
             assert torch.equal(v[r, :, :S], c.values[layer][0, :, :S]), f"row {r} layer {layer} values"
-    assert cache.lengths.tolist() == (before + torch.where(mode == DENOISE, 0, n_new) * (mode != IDLE)).tolist()
+    assert cache.lengths.tolist() == (before + torch.where(mode == DENOISE_MODE, 0, n_new) * (mode != IDLE)).tolist()
     for (k, v), (k0, v0) in zip(zip(cache.keys, cache.values), before_kv):  # the idle row: untouched
         assert torch.equal(k[-1, :, :S], k0[-1, :, :S]) and torch.equal(v[-1, :, :S], v0[-1, :, :S])
 
@@ -443,7 +443,7 @@ def test_fused_mixed_masks_are_the_unfused_passes_masks(tiny_flex_and_dense, dat
     flex, dense = tiny_flex_and_dense
     C = flex.config.canvas_length
     B = data.draw(st.integers(1, 5))
-    mode = torch.tensor(data.draw(st.lists(st.sampled_from([IDLE, ENCODER, DENOISE, COMMIT_DENOISE]), min_size=B,
+    mode = torch.tensor(data.draw(st.lists(st.sampled_from([IDLE, ENCODER, DENOISE_MODE, COMMIT_DENOISE]), min_size=B,
                                            max_size=B)))
     n_new = torch.tensor([data.draw(st.integers(0, C)) for _ in range(B)])
     lengths = torch.tensor([data.draw(st.integers(0, S - C)) for _ in range(B)])
@@ -461,7 +461,7 @@ def test_fused_mixed_masks_are_the_unfused_passes_masks(tiny_flex_and_dense, dat
         for b in range(B):
             if mode[b] == COMMIT_DENOISE:
                 assert torch.equal(got[b], cd[b]), (lt, b)
-            elif mode[b] in (ENCODER, DENOISE):
+            elif mode[b] in (ENCODER, DENOISE_MODE):
                 enc = bool(mode[b] == ENCODER)
                 ref = dense_block_mask(lengths[b:b + 1], n_new[b:b + 1] if enc else torch.tensor([C]),
                                        torch.tensor([enc]), block_len=C, cache_slots=S, **window)[0]
@@ -476,7 +476,7 @@ def test_every_plan_holds_tensors_per_row(tiny_dir):
     C = model.config.canvas_length
     cache = model.new_cache(3, S, block_size=2 * C)
     n_new = torch.tensor([2, 0, 5])
-    for mode, T, canvas in ((ENCODER, C, None), (DENOISE, C, None), (COMMIT_DENOISE, 2 * C, C)):
+    for mode, T, canvas in ((ENCODER, C, None), (DENOISE_MODE, C, None), (COMMIT_DENOISE, 2 * C, C)):
         plan = build_plan(model, cache, T, mode=every_row(cache, mode), n_new=n_new, canvas=canvas)
         assert plan.mode.tolist() == [mode] * 3
         for name in ("real", "commit", "self_conditioning"):
@@ -485,4 +485,4 @@ def test_every_plan_holds_tensors_per_row(tiny_dir):
             t = getattr(plan, name)
             assert t.dtype == torch.bool and t.shape in ((3, 1), (3, T)), (mode, name)
         assert plan.slots.shape == (3, T) and plan.positions.shape == (3, T)
-        assert plan.commit.tolist() == ([0, 0, 0] if mode == DENOISE else n_new.tolist())
+        assert plan.commit.tolist() == ([0, 0, 0] if mode == DENOISE_MODE else n_new.tolist())
