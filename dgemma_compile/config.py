@@ -54,8 +54,8 @@ class ConfigError(ValueError):
         self.problem, self.code = problem, code
         super().__init__(problem if self.param is None else f"{self.param}: {problem}")
 
-    def __reduce__(self):  # pickles with its fields (a rank or a worker process may send it)
-        return type(self), (self.param, self.problem), {"code": self.code}
+    def __reduce__(self):  # pickles with its fields and attributes (a rank or a worker process may send it)
+        return type(self), (self.param, self.problem), dict(self.__dict__)
 
 
 def _require(cond: bool, name: str, msg: str) -> None:

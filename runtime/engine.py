@@ -539,8 +539,9 @@ class Engine:
     @torch.no_grad()
     def follow(self) -> None:
         """A follower's loop (tensor-parallel ranks 1..N-1, main thread): receive each schedule of the leader, apply
-        it, step as the leader does. Returns at the leader's stop; raises RuntimeError (after `on_fatal`) when the
-        leader is gone or an iteration fails."""
+        it, step as the leader does. Returns at the leader's stop; raises `dgemma_compile.parallel.ParallelError` (a
+        RuntimeError, after `on_fatal`) when the leader is gone or an iteration fails: the CLI's rank runner tells it
+        by its class and prints its message as it is."""
         try:
             while True:
                 schedule = self.schedule.receive()
@@ -553,8 +554,10 @@ class Engine:
                 if not self.idle():
                     self.step()
         except Exception as e:  # noqa: BLE001
+            from dgemma_compile.parallel import ParallelError  # imported already: a follower is a rank
+
             self._fail(e)
-            raise RuntimeError(self.fatal) from e
+            raise ParallelError(self.fatal) from e
 
     def _apply(self, schedule: Schedule | None) -> None:
         """Queue the schedule's requests (in order) and mark its cancellations (queued or running requests; one that

@@ -55,6 +55,31 @@ def test_the_key_changes_with_what_the_step_depends_on(tiny_model, tmp_path):
         torch.set_num_threads(threads)
 
 
+def test_the_model_key_holds_the_expert_format_by_value_and_no_address(tiny_model):
+    """An expert projection's format (a frozen `ExpertFormat`) is part of the model's structure, by value; other
+    attributes whose repr holds an address (a frozen dataclass holding a process group, as `parallel.TensorParallel`
+    and `VocabShard` do) are not, so a sharded model's key is the same in every process (review of issue 41 item 3:
+    it was not)."""
+    import copy
+    import dataclasses
+
+    from dgemma_compile.ops import expert_formats
+
+    @dataclasses.dataclass(frozen=True)
+    class HoldsAGroup:
+        group: object
+
+    base = A.model_structure(tiny_model)
+    other = copy.deepcopy(tiny_model)
+    other.tensor_parallel_like = HoldsAGroup(object())  # repr: "<object object at 0x...>"
+    assert A.model_structure(other) == base
+    proj = other.layers[0].experts.down_proj
+    assert proj.format is expert_formats.NONE
+    proj.format = expert_formats.FP8  # as set_quantized sets it (the stored tensors aside)
+    changed = [e for e, b in zip(A.model_structure(other), base) if e != b]
+    assert changed == [["attribute", "layers.0.experts.down_proj.format", repr(expert_formats.FP8)]]
+
+
 def test_a_changed_source_file_is_a_miss(tmp_path):
     """The sources digest covers every .py file of the package: one changed byte in a copy changes it (mutation)."""
     digest = A.sources_digest.__wrapped__  # uncached: the copy is read again after the edit

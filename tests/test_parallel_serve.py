@@ -141,6 +141,9 @@ def test_follower_without_rank_0_exits_with_a_clear_error(demo):
     with pytest.raises(RuntimeError, match=r"tensor parallel: rank 1 of 2: .*Timed out waiting 200ms") as e:
         follow.follow()
     assert fatal == [str(e.value)] and "group timeout (0 s)" in fatal[0]
+    from dgemma_compile.parallel import ParallelError  # the CLI's rank runner prints it as it is, by its class
+
+    assert isinstance(e.value, ParallelError)
 
 
 # ----- slow: the CLI on 2 gloo ranks -----------------------------------------------------------------------------

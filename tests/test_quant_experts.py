@@ -174,6 +174,10 @@ def test_a_format_is_looked_up_by_name_once():
     with pytest.raises(ConfigError, match=r"quant scheme: must be one of .*got 'int4'"):
         scheme("int4")
     assert scheme(scheme("fp8")) is scheme("fp8")
+    # W4A4 builds nothing under its name, even where its device check would pass (sm100)
+    for build in (lambda: scheme("nvfp4").torchao_config(), lambda: scheme("nvfp4").expert_weights(torch.ones(1, 16, 16))):
+        with pytest.raises(ConfigError, match=r"'nvfp4' \(NVFP4 weights and activations, W4A4\) has no torchao config"):
+            build()
 
 
 @pytest.mark.slow

@@ -141,10 +141,7 @@ class CompileOptions:
             raise ConfigError("sample_step_fusion_min_bytes", f"must be an int >= 0, got {v!r}")
         if not isinstance(self.disabled_passes, tuple):
             raise ConfigError("disabled_passes", f"must be a tuple of pass names, got {self.disabled_passes!r}")
-        try:
-            check_names(self.disabled_passes)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        check_names(self.disabled_passes)  # ConfigError naming disabled_passes
         _check_attention_kernel_options(self.attention_kernel_options)
         k = self.max_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 64):

@@ -59,10 +59,12 @@ _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 def _is_constant(value) -> bool:
-    """A value Dynamo may specialise on and `ModelFingerprint` records: a plain constant (`_CONSTANTS`) or a frozen
-    dataclass (a value object, e.g. an expert projection's `ExpertFormat`; compared by value)."""
-    params = getattr(type(value), "__dataclass_params__", None)
-    return isinstance(value, _CONSTANTS) or (params is not None and params.frozen)
+    """A value Dynamo may specialise on and `ModelFingerprint` records: a plain constant (`_CONSTANTS`) or an expert
+    projection's `ExpertFormat` (a frozen value object: compared, and keyed by its repr, by value). Not every frozen
+    dataclass: some hold a process group (`parallel.TensorParallel`, `VocabShard`), whose repr is an address."""
+    from ..ops.expert_formats import ExpertFormat
+
+    return isinstance(value, (*_CONSTANTS, ExpertFormat))
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,16 @@ class ExpertFormat:
     def __str__(self) -> str:
         return self.name
 
+    # one object per format: a copy, a deep copy (of a model) or a pickle (to a rank) is the registered object
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return expert_format, (self.name,)
+
 
 @dataclass(frozen=True)
 class Fp8Rows(ExpertFormat):

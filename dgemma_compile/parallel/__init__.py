@@ -5,6 +5,7 @@ from the model or straight from the checkpoint's files (`source.py`, `load.py`: 
 part by part, `quantized.py`), the host channel
 (`channel.py`) and the ranks of a CLI command (`ranks.py`)."""
 
+from .errors import ParallelError
 from .group import RendezvousError, backend_for, destroy, init
 from .launch import RankFailed, spawn
 from .linear import RowParallelLinear, split
@@ -15,6 +16,6 @@ from .load import LoadReport, load_sharded
 from .source import FileWeights, ModelWeights
 from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProduct, vocab_range
 
-__all__ = ["DEFAULT_EXPERT_SPLIT", "EXPERT_SPLITS", "ExpertParallelExperts", "FileWeights", "LoadReport", "ModelWeights", "load_sharded", "RankFailed", "RendezvousError", "RowParallelLinear", "TensorParallel", "TensorParallelExperts",
+__all__ = ["DEFAULT_EXPERT_SPLIT", "EXPERT_SPLITS", "ExpertParallelExperts", "FileWeights", "LoadReport", "ModelWeights", "load_sharded", "ParallelError", "RankFailed", "RendezvousError", "RowParallelLinear", "TensorParallel", "TensorParallelExperts",
            "VocabParallelEmbedding", "VocabParallelHead", "VocabParallelProduct", "attention_heads", "backend_for",
            "destroy", "init", "shard", "spawn", "split", "vocab_range"]

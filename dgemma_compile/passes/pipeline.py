@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError
 from . import sample_step_fusion
 
 PASSES = ((sample_step_fusion.NAME, sample_step_fusion),)
@@ -95,10 +96,10 @@ class PassPipeline:
 
 
 def check_names(names, field: str = "disabled_passes") -> None:
-    """Raises ValueError naming `field` for a name that is not a pass."""
+    """Raises ConfigError (a ValueError) naming `field` for a name that is not a pass."""
     unknown = [n for n in names if n not in PASS_NAMES]
     if unknown:
-        raise ValueError(f"{field}: unknown pass(es) {unknown}; the passes are {list(PASS_NAMES)}")
+        raise ConfigError(field, f"unknown pass(es) {unknown}; the passes are {list(PASS_NAMES)}")
 
 
 def inductor_config(disabled: tuple[str, ...] = (), settings: dict | None = None) -> dict:

@@ -89,6 +89,16 @@ class Scheme:
     def __str__(self) -> str:
         return self.name
 
+    # one object per scheme: a copy, a deep copy or a pickle is the registered object
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return scheme, (self.name,)
+
 
 @dataclass(frozen=True)
 class Fp8Scheme(Scheme):
@@ -134,6 +144,13 @@ class Nvfp4Scheme(Scheme):
                                   f"tensor cores; this model is on {where}. Use 'nvfp4-w4a16' (NVFP4 weights, 16-bit "
                                   "activations)")
 
+    def _refuse_w4a4(self) -> None:
+        """W4A4 (NVFP4 activations) has no builder here: even where `check` passes (sm100), its weights are not
+        quantized as W4A16 under its name."""
+        if self.w4a4:
+            raise ConfigError("quant scheme", f"{self.name!r} (NVFP4 weights and activations, W4A4) has no torchao "
+                              "config or expert format here; use 'nvfp4-w4a16'")
+
     def unsupported_weight(self, weight):
         """As `Scheme`'s, and an all-zero weight: torchao's NVFP4 weight-only config derives its per-tensor scale
         from the weight's amax with no floor, so it would become NaN (measured)."""
@@ -143,6 +160,7 @@ class Nvfp4Scheme(Scheme):
         return why
 
     def torchao_config(self):
+        self._refuse_w4a4()
         from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
 
         return NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=True)
@@ -152,6 +170,7 @@ class Nvfp4Scheme(Scheme):
         `nvfp4_quantize` with one per-tensor scale per expert and per part (gate_up's gate and up rows are scaled
         apart, as llmcompressor writes them); global = 1 / torchao's per-tensor scale, the compressed-tensors
         convention (dequantized = e2m1 * block / global)."""
+        self._refuse_w4a4()
         from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
 
         E, N, K = weight.shape
