@@ -48,6 +48,26 @@ def fp8_fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * scale
 
 
+class Registered:
+    """A value object registered under its `name`: str() is the name, and a copy, a deep copy (of a model) or a
+    pickle (to a rank) is the registered object itself, found again by `lookup(name)` (a module-level function, so
+    that pickle can name it). Subclasses are frozen dataclasses with a `name` field."""
+
+    lookup = None
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return type(self).lookup, (self.name,)
+
+
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """FP4 E2M1 codes (uint8 in [0, 16): sign bit 3, exponent bits 2-1, mantissa bit 0) -> float32 values
     {0, 0.5, 1, 1.5, 2, 3, 4, 6} with sign. Elementwise arithmetic (no table), so Inductor fuses it into its reader."""
@@ -58,7 +78,7 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ExpertFormat:
+class ExpertFormat(Registered):
     """A routed-expert weight format: the unquantized one (the model dtype, no scales). Subclasses override
     `layout`, `dequantize` and, for quantized activations, `activation`."""
 
@@ -110,18 +130,6 @@ class ExpertFormat:
                 raise ValueError(f"expert weights ({self.name}): {name} must be {dtype or 'the model dtype'} "
                                  f"{list(shp)}, got {t.dtype} {list(t.shape)}")
 
-    def __str__(self) -> str:
-        return self.name
-
-    # one object per format: a copy, a deep copy (of a model) or a pickle (to a rank) is the registered object
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return expert_format, (self.name,)
 
 
 @dataclass(frozen=True)
@@ -191,3 +199,6 @@ def expert_format(name: str) -> ExpertFormat:
         return EXPERT_FORMATS[name]
     except (KeyError, TypeError):
         raise ValueError(f"expert weights: quant must be one of {tuple(EXPERT_FORMATS)}, got {name!r}") from None
+
+
+ExpertFormat.lookup = staticmethod(expert_format)

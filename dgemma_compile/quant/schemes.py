@@ -29,7 +29,7 @@ import torch
 
 from ..config import ConfigError
 from ..ops.expert_formats import (AMAX_FLOOR, FP8, FP8_WEIGHT_ONLY, NVFP4_BLOCK, NVFP4_W4A16, ExpertFormat,
-                                   amax_floor)
+                                   Registered, amax_floor)
 
 NUMERICS = "v3"
 """What the schemes cover and how, versioned like `sampler.SCHEME` (a change can change tokens): v1 (2026-11-30) the
@@ -40,7 +40,7 @@ Named in `QuantReport.text()`."""
 
 
 @dataclass(frozen=True)
-class Scheme:
+class Scheme(Registered):
     """A quantization scheme: its `name` (the CLI's `--quant`, what reports print) and the `experts` format its
     routed experts are stored in (`ops.expert_formats`). Subclasses say how a linear's weight is built."""
 
@@ -86,18 +86,6 @@ class Scheme:
         with torchao's quantization primitives. `parts`: equal row ranges scaled apart (gate_up's gate and up)."""
         raise ConfigError("quant scheme", f"{self.name!r} has no expert format")
 
-    def __str__(self) -> str:
-        return self.name
-
-    # one object per scheme: a copy, a deep copy or a pickle is the registered object
-    def __copy__(self):
-        return self
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return scheme, (self.name,)
 
 
 @dataclass(frozen=True)
@@ -203,6 +191,9 @@ def scheme(name: "str | Scheme") -> Scheme:
         return SCHEME_OBJECTS[name]
     except (KeyError, TypeError):
         raise ConfigError("quant scheme", f"must be one of {SCHEMES}, got {name!r}") from None
+
+
+Scheme.lookup = staticmethod(scheme)
 
 
 def check_scheme(name: str, device: torch.device, dtype: torch.dtype) -> Scheme:
