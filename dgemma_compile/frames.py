@@ -8,7 +8,7 @@ and the mean entropy of the step's scaled distribution.
 Opt-in per request: the driver reads frames only for the rows whose request asked (`driver.Driver.step`, one host
 read per iteration for all of them, after the step's report), so a request without frames costs nothing more;
 frames are a read of what the step wrote anyway (`steps.DenoiseState.accepted` / `entropy`), so they never change
-tokens. Users: `generate(..., on_frame=...)` (both generators), `dgemma generate --live` (cli.py), and the server's
+tokens. Users: `generate(..., on_frame=...)` (both generators), `dgemma generate --live` (cli/run.py), and the server's
 `stream_options.include_canvas_frames` (runtime/server.py).
 """
 

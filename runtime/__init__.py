@@ -9,7 +9,7 @@ worker processes, bounded), `server.py` (FastAPI app: OpenAI-compatible routes, 
 `metrics.py` (Prometheus).
 
 `engine` needs only the core install; `server` and `metrics` need the `[serve]` extra (fastapi, uvicorn,
-sse-starlette, prometheus-client) and are imported on use. `dgemma serve` (dgemma_compile/cli.py) puts them
+sse-starlette, prometheus-client) and are imported on use. `dgemma serve` (dgemma_compile/cli/serve.py) puts them
 together.
 """
 

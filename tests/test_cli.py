@@ -197,7 +197,7 @@ def test_threads_precedence_flag_then_environment_then_recommendation(tiny_dir, 
     import torch
 
     from dgemma_compile import threads
-    from dgemma_compile.cli import _apply_threads
+    from dgemma_compile.cli.run import _apply_threads
 
     model = dg.load(tiny_dir)
     before = torch.get_num_threads()

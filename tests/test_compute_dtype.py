@@ -89,7 +89,7 @@ def test_dgemma_generate_on_an_avx2_only_cpu_computes_a_bf16_checkpoint_in_float
 
 
 def test_adopted_measurements_decide_instead_of_measuring(monkeypatch):
-    """A tensor-parallel group's ranks adopt rank 0's probes (cli._load), so they cannot load different dtypes."""
+    """A tensor-parallel group's ranks adopt rank 0's probes (cli.run._load), so they cannot load different dtypes."""
     monkeypatch.setattr(compute_dtype, "_adopted", {})
     monkeypatch.setattr(compute_dtype, "_probe", lambda *a: pytest.fail("measured although adopted"))
     compute_dtype.adopt({torch.bfloat16: _slow(torch.bfloat16)})

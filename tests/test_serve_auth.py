@@ -78,7 +78,8 @@ def test_the_key_is_never_shown():
 
 
 def test_cli_reads_the_key_from_the_environment(monkeypatch):
-    from dgemma_compile.cli import _api_key, _parser
+    from dgemma_compile.cli import _parser
+    from dgemma_compile.cli.serve import _api_key
     from dgemma_compile.config import ConfigError
 
     monkeypatch.delenv("DGEMMA_API_KEY", raising=False)

@@ -1,0 +1,110 @@
+"""`dgemma generate | explain | serve`: block-diffusion generation, compile reports and the OpenAI-compatible server
+(`runtime/`) from the command line.
+
+`dgemma generate PROMPT` prints each block's text on stdout as soon as the block is committed (through
+`text.Detokenizer`: never a broken character, never a repeat), then one stats line on stderr.
+`dgemma generate --prompts-file FILE|-` runs many prompts in batches and writes one JSON line per prompt on stdout,
+in input order. Every expected failure (missing directory or file, bad checkpoint, bad parameter, bad prompt) is one
+`dgemma: error:` line on stderr and exit status 2.
+
+Timing: tok/s and ttfb_s (request start to the first committed block) cover the generation only. One-time costs
+come first and are reported apart: `compile_s` (compiled path: every compile unit of the bucket), or `warmup_s`
+(`--eager`: an untimed run of the same request with one denoise step per block, so that the shape-specialised
+traces eager FlexAttention makes on first use of each shape are done before the clock starts).
+
+
+The package, one module per command (`generate.py`, `explain.py`, `serve.py`, `cache.py`) over the parser (`args.py`),
+the prompts file (`prompts.py`) and what generate and serve share (`run.py`); `main` here dispatches, and runs
+generate / serve as ranks of a tensor-parallel group (`parallel.ranks`). `dgemma --help` imports no torch
+(tests/test_imports.py): torch and every module that imports it are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+from .args import COMPILE_MODES, DEFAULT_BATCH_SIZE, DEFAULT_GROUP_TIMEOUT_S, DTYPES, MOE_RULE, QUANT_SCHEMES, _parser
+from .cache import cache_command
+from .explain import explain_command
+from .generate import generate_command
+from .prompts import LINE_KEYS, PromptLine, parse_prompt_line, read_prompts_file
+from .run import SLOT_ROUNDING
+from .serve import serve_command
+
+__all__ = ["COMPILE_MODES", "DEFAULT_BATCH_SIZE", "DEFAULT_GROUP_TIMEOUT_S", "DTYPES", "LINE_KEYS", "MOE_RULE",
+           "PromptLine", "QUANT_SCHEMES", "SLOT_ROUNDING", "cache_command", "explain_command", "generate_command",
+           "main", "parse_prompt_line", "read_prompts_file", "serve_command"]
+
+
+def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> int:
+    """Run generate / serve as one rank of `world` (`parallel.ranks.run`: started here, or joined under torchrun).
+    A collective that fails (a peer died, or stalled past --group-timeout) ends every rank with one error line."""
+    from ..parallel import ranks as R
+
+    if not args.group_timeout > 0:
+        from ..config import ConfigError
+
+        raise ConfigError("group_timeout", f"must be a positive number of seconds, got {args.group_timeout}")
+    command = generate_command if args.command == "generate" else serve_command
+
+    def body(ranks: "R.Ranks") -> int:
+        R.quiet(ranks.rank)
+        try:
+            return command(args, ranks)
+        except RuntimeError as e:  # gloo / nccl: a peer's connection closed, or the group's timeout passed
+            if isinstance(e, R.ParallelError):  # ours (its message says which rank and why)
+                message = str(e)
+            else:
+                message = (f"tensor parallel: rank {ranks.rank} of {ranks.world_size}: a collective failed, a rank died "
+                           f"or stalled past --group-timeout ({args.group_timeout:.0f} s): "
+                           f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+            if not ranks.leader:
+                print(R.error_line(ranks.rank, message), file=sys.stderr, flush=True)
+                return 1
+            raise R.ParallelError(message) from None
+
+    return R.run(body, argv, world, args.group_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)  # --help and usage errors exit here, before anything imports torch
+    from ..config import ConfigError
+    from ..kv_cache import CacheFullError
+    from ..loader import CheckpointError
+    from ..parallel.ranks import ParallelError
+
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    # AOTAutograd's cache skips graphs holding torchao tensors (Float8Tensor has no stable hash): a known cost of
+    # quantized compiles (README), not a user-facing problem
+    warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching")
+    logging.basicConfig(level=logging.INFO, format="dgemma: %(message)s")
+    logging.getLogger("dgemma_compile").setLevel(logging.INFO)
+    try:
+        if args.command in ("generate", "serve"):
+            from ..parallel import ranks
+
+            world = ranks.world_size_for(args.tensor_parallel_size)
+            if world > 1:
+                return _tensor_parallel(args, argv, world)
+        if args.command == "generate":
+            return generate_command(args)
+        if args.command == "explain":
+            return explain_command(args)
+        if args.command == "serve":
+            return serve_command(args)
+        if args.command == "cache":
+            return cache_command(args)
+    except (CheckpointError, ConfigError, CacheFullError) as e:
+        print(f"dgemma: error: {e}", file=sys.stderr)
+        return 2
+    except ParallelError as e:
+        print(f"dgemma: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dgemma: interrupted", file=sys.stderr)
+        return 130
+    return 1

@@ -1,0 +1,32 @@
+"""`dgemma explain`: the compile report (graphs, breaks, pass matches) of the model's step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..demo import DEMO_MODEL
+from .args import MOE_RULE
+from .run import SLOT_ROUNDING, _quantize
+
+
+def explain_command(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .. import CompileOptions, build, load
+    from ..config import ConfigError
+
+    if args.batch_size < 1:
+        raise ConfigError("batch_size", f"must be a positive integer, got {args.batch_size}")
+    model = load(args.model if args.model is not None else DEMO_MODEL)
+    _quantize(model, args.quant)
+    # one bucket that also serves the default workload's two-row batch; 256 slots as `dgemma generate` uses for a
+    # short request, so both commands share Inductor's on-disk cache
+    reports = build(model, CompileOptions(batch_buckets=(max(2, args.batch_size),), max_seq_len=SLOT_ROUNDING)
+                    ).explain(args.batch_size)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
+    else:
+        print("\n".join(r.text() for r in reports))
+        print(f"moe_impl rule (ops.moe.resolve_moe_impl): {MOE_RULE}")
+    return 0
