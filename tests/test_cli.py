@@ -412,3 +412,20 @@ def test_quant_flag_quantizes_on_load_and_names_the_scheme():
     assert "quant fp8-weight-only (numerics v3): 37 projections quantized" in res.stderr  # 29 linears, 8 expert projections
     assert "excluded lm_head (the tied embeddings' logits)" in res.stderr and "quant=fp8-weight-only" in res.stderr
     assert "Failed to load" not in res.stderr and "Warning" not in res.stderr
+
+
+@pytest.mark.slow
+def test_a_closed_stdout_ends_the_command_quietly(tiny_dir):
+    """A reader that stops early (`dgemma generate --prompts-file ... | head -1`): the command ends with the shell's
+    status for a closed pipe (141) and no traceback on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "dgemma_compile.cli", "generate", "--model", str(tiny_dir),
+                             "--prompts-file", "-", "--eager", "--batch-size", "1", "--max-new-tokens", "4",
+                             "--max-denoising-steps", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdin.write("\n".join(f"abc {i}=" for i in range(8)))
+    proc.stdin.close()
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    assert json.loads(first)["line"] == 1 and "Traceback" not in err and "BrokenPipe" not in err

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 
@@ -107,4 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dgemma: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader went away (`dgemma cache info | head -1`): stop quietly, as `yes | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)  # so that the interpreter's last flush of stdout cannot fail again
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, a shell's status for a writer killed by its closed pipe
     return 1
