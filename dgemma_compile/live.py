@@ -5,7 +5,7 @@ Each redraw shows the text committed so far, then the block in flight position b
 one style (bold green), renoised ones in another (dim red, on a grey background so that a renoised space shows),
 and a status line with the block, its step count out of the step budget, the accepted positions and the step's
 mean entropy. The view is transient: when generation ends it is erased and the CLI prints the committed text
-exactly as it does without --live. The CLI uses it only when stdout is a terminal (`cli._generate_one`).
+exactly as it does without --live. The CLI uses it only when stdout is a terminal (`cli.generate._generate_one`).
 """
 
 from __future__ import annotations

@@ -286,6 +286,20 @@ def test_prompts_from_stdin(tiny_dir):
 
 
 @pytest.mark.parametrize("args,message", [
+    (["generate", "--quant", "bogus", "x"], "argument --quant: invalid choice: 'bogus' (choose from 'fp8', "
+                                            "'fp8-weight-only', 'nvfp4-w4a16', 'nvfp4')"),
+    (["generate", "--max-new-tokens", "two", "x"], "argument --max-new-tokens: invalid int value: 'two'"),
+    (["bogus"], "argument command: invalid choice: 'bogus' (choose from 'generate', 'explain', 'serve', 'cache')"),
+])
+def test_flags_argparse_refuses_are_one_error_line(args, message):
+    """A flag argparse refuses is one `dgemma: error:` line and status 2, as every other expected failure (no usage
+    block on stderr); --help still prints the usage."""
+    res = run_main(*args)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr == f"dgemma: error: {message}\n", res.stderr
+    assert "usage: dgemma generate" in run_main("generate", "--help").stdout
+
+
+@pytest.mark.parametrize("args,message", [
     (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file: /nonexistent/prompts.txt: no such file"),
     (["--prompts-file", "/"], "--prompts-file: /: is a directory"),
     (["--prompts-file", "-", "abc"], "prompt: give a prompt or --prompts-file, not both"),

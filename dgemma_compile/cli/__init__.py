@@ -1,17 +1,16 @@
-"""`dgemma generate | explain | serve`: block-diffusion generation, compile reports and the OpenAI-compatible server
-(`runtime/`) from the command line.
+"""`dgemma generate | explain | serve | cache`: block-diffusion generation, compile reports, the OpenAI-compatible
+server (`runtime/`) and the compile cache from the command line.
 
 `dgemma generate PROMPT` prints each block's text on stdout as soon as the block is committed (through
 `text.Detokenizer`: never a broken character, never a repeat), then one stats line on stderr.
 `dgemma generate --prompts-file FILE|-` runs many prompts in batches and writes one JSON line per prompt on stdout,
-in input order. Every expected failure (missing directory or file, bad checkpoint, bad parameter, bad prompt) is one
-`dgemma: error:` line on stderr and exit status 2.
+in input order. Every expected failure (missing directory or file, bad checkpoint, bad parameter, bad prompt, a flag
+argparse refuses) is one `dgemma: error:` line on stderr and exit status 2.
 
 Timing: tok/s and ttfb_s (request start to the first committed block) cover the generation only. One-time costs
 come first and are reported apart: `compile_s` (compiled path: every compile unit of the bucket), or `warmup_s`
 (`--eager`: an untimed run of the same request with one denoise step per block, so that the shape-specialised
 traces eager FlexAttention makes on first use of each shape are done before the clock starts).
-
 
 The package, one module per command (`generate.py`, `explain.py`, `serve.py`, `cache.py`) over the parser (`args.py`),
 the prompts file (`prompts.py`) and what generate and serve share (`run.py`); `main` here dispatches, and runs
@@ -27,9 +26,9 @@ import os
 import sys
 import warnings
 
-from .args import COMPILE_MODES, DEFAULT_BATCH_SIZE, DEFAULT_GROUP_TIMEOUT_S, DTYPES, MOE_RULE, QUANT_SCHEMES, _parser
+from .args import COMPILE_MODES, DEFAULT_BATCH_SIZE, DEFAULT_GROUP_TIMEOUT_S, DTYPES, QUANT_SCHEMES, _parser
 from .cache import cache_command
-from .explain import explain_command
+from .explain import MOE_RULE, explain_command
 from .generate import generate_command
 from .prompts import LINE_KEYS, PromptLine, parse_prompt_line, read_prompts_file
 from .run import SLOT_ROUNDING

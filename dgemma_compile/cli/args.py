@@ -1,5 +1,6 @@
-"""The command line's parser: every command's flags, their choices and defaults (plain names: `dgemma --help`
-imports no torch; tests/test_imports.py checks them equal to their torch-side sources)."""
+"""The command line's parser: every command's flags, their choices and defaults. Plain names, so that `dgemma --help`
+imports no torch; the ones with a torch-side source (`DTYPES`, `QUANT_SCHEMES`, `DEFAULT_GROUP_TIMEOUT_S`) are checked
+equal to it by tests/test_imports.py."""
 
 from __future__ import annotations
 
@@ -8,28 +9,23 @@ from pathlib import Path
 
 
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype: names of torch dtypes
-
-
-COMPILE_MODES = ("auto", "always", "never")  # --compile (`_compile_mode`)
-
-
+COMPILE_MODES = ("auto", "always", "never")  # --compile (`run._compile_mode`)
 QUANT_SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")  # = quant.schemes.SCHEMES
-
-
 DEFAULT_GROUP_TIMEOUT_S = 300.0  # = parallel.ranks.DEFAULT_GROUP_TIMEOUT_S
-
-
 DEFAULT_BATCH_SIZE = 8
 
 
-MOE_RULE = ("loop = transformers' summation order (eager default, parity tests); grouped = torch._grouped_mm (compiled "
-            "bf16 with E/K > 4; compiled float32 on CPU with a canvas of >= 256 tokens, as an eager call inside the "
-            "step); gathered = each assignment's expert rows gathered, one fused loop nest (compiled, everything "
-            "else); dense = every expert on every token (explicit only)")
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusals (an unknown flag, a value its choices or type refuse) are one
+    `dgemma: error: ...` line on stderr and exit status 2, as every other expected failure of the command line;
+    `--help` prints the usage as argparse does."""
+
+    def error(self, message: str):
+        self.exit(2, f"dgemma: error: {message}\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dgemma", description="DiffusionGemma block-diffusion generation.")
+    p = Parser(prog="dgemma", description="DiffusionGemma block-diffusion generation.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a continuation of a prompt (or of each prompt of a file)")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (or give --prompts-file)")
@@ -82,8 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json-object", action="store_true", help="the text must be a JSON object")
     g.add_argument("--prompts-file", default=None, metavar="FILE",
                    help="one prompt per line, or JSON objects (prompt, seed, max_new_tokens, entropy_bound, temperature, "
-                        "stop); '-' reads "
-                        "stdin; writes one JSON line per prompt on stdout, in input order")
+                        "stop); '-' reads stdin; writes one JSON line per prompt on stdout, in input order")
     g.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help=f"prompts per batch with --prompts-file (default {DEFAULT_BATCH_SIZE}: one compiled bucket)")
     _parallel_flags(g)

@@ -6,8 +6,13 @@ import argparse
 import json
 
 from ..demo import DEMO_MODEL
-from .args import MOE_RULE
 from .run import SLOT_ROUNDING, _quantize
+
+
+MOE_RULE = ("loop = transformers' summation order (eager default, parity tests); grouped = torch._grouped_mm (compiled "
+            "bf16 with E/K > 4; compiled float32 on CPU with a canvas of >= 256 tokens, as an eager call inside the "
+            "step); gathered = each assignment's expert rows gathered, one fused loop nest (compiled, everything "
+            "else); dense = every expert on every token (explicit only)")
 
 
 def explain_command(args: argparse.Namespace) -> int:

@@ -7,11 +7,12 @@ import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 
 from ..demo import DEMO_MODEL
 from .args import DEFAULT_BATCH_SIZE
 from .prompts import PromptLine, _encode, _read_inputs
-from .run import _apply_threads, _constraint, _live_view, _load, _quantize, _runner, _shared
+from .run import _apply_threads, _load, _quantize, _runner, _shared
 
 
 def generate_command(args: argparse.Namespace, ranks=None) -> int:
@@ -222,3 +223,41 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
     errors = len(lines) - len(good)
     print(f"prompts={len(lines)} errors={errors}{summary}", file=sys.stderr)
     return 2 if errors else 0
+
+
+def _constraint(args: argparse.Namespace):
+    """The `Constraint` of --regex / --choice / --json-schema FILE / --json-object, or None. Raises ConfigError
+    (naming the flag) for an unreadable schema file or a malformed constraint."""
+    from ..config import ConfigError
+    from ..constraint import Constraint
+
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.choice is not None:
+        return Constraint.choice(args.choice)
+    if args.json_object:
+        return Constraint.json_object()
+    if args.json_schema is None:
+        return None
+    try:
+        text = Path(args.json_schema).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("--json-schema", f"cannot read {args.json_schema} ({e})") from None
+    try:
+        return Constraint.json_schema(text)
+    except ConfigError as e:
+        raise ConfigError("--json-schema", f"{args.json_schema}: {e}") from None
+
+
+def _live_view(args: argparse.Namespace, tokenizer, config):
+    """--live's `live.LiveView` when stdout is a terminal; else None (with a note on stderr when --live was given:
+    the text is printed as without it, and no frame is read)."""
+    if not args.live:
+        return None
+    if not sys.stdout.isatty():
+        print("dgemma: --live draws only on a terminal; stdout is not one, so the text is printed as usual",
+              file=sys.stderr, flush=True)
+        return None
+    from ..live import LiveView
+
+    return LiveView(tokenizer, config.max_denoising_steps)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-# --prompts-file JSONL keys: the ones a line may set, and the ones that will come with later flags.
+# --prompts-file JSONL keys: the keys a line may set
 LINE_KEYS = ("prompt", "seed", "max_new_tokens", "entropy_bound", "temperature", "stop")
 
 

@@ -1,6 +1,6 @@
-"""What `generate` and `serve` share: threads, the model's load (one process or the ranks' slices) and
-quantization, the compile mode, the runner of one generation with its stats line, the background compile and its
-progress line, the constraint of `--regex` / `--json-schema` / `--choice`, the live canvas view."""
+"""What the commands share: threads and the model's load (one process or the ranks' slices: generate, serve),
+quantization (generate, explain), the compile mode, the runner of one generation with its stats line, and the
+background compile with its progress line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from ..demo import DEMO_MODEL
 
@@ -214,39 +213,3 @@ def _load(model_dir, args: argparse.Namespace, ranks):
         raise ConfigError("tensor_parallel_size", str(e)) from None
 
 
-def _constraint(args: argparse.Namespace):
-    """The `Constraint` of --regex / --choice / --json-schema FILE / --json-object, or None. Raises ConfigError
-    (naming the flag) for an unreadable schema file or a malformed constraint."""
-    from ..config import ConfigError
-    from ..constraint import Constraint
-
-    if args.regex is not None:
-        return Constraint.regex(args.regex)
-    if args.choice is not None:
-        return Constraint.choice(args.choice)
-    if args.json_object:
-        return Constraint.json_object()
-    if args.json_schema is None:
-        return None
-    try:
-        text = Path(args.json_schema).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("--json-schema", f"cannot read {args.json_schema} ({e})") from None
-    try:
-        return Constraint.json_schema(text)
-    except ConfigError as e:
-        raise ConfigError("--json-schema", f"{args.json_schema}: {e}") from None
-
-
-def _live_view(args: argparse.Namespace, tokenizer, config):
-    """--live's `live.LiveView` when stdout is a terminal; else None (with a note on stderr when --live was given:
-    the text is printed as without it, and no frame is read)."""
-    if not args.live:
-        return None
-    if not sys.stdout.isatty():
-        print("dgemma: --live draws only on a terminal; stdout is not one, so the text is printed as usual",
-              file=sys.stderr, flush=True)
-        return None
-    from ..live import LiveView
-
-    return LiveView(tokenizer, config.max_denoising_steps)

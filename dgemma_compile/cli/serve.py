@@ -24,7 +24,8 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def serve_command(args: argparse.Namespace, ranks=None) -> int:
-    """`dgemma serve`: load, build and warm the engine (compiles its bucket), then serve until interrupted.
+    """`dgemma serve`: load the model, build the engine (its steps as --compile says: docs/cli.md), then serve
+    until interrupted.
     `ranks` (`parallel.ranks.Ranks`): one rank of a tensor-parallel run; rank 0 serves HTTP, the others follow its
     schedule (`runtime/parallel.py`) until it stops."""
     from ..config import ConfigError

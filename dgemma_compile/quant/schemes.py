@@ -180,7 +180,7 @@ SCHEME_OBJECTS: dict[str, Scheme] = {s.name: s for s in (
     Nvfp4Scheme("nvfp4", NVFP4_W4A16, w4a4=True),  # its experts as W4A16: the op has no fp4 activations
 )}
 SCHEMES = tuple(SCHEME_OBJECTS)
-"""The schemes' names, as `--quant` takes them (cli.QUANT_SCHEMES repeats them without importing torch)."""
+"""The schemes' names, as `--quant` takes them (`cli.args.QUANT_SCHEMES` repeats them without importing torch)."""
 
 
 def scheme(name: "str | Scheme") -> Scheme:
