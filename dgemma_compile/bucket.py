@@ -149,6 +149,8 @@ class Bucket:
         max_logprobs: K, the most likely ids whose log-probabilities each step keeps per position (`steps.logprobs`;
             0: only the committed tokens'; None: no logprobs, none computed); part of the compiled step's shapes.
         tag: the name of the bucket's steps, "step[B{b}_{tag}]" (default from the structural config).
+        skip_idle_vocabulary: a forward in which no row samples (prefill chunks and unfused commits only) skips the
+            vocabulary region (`steps.mixed_step`; the compiled generator's `CompileOptions.skip_idle_vocabulary`).
     Raises:
         ConfigError: `sizes` not increasing positive integers.
         ValueError: `kv_cache.new_paged_cache`'s (max_seq_len not a multiple of page_size, a non-positive size).
@@ -157,7 +159,8 @@ class Bucket:
     def __init__(self, model: DiffusionGemma, sizes: Sequence[int], *, max_seq_len: int, max_denoising_steps: int,
                  config: GenerationConfig | None = None, fuse_commit: bool = False, moe_impl: str = "dense",
                  page_size: int | None = None, kv_pages: int | None = None, kernel_options: dict | None = None,
-                 unit: UnitMaker | None = None, tag: str | None = None, max_logprobs: int | None = None):
+                 unit: UnitMaker | None = None, tag: str | None = None, max_logprobs: int | None = None,
+                 skip_idle_vocabulary: bool = False):
         sizes = tuple(sizes)
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes) or \
                 list(sizes) != sorted(set(sizes)):
@@ -180,6 +183,7 @@ class Bucket:
         self.inputs = StepInputs.allocate(model, B, C, max_denoising_steps)
         self.row_state = RowState.allocate(B, self.cache.max_seq_len, cfg.eos_token_ids, model.device, C)
         self.moe_impl, self.kernel_options, self.unit = moe_impl, kernel_options, unit
+        self.skip_idle_vocabulary = skip_idle_vocabulary
         depth = cfg.stability_threshold if cfg.stop_early else 0
         self.tag = tag or f"P{depth}_{'stop' if cfg.stop_early else 'fixed'}" + (
             f"_pages{self.cache.page_size}x{self.cache.num_pages}" if page_size is not None else "")
@@ -223,17 +227,18 @@ class Bucket:
             plan = PlanBuffers(self.model, cache, T, mixed=True, kernel_options=self.kernel_options,
                                sparsity_in_place=True, canvas=self.model.config.canvas_length,
                                dense_masks=self.unit is None)
-            model, cfg, moe = self.model, self.config, self.moe_impl
+            model, kw = self.model, dict(stop_early=self.config.stop_early, moe_impl=self.moe_impl,
+                                         skip_idle_vocabulary=self.skip_idle_vocabulary)
 
             def step() -> None:
                 if torch.compiler.is_compiling():
-                    mixed_step(model, cache, state, inputs, rows, plan, stop_early=cfg.stop_early, moe_impl=moe)
+                    mixed_step(model, cache, state, inputs, rows, plan, **kw)
                     return
                 # run uncompiled (an eager bucket, or a compiled one's step held while it compiles): in inference mode,
                 # whose ops skip autograd's bookkeeping (~18% of a small op's cost on this CPU); the step only writes
                 # the buffers in place, so no inference tensor outlives it
                 with torch.inference_mode():
-                    mixed_step(model, cache, state, inputs, rows, plan, stop_early=cfg.stop_early, moe_impl=moe)
+                    mixed_step(model, cache, state, inputs, rows, plan, **kw)
 
             name = self.step_name(size)
             view = BucketView(rows=size, name=name, cache=cache, state=state, inputs=inputs, row_state=rows,

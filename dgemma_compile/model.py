@@ -458,7 +458,7 @@ class DiffusionGemma(nn.Module):
         if local and self.vocab_shard is not None:
             head = self.lm_head.local_logits(hidden_BTD)
         elif self.lm_head is None:
-            head = hidden_BTD @ self.embed_tokens.weight.T
+            head = F.linear(hidden_BTD, self.embed_tokens.weight)  # no view of the weight: one input of torch.cond
         else:
             head = self.lm_head(hidden_BTD)
         logits = head.float()

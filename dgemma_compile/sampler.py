@@ -266,6 +266,12 @@ def pin(step: SampleStep, pinned_BC: torch.Tensor, ids_BC: torch.Tensor) -> Samp
                          entropy=torch.where(pinned_BC, 0.0, step.entropy))
 
 
+def push_history(history_PBC: torch.Tensor, argmax_BC: torch.Tensor) -> torch.Tensor:
+    """The stability history after a step: the previous P argmax canvases (int64 [P, B, C]) without the oldest,
+    then `argmax_BC`; unchanged when P = 0 (`StableAndConfidentStoppingCriteria`'s window)."""
+    return torch.cat([history_PBC[1:], argmax_BC[None]], dim=0) if history_PBC.shape[0] else history_PBC
+
+
 def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC: torch.Tensor,
                    finished_B: torch.Tensor, logits_BCV: torch.Tensor, temperature_B: torch.Tensor,
                    greedy_B: torch.Tensor, noise: StepNoise, *, entropy_bound_B: torch.Tensor,
@@ -308,7 +314,6 @@ def denoise_update(canvas_BC: torch.Tensor, argmax_BC: torch.Tensor, history_PBC
         stable = (history == argmax[None]).all(dim=-1).all(dim=0)
         confident = ent.mean(dim=-1) < confidence_B
         finished = finished | (stable & confident)
-        if history.shape[0]:
-            history = torch.cat([history[1:], argmax[None]], dim=0)
+        history = push_history(history, argmax)
     return StepUpdate(canvas=canvas, argmax=argmax, history=history, finished=finished, sc_probs=sc_probs,
                       accepted=accepted, entropy=ent)

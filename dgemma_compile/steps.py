@@ -37,7 +37,7 @@ from .model import DiffusionGemma
 from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
 from .plan import PlanBuffers
 from .rows import RowState
-from .sampler import StepNoise, denoise_update, temperature_table
+from .sampler import StepNoise, denoise_update, push_history, temperature_table
 from .uniform import commit_denoise_block, denoise_block, encode_block
 
 
@@ -314,7 +314,7 @@ def refresh_plan(rows: RowState, state: DenoiseState, plan: PlanBuffers) -> None
 
 
 def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs, rows: RowState,
-               plan: PlanBuffers, *, stop_early: bool, moe_impl: str) -> None:
+               plan: PlanBuffers, *, stop_early: bool, moe_impl: str, skip_idle_vocabulary: bool = False) -> None:
     """One iteration over every row, in place, no host synchronisation (see the module docstring).
 
     Reads the plan `refresh_plan` filled for the current phases (T = `plan.T` tokens per row: C, or 2C with commit
@@ -365,28 +365,54 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     hidden = model.forward_plan(ids, cache, fplan, state.sc_embeds, moe_impl=moe_impl)
     if fused:  # each row's canvas: the second half of a commit + denoise row, the first half of the others
         hidden = torch.where(commit[:, None, None], hidden[:, C:], hidden[:, :C])
-    logits = model.logits(hidden, local=True)  # under tensor parallel the rank's vocabulary slice, never gathered
-    new = denoise_update(canvas, argmax, history, ~stepping, logits,
-                         inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0],
-                         StepNoise(uniform=uniform, renoise=renoise), entropy_bound_B=inputs.entropy_bound,
-                         confidence_B=inputs.confidence, stop_early=stop_early, allowed_BW=inputs.allowed,
-                         constrained_B=inputs.constrained, vocab_shard=model.vocab_shard,
-                         pinned_BC=inputs.pinned, pin_ids_BC=inputs.canvas_ids)
-    ended = stepping & (new.finished | (steps >= inputs.budget))
+    temperature_B, greedy_B = inputs.temperature.gather(1, k_B1)[:, 0], inputs.greedy.gather(1, k_B1)[:, 0]
+    noise = StepNoise(uniform=uniform, renoise=renoise)
+
+    def sample() -> tuple[torch.Tensor, ...]:  # the vocabulary region: the lm_head, the sampler, self-conditioning
+        logits = model.logits(hidden, local=True)  # under tensor parallel the rank's vocabulary slice, never gathered
+        new = denoise_update(canvas, argmax, history, ~stepping, logits, temperature_B, greedy_B, noise,
+                             entropy_bound_B=inputs.entropy_bound, confidence_B=inputs.confidence,
+                             stop_early=stop_early, allowed_BW=inputs.allowed, constrained_B=inputs.constrained,
+                             vocab_shard=model.vocab_shard, pinned_BC=inputs.pinned, pin_ids_BC=inputs.canvas_ids)
+        # torch 2.13's rules and bugs for a `torch.cond` branch shape this: no input among the outputs (finished may
+        # be the input unchanged, hence the copy); the history, a view of the argmax when P = 1, is pushed after the
+        # branch (Inductor's C++ wrapper moves a branch output before taking a view of it: a crash); the accepted
+        # mask crosses as float32 (a vectorized bool [B, C] output of a branch was stored as int32 lanes, past its
+        # end: tests/test_frames.py caught it)
+        return (new.canvas, new.argmax, new.finished.clone(), _self_conditioning(model, new, inputs),
+                new.accepted.float(), new.entropy.mean(dim=-1),
+                *_logprobs_of(state, logits, new.argmax, model.vocab_shard))
+
+    def hold() -> tuple[torch.Tensor, ...]:  # no row samples: what `sample` gives them, and the state's own values
+        kept = (state.logprob, state.top_ids, state.top_logprobs) if state.logprob.shape[1] else ()
+        return (canvas.clone(), argmax.clone(), ~stepping, state.sc_embeds.clone(), state.accepted.float(),
+                state.entropy.clone(), *(t.clone() for t in kept))
+
+    if not skip_idle_vocabulary:
+        region = sample()
+    elif torch.compiler.is_compiling():
+        region = torch.cond(stepping.any(), sample, hold)
+    else:
+        region = sample() if bool(stepping.any()) else hold()
+    (new_canvas, new_argmax, new_finished, sc_embeds, accepted, entropy, *kept) = region
+    new_history = push_history(history, new_argmax) if stop_early else history  # as `denoise_update`'s
+    ended = stepping & (new_finished | (steps >= inputs.budget))
     # a constrained row's end is the host's (its grammar decides what of the block is kept: `finish.py`)
-    done = ended & ~inputs.constrained & request_done(new.argmax, rows.emitted, rows.max_new, rows.eos,
+    done = ended & ~inputs.constrained & request_done(new_argmax, rows.emitted, rows.max_new, rows.eos,
                                                       rows.ignore_eos)
     # transitions: a row whose prompt is encoded (and, unfused, a commit row) begins its next block
     prefilled = rows.prefilled + torch.where(prefill, plan.n_new, 0)
     begin = (prefill & (prefilled >= rows.prompt_len)) | (commit & (not fused))
     begin_BC = begin[:, None]
-    state.canvas.copy_(torch.where(begin_BC, start, new.canvas))
-    state.argmax.copy_(torch.where(begin_BC, start, new.argmax))
-    state.history.copy_(torch.where(begin[None, :, None], -1, new.history))
+    state.canvas.copy_(torch.where(begin_BC, start, new_canvas))
+    state.argmax.copy_(torch.where(begin_BC, start, new_argmax))
+    state.history.copy_(torch.where(begin[None, :, None], -1, new_history))
     state.steps.copy_(torch.where(begin, 0, steps))
-    state.sc_embeds.copy_(_self_conditioning(model, new, inputs))
-    _keep_frame(state, new)
-    _keep_logprobs(state, logits, new.argmax, model.vocab_shard)
+    state.sc_embeds.copy_(sc_embeds)
+    state.accepted.copy_(accepted != 0)
+    state.entropy.copy_(entropy)
+    for dst, src in zip((state.logprob, state.top_ids, state.top_logprobs), kept):
+        dst.copy_(src)
     state.has_sc.copy_(torch.where(begin, False, state.has_sc | stepping))
     inputs.block.copy_(block)
     rows.prefilled.copy_(prefilled)
@@ -417,14 +443,20 @@ def _keep_frame(state: DenoiseState, new) -> None:
     state.entropy.copy_(new.entropy.mean(dim=-1))
 
 
+def _logprobs_of(state: DenoiseState, logits_BCV: torch.Tensor, argmax_BC: torch.Tensor, vocab_shard=None
+                 ) -> tuple[torch.Tensor, ...]:
+    """The step's `logprobs` of its argmax canvas for the state's buffers (logprob, top_ids, top_logprobs), or ()
+    when the state keeps none (a static shape: no branch at run time). `vocab_shard`: under tensor parallel, the
+    logits are the rank's slice and its `logprobs` computes them."""
+    if state.logprob.shape[1] == 0:
+        return ()
+    of = logprobs if vocab_shard is None else vocab_shard.logprobs
+    return of(logits_BCV, argmax_BC, state.top_ids.shape[-1])
+
+
 def _keep_logprobs(state: DenoiseState, logits_BCV: torch.Tensor, argmax_BC: torch.Tensor, vocab_shard=None) -> None:
     """The step's `logprobs` of its argmax canvas into the state (every row: the host reads a row's only in the
-    iteration its block finished). Nothing when the state keeps none (a static shape: no branch at run time).
-    `vocab_shard`: under tensor parallel, the logits are the rank's slice and its `logprobs` computes them."""
-    if state.logprob.shape[1] == 0:
-        return
-    of = logprobs if vocab_shard is None else vocab_shard.logprobs
-    token, ids, top = of(logits_BCV, argmax_BC, state.top_ids.shape[-1])
-    state.logprob.copy_(token)
-    state.top_ids.copy_(ids)
-    state.top_logprobs.copy_(top)
+    iteration its block finished); nothing when the state keeps none."""
+    for dst, src in zip((state.logprob, state.top_ids, state.top_logprobs),
+                        _logprobs_of(state, logits_BCV, argmax_BC, vocab_shard)):
+        dst.copy_(src)

@@ -849,7 +849,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         on = CompileOptions(batch_invariant=batch_invariant).batch_invariance(model.device.type)
         bucket = Bucket(model, batch_sizes, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
                         config=config, fuse_commit=fuse, moe_impl="dense" if on else "loop", max_logprobs=max_logprobs,
-                        **paging)
+                        skip_idle_vocabulary=CompileOptions().idle_vocabulary_skip(model.device.type), **paging)
         engine = Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
                         prefix_cache=prefix_cache, schedule=schedule, on_fatal=on_fatal)
         engine.batch_invariant = on

@@ -89,6 +89,7 @@ class CompiledGenerator:
                 log.info("batch-invariant rows off: %s", e)
                 self.batch_invariant = False
         self.fuse_commit = self.options.commit_fusion(self.model.device.type)
+        self.skip_idle_vocabulary = self.options.idle_vocabulary_skip(self.model.device.type)
 
     @property
     def compiles(self) -> Counter:
@@ -135,7 +136,8 @@ class CompiledGenerator:
             # what decides a step's graph besides the options and the model: the compile cache's key holds it
             structure = {"bucket": [depth, cfg.stop_early, sorted(cfg.eos_token_ids), page_size, kv_pages],
                          "moe_impl": self.moe_impl, "fuse_commit": self.fuse_commit,
-                         "batch_invariant": self.batch_invariant}
+                         "batch_invariant": self.batch_invariant,
+                         "skip_idle_vocabulary": self.skip_idle_vocabulary}
 
             def unit(name: str, fn: Callable[[], None], tensors: list[torch.Tensor]) -> CompiledUnit:
                 made = self.units.unit(name, fn, owners=(model, *tensors), structure=structure)
@@ -147,7 +149,8 @@ class CompiledGenerator:
                                         max_denoising_steps=o.max_denoising_steps, config=cfg,
                                         fuse_commit=self.fuse_commit, moe_impl=self.moe_impl, page_size=page_size,
                                         kv_pages=kv_pages, kernel_options=o.attention_kernels(), unit=unit,
-                                        max_logprobs=o.max_logprobs)
+                                        max_logprobs=o.max_logprobs,
+                                        skip_idle_vocabulary=self.skip_idle_vocabulary)
         return self._buckets[key]
 
     def units_made(self) -> list[CompiledUnit]:

@@ -77,6 +77,13 @@ class CompileOptions:
     # (tests/test_passes.py). `sample_step_fusion` replaces the vocabulary-wide region of the denoise step with
     # `dgemma::sample_step`, whose CPU implementation works in slices of positions (bounded transient memory).
     disabled_passes: tuple[str, ...] = ()
+    # A forward in which no row samples (prefill chunks and unfused commits only: a commit-only forward ends every
+    # block of a lone request on CPU) skips the vocabulary region (the lm_head, the sampler, the self-conditioning
+    # product, logprobs): `torch.cond` on "some row steps" inside the one step (`steps.mixed_step`); tokens unchanged
+    # (that region's outputs are read only for rows that stepped). None = on for CPU, off for CUDA: Inductor lowers
+    # `torch.cond` to a host read of the predicate (`codegen_conditional`, torch 2.11-2.13), which a CUDA graph
+    # cannot capture.
+    skip_idle_vocabulary: bool | None = None
     # `sample_step_fusion` rewrites a region only when its logits, counted as float32, span at least this many bytes
     # (B x C x V x 4). The op exists to bound the region's memory at the released vocabulary; its CPU implementation
     # is eager torch over slices, which at the demo's size costs more than Inductor's fused loops (forced on, the
@@ -128,6 +135,8 @@ class CompileOptions:
             raise ConfigError("skip_guards", f"must be a bool, got {self.skip_guards!r}")
         if not (self.fuse_commit is None or isinstance(self.fuse_commit, bool)):
             raise ConfigError("fuse_commit", f"must be None, True or False, got {self.fuse_commit!r}")
+        if not (self.skip_idle_vocabulary is None or isinstance(self.skip_idle_vocabulary, bool)):
+            raise ConfigError("skip_idle_vocabulary", f"must be None, True or False, got {self.skip_idle_vocabulary!r}")
         if not (self.batch_invariant is None or isinstance(self.batch_invariant, bool)):
             raise ConfigError("batch_invariant", f"must be None, True or False, got {self.batch_invariant!r}")
         if not isinstance(self.artifact_cache, bool):
@@ -170,6 +179,14 @@ class CompileOptions:
         """Whether generators on `device_type` ("cpu", "cuda", ...) fuse commits (`fuse_commit`, None resolved)."""
         return device_type == "cuda" if self.fuse_commit is None else self.fuse_commit
 
+    def idle_vocabulary_skip(self, device_type: str) -> bool:
+        """Whether generators on `device_type` skip the vocabulary region where no row samples
+        (`skip_idle_vocabulary`, None resolved). Raises ConfigError for True with CUDA graphs on CUDA."""
+        if self.skip_idle_vocabulary and device_type == "cuda" and self.cuda_graphs:
+            raise ConfigError("skip_idle_vocabulary", "its torch.cond reads the predicate on the host, which a CUDA "
+                              "graph cannot capture: turn cuda_graphs off to use it on CUDA")
+        return device_type != "cuda" if self.skip_idle_vocabulary is None else self.skip_idle_vocabulary
+
     def batch_invariance(self, device_type: str) -> bool:
         """Whether generators on `device_type` promise batch-invariant rows (`batch_invariant`, None resolved).
         Raises ConfigError for True off the CPU (not measured there)."""
@@ -182,7 +199,19 @@ class CompileOptions:
         """The Inductor settings that depend on the device a graph runs on (`device_type` "cpu", "cuda", ...), patched
         by the units' compile backend around each Inductor compile."""
         cpp_wrapper = device_type == "cpu" if self.cpp_wrapper is None else self.cpp_wrapper
-        return {"cpp_wrapper": cpp_wrapper}
+        out: dict = {"cpp_wrapper": cpp_wrapper}
+        if self.idle_vocabulary_skip(device_type):
+            # `torch.cond` (`skip_idle_vocabulary`) is not marked cacheable in torch 2.11-2.13, so Inductor's graph
+            # cache and AOTAutograd's would bypass the step, and `standalone_compile` could not save it for the
+            # compile cache (`artifacts.ArtifactStore`). Sound here: the branches are submodules of the step's graph,
+            # and our cache's key hashes the sources that define them (`artifacts.step_key`: a changed branch is a
+            # miss, tests/test_artifacts.py).
+            out["unsafe_marked_cacheable_functions"] = [COND]
+        return out
+
+
+COND = "torch.ops.higher_order.cond"
+"""`torch.cond`'s operator as `HigherOrderOperator.cacheable` names it."""
 
 
 def _check_attention_kernel_options(k) -> None:
