@@ -1,24 +1,28 @@
 """The vocabulary region skipped where no row samples (issue 39 item 1): `CompileOptions.skip_idle_vocabulary` on
 against off, side by side.
 
-    python -m bench.idle_vocabulary [--rounds 5] [--out bench/results]
+    python -m bench.idle_vocabulary [--model demo|scaled] [--rounds 5] [--out bench/results]
 
-The demo model, two compiled generators (buckets of sizes 1 and 8) that differ only in `skip_idle_vocabulary`, taking
-turns for `--rounds` rounds over three workloads (`bench.workloads`): the demo's 8 held-out task prompts at batch 1
-under the checkpoint's adaptive config, and the fixed workload (64-token prompts, 128 tokens out, 16 denoise steps a
-block) at batch 1 and at batch 8. Per workload: the forwards (compiled step calls) of one pass and how many of them
-sampled no row (prefill chunks, unfused commits: on CPU each block of a lone request ends with a commit-only
-forward), counted in an untimed pass by reading each step's report; the wall time of the whole workload per variant
-(median and min over the rounds, after one untimed warm-up pass each); their ratio; whether the tokens are equal. Also
-each generator's time to make its steps (compile, or load from the compile cache).
+Two compiled generators that differ only in `skip_idle_vocabulary`, taking turns for `--rounds` rounds over the
+model's workloads (`bench.workloads`). `demo` (buckets of sizes 1 and 8): the demo's 8 held-out task prompts at batch
+1 under the checkpoint's adaptive config, and the fixed workload (64-token prompts, 128 tokens out, 16 denoise steps a
+block) at batch 1 and at batch 8. `scaled` (`bench.models`: the released proportions at a CPU size, vocabulary 16,384,
+canvas 256, bf16; a bucket of size 1): the fixed workload at batch 1 with a 64-token and with a 1,024-token prompt
+(256 tokens out, 16 steps): a long prompt is where prefill forwards, which sample nothing, are a large share.
+Per workload: the forwards (compiled step calls) of one pass and how many of them sampled no row (prefill chunks,
+unfused commits: on CPU each block of a lone request after the first begins with a commit-only forward), counted in an
+untimed pass by reading each step's report; the wall time of the whole workload per variant (median and min over the
+rounds, after one untimed warm-up pass each); their ratio; whether the tokens are equal. Also each generator's time to
+make its steps (compile, or load from the compile cache).
 
-Writes bench/results/idle_vocabulary_cpu_<date>.md and prints it.
+Writes bench/results/idle_vocabulary[_scaled]_cpu_<date>.md and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,13 +33,16 @@ from dgemma_compile.compile import CompileOptions, build
 from dgemma_compile.demo import DEMO_MODEL
 from dgemma_compile.rows import Report
 
-from . import environment, workloads
+from . import environment, models, workloads
 
 VARIANTS = {"always": False, "skip": True}
 
 
-def _workloads(model, tokenizer) -> dict[str, workloads.Workload]:
+def _workloads(name: str, model, tokenizer) -> dict[str, workloads.Workload]:
     cfg, gen_cfg = model.config, model.generation_config
+    if name == "scaled":
+        return {f"fixed b1 ({n} in, 256 out)": workloads.build(workloads.WorkloadSpec(prompt_len=n, output_len=256),
+                                                               cfg, gen_cfg) for n in (64, 1024)}
     return {"adaptive b1 (demo tasks)": workloads.build(workloads.WorkloadSpec(kind="adaptive", n_prompts=8), cfg,
                                                          gen_cfg, tokenizer=tokenizer, demo_tasks=True),
             "fixed b1 (64 in, 128 out)": workloads.build(workloads.WorkloadSpec(prompt_len=64, output_len=128), cfg,
@@ -73,17 +80,24 @@ def _count(gen, wl: workloads.Workload) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.idle_vocabulary", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("demo", "scaled"), default="demo")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="bench/results")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model, tokenizer = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
-    wls = _workloads(model, tokenizer)
+    if args.model == "demo":
+        model, tokenizer = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
+        sizes, slots = (1, 8), 256
+    else:
+        model, tokenizer = dg.load(models.resolve("scaled").checkpoint), None
+        sizes, slots = (1,), 2048
+    wls = _workloads(args.model, model, tokenizer)
     gens, made = {}, {}
     for name, skip in VARIANTS.items():
-        gens[name] = build(model, CompileOptions(batch_buckets=(1, 8), max_seq_len=256, skip_idle_vocabulary=skip))
+        gens[name] = build(model, CompileOptions(batch_buckets=sizes, max_seq_len=slots, skip_idle_vocabulary=skip))
         t0 = time.perf_counter()
-        for size in (1, 8):
+        for size in sizes:
             gens[name].warmup(size)
         made[name] = (time.perf_counter() - t0, gens[name].step_source)
     tokens, counts, times = {}, {}, {(w, v): [] for w in wls for v in VARIANTS}
@@ -98,11 +112,12 @@ def main(argv: list[str] | None = None) -> int:
                 _run(gen, wl)
                 times[w, v].append(time.perf_counter() - t0)
     lines = ["# The vocabulary region skipped where no row samples (`CompileOptions.skip_idle_vocabulary`)", "",
-             "`python -m bench.idle_vocabulary " + " ".join(argv or []) + "`; the demo model, one thread; the "
-             "variants take turns each round.", "",
+             "`python -m bench.idle_vocabulary " + " ".join(argv) + f"`; the {args.model} model ({model.dtype}, "
+             f"vocabulary {model.config.vocab_size}, canvas {model.config.canvas_length}), one thread; the variants "
+             "take turns each round.", "",
              f"- commit {environment.git_commit()}; device: {environment.device_name('cpu')}",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in environment.versions().items()),
-             "- steps made (sizes 1 and 8): " + "; ".join(f"{v} {s:.1f} s ({src})" for v, (s, src) in made.items()),
+             f"- steps made (sizes {sizes}): " + "; ".join(f"{v} {s:.1f} s ({src})" for v, (s, src) in made.items()),
              "", "| workload | forwards | no row sampled | always: median (min) s | skip: median (min) s | "
              "always / skip | tokens equal |", "|---|---|---|---|---|---|---|"]
     for w in wls:
@@ -116,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"idle_vocabulary_cpu_{time.strftime('%Y-%m-%d')}.md").write_text(text)
+    tag = "" if args.model == "demo" else f"_{args.model}"
+    (out / f"idle_vocabulary{tag}_cpu_{time.strftime('%Y-%m-%d')}.md").write_text(text)
     return 0 if all(tokens[w, "always"] == tokens[w, "skip"] for w in wls) else 1
 
 

@@ -41,6 +41,7 @@ EXCEPTIONS = [
     ("OMP_NUM_THREADS=1 python -m bench --model demo --workloads", "a long benchmark"),
     ("OMP_NUM_THREADS=1 python -m bench --model scaled", "a long benchmark"),
     ("OMP_NUM_THREADS=1 python -m bench.passes", "a long benchmark"),
+    ("OMP_NUM_THREADS=1 python -m bench.idle_vocabulary", "a benchmark with 4 compiles (~5 min on 2 cores)"),
     ("OMP_NUM_THREADS=1 python -m bench.overhead", "a long benchmark"),
     ("OMP_NUM_THREADS=1 python -m bench.mixed_step", "a long benchmark"),
     ("OMP_NUM_THREADS=1 python -m bench.serve", "a long benchmark that starts servers"),

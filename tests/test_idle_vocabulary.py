@@ -115,3 +115,9 @@ def test_the_option_resolves_per_device_and_refuses_cuda_graphs():
     with pytest.raises(ConfigError) as e:
         CompileOptions(skip_idle_vocabulary="yes")
     assert e.value.param == "skip_idle_vocabulary"
+    # tensor-subclass weights (torchao's quantized ones): torch.cond has no rule for them (tests/test_quant.py and
+    # the quantized explain and bench rows run the compiled step that results)
+    assert CompileOptions().idle_vocabulary_skip("cpu", subclass_weights=True) is False
+    with pytest.raises(ConfigError) as e:
+        CompileOptions(skip_idle_vocabulary=True).idle_vocabulary_skip("cpu", subclass_weights=True)
+    assert e.value.param == "skip_idle_vocabulary"

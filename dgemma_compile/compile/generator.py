@@ -89,7 +89,10 @@ class CompiledGenerator:
                 log.info("batch-invariant rows off: %s", e)
                 self.batch_invariant = False
         self.fuse_commit = self.options.commit_fusion(self.model.device.type)
-        self.skip_idle_vocabulary = self.options.idle_vocabulary_skip(self.model.device.type)
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        subclass_weights = any(is_traceable_wrapper_subclass(p) for p in self.model.parameters())
+        self.skip_idle_vocabulary = self.options.idle_vocabulary_skip(self.model.device.type, subclass_weights)
 
     @property
     def compiles(self) -> Counter:

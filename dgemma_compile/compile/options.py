@@ -77,12 +77,13 @@ class CompileOptions:
     # (tests/test_passes.py). `sample_step_fusion` replaces the vocabulary-wide region of the denoise step with
     # `dgemma::sample_step`, whose CPU implementation works in slices of positions (bounded transient memory).
     disabled_passes: tuple[str, ...] = ()
-    # A forward in which no row samples (prefill chunks and unfused commits only: a commit-only forward ends every
-    # block of a lone request on CPU) skips the vocabulary region (the lm_head, the sampler, the self-conditioning
-    # product, logprobs): `torch.cond` on "some row steps" inside the one step (`steps.mixed_step`); tokens unchanged
-    # (that region's outputs are read only for rows that stepped). None = on for CPU, off for CUDA: Inductor lowers
-    # `torch.cond` to a host read of the predicate (`codegen_conditional`, torch 2.11-2.13), which a CUDA graph
-    # cannot capture.
+    # A forward in which no row samples (prefill chunks and unfused commits only: on CPU every block of a lone request
+    # after the first begins with a commit-only forward) skips the vocabulary region (the lm_head, the sampler, the
+    # self-conditioning product, logprobs): `torch.cond` on "some row steps" inside the one step (`steps.mixed_step`);
+    # tokens unchanged (that region's outputs are read only for rows that stepped; bench/results/idle_vocabulary_*).
+    # None = on for CPU, off for CUDA: Inductor lowers `torch.cond` to a host read of the predicate
+    # (`codegen_conditional`, torch 2.11-2.13), which a CUDA graph cannot capture; and off for a model with
+    # tensor-subclass weights (torchao's quantized ones), for which torch 2.13's `torch.cond` has no rule.
     skip_idle_vocabulary: bool | None = None
     # `sample_step_fusion` rewrites a region only when its logits, counted as float32, span at least this many bytes
     # (B x C x V x 4). The op exists to bound the region's memory at the released vocabulary; its CPU implementation
@@ -179,13 +180,21 @@ class CompileOptions:
         """Whether generators on `device_type` ("cpu", "cuda", ...) fuse commits (`fuse_commit`, None resolved)."""
         return device_type == "cuda" if self.fuse_commit is None else self.fuse_commit
 
-    def idle_vocabulary_skip(self, device_type: str) -> bool:
+    def idle_vocabulary_skip(self, device_type: str, subclass_weights: bool = False) -> bool:
         """Whether generators on `device_type` skip the vocabulary region where no row samples
-        (`skip_idle_vocabulary`, None resolved). Raises ConfigError for True with CUDA graphs on CUDA."""
+        (`skip_idle_vocabulary`, None resolved); `subclass_weights`: the model has tensor-subclass weights
+        (torchao's quantized ones), for which torch 2.13's `torch.cond` has no rule ("no rule registered for HOP
+        cond and subclass Float8Tensor"), so None resolves to off. Raises ConfigError for True with CUDA graphs on
+        CUDA, or with tensor-subclass weights."""
         if self.skip_idle_vocabulary and device_type == "cuda" and self.cuda_graphs:
             raise ConfigError("skip_idle_vocabulary", "its torch.cond reads the predicate on the host, which a CUDA "
                               "graph cannot capture: turn cuda_graphs off to use it on CUDA")
-        return device_type != "cuda" if self.skip_idle_vocabulary is None else self.skip_idle_vocabulary
+        if self.skip_idle_vocabulary and subclass_weights:
+            raise ConfigError("skip_idle_vocabulary", "torch.cond has no rule for tensor-subclass weights (torchao's "
+                              "quantized ones) in this torch: leave it None or False for a quantized model")
+        if self.skip_idle_vocabulary is None:
+            return device_type != "cuda" and not subclass_weights
+        return self.skip_idle_vocabulary
 
     def batch_invariance(self, device_type: str) -> bool:
         """Whether generators on `device_type` promise batch-invariant rows (`batch_invariant`, None resolved).
