@@ -98,10 +98,10 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma_compile.canvas import canvas_of
-from dgemma_compile.config import ConfigError, GenerationConfig
+from dgemma_compile.config import CONTEXT_LENGTH, ConfigError, GenerationConfig
 from dgemma_compile.constraint import GrammarLibrary
 from dgemma_compile.images import prepare as prepare_images
-from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_prompt
+from dgemma_compile.text import ImageSlots, chat_template, check_encodable, encode_chat, encode_prompt
 from . import protocol as P
 from .auth import APIKeyAuth, Secret
 from .engine import BlockEvent, Engine, QueueFullError
@@ -323,6 +323,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                                  frames=req.stream_options is not None and req.stream_options.include_canvas_frames,
                                  images=images, constraint=constraint, compiled=compiled, canvas=canvas)
                    for p in prompts for i in range(req.n)]
+        _check_context(engine, prompts, cfg, "messages" if getattr(req, "messages", None) is not None else "prompt")
         try:
             for c in choices:
                 c.config = engine.check_request(c.prompt, c.config, c.seed, c.images)
@@ -461,8 +462,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         messages = template_messages([m.template_dict() for m in req.messages])
         parts = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
         images, slots = await tokenize(None, read_images, parts) if parts else (None, None)
-        prompt = await tokenize(request, lambda: encode_chat(tokenizer, messages, bos_token_id=bos, images=slots,
-                                                             tools=tool.tools))
+        prompt = await tokenize(request, lambda: chat_ids(messages, images=slots, tools=tool.tools))
         item = (await tokenize(None, lambda: prepare_images(engine.model, [prompt], [images])))[0] if parts else None
         return await run(request, [prompt], req, chat=True, images=item, tool=tool)
 
@@ -483,10 +483,18 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         images = preprocess(model, pil)
         return images, ImageSlots.for_model(tokenizer, model, [num_soft_tokens(model, im) for im in images])
 
+    def chat_ids(messages: list[dict], **kw) -> list[int]:
+        """`text.encode_chat`, with a message text it refuses (empty, or characters the tokenizer cannot encode)
+        named as the request names it, `messages[i].content`, instead of by role."""
+        try:
+            return encode_chat(tokenizer, messages, bos_token_id=bos, **kw)
+        except ConfigError as e:
+            raise _message_error(e, messages, tokenizer) from None
+
     def tokenize_request(req: P.TokenizeRequest) -> list[int]:
         if req.messages is not None:
-            return encode_chat(tokenizer, [m.template_dict() for m in req.messages], bos_token_id=bos,
-                               add_generation_prompt=req.add_generation_prompt)
+            return chat_ids([m.template_dict() for m in req.messages],
+                            add_generation_prompt=req.add_generation_prompt)
         if req.add_special_tokens:
             return encode_prompt(tokenizer, req.prompt, bos_token_id=bos)
         return [int(t) for t in tokenizer(req.prompt, add_special_tokens=False)["input_ids"]]
@@ -629,6 +637,41 @@ def _cancel_unfinished(engine: Engine, choices: list[EngineRequest], reasons: li
     for c, r in zip(choices, reasons):
         if r is None:
             engine.cancel(c)
+
+
+def _check_context(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, prompt_param: str) -> None:
+    """A 400 (context_length_exceeded) in the request's own terms when a prompt plus max_tokens exceeds what this
+    server holds per request: its cache's slots (`max_model_len` of /v1/models) or the model's positions, whichever
+    is fewer. It names `prompt_param` ("prompt", or "messages" for a chat) when the prompt alone leaves no room,
+    else max_tokens. (Whole-block rounding past that is the engine's check.)"""
+    limit = min(engine.max_seq_len, engine.model.config.max_position_embeddings)
+    for p in prompts:
+        if len(p) + cfg.max_new_tokens > limit:
+            raise P.APIError(400, f"this server's context is {limit} tokens (max_model_len); the request needs "
+                                  f"{len(p) + cfg.max_new_tokens}: {len(p)} prompt tokens + max_tokens "
+                                  f"{cfg.max_new_tokens}. Shorten the prompt or lower max_tokens",
+                             param=prompt_param if len(p) >= limit else "max_tokens", code=CONTEXT_LENGTH)
+
+
+def _message_error(e: ConfigError, messages: list[dict], tokenizer) -> ConfigError:
+    """`e`, raised by `text.encode_chat` for a message's text (named by role: "prompt" for the user's), renamed
+    `messages[i].content` for the first message of that role whose text it refuses; otherwise `e` unchanged."""
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if ("prompt" if role == "user" else str(role)) != e.param:
+            continue
+        content = m.get("content")
+        texts = [content] if isinstance(content, str) else [
+            part.get("text") for part in content or () if isinstance(part, dict) and part.get("type") == "text"]
+        try:
+            if not any(texts) and not m.get("tool_calls"):
+                raise ConfigError(e.param, e.problem, code=e.code)
+            for t in texts:
+                if t:
+                    check_encodable(tokenizer, t, e.param)
+        except ConfigError:
+            return ConfigError(f"messages[{i}].content", e.problem, code=e.code)
+    return e
 
 
 def _config_error(e: ConfigError) -> P.APIError:

@@ -278,6 +278,26 @@ def test_refusals(eager_server, path, body, status, param):
         assert err["code"] == "context_length_exceeded"
 
 
+def test_refusals_speak_the_requests_terms(eager_server):
+    """A context-length refusal names max_tokens and counts in the request's terms (not the library's
+    max_new_tokens / prompts[0]); a chat text the tokenizer refuses is named by its message, messages[i].content
+    (the demo's tokenizer has no 'é'), on /v1/chat/completions and /tokenize alike."""
+    prompt = "sort 1 2="
+    n = len(eager_server.tok(prompt)["input_ids"])
+    err = _post(eager_server, "/v1/completions", {"prompt": prompt, "max_tokens": 300}).json()["error"]
+    limit = eager_server.engine.max_seq_len
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    assert f"context is {limit} tokens" in err["message"] and f"needs {n + 300}: {n} prompt tokens + max_tokens 300" \
+        in err["message"] and "max_new_tokens" not in err["message"] and "prompts[0]" not in err["message"]
+    chat = [{"role": "user", "content": "add 1+2="}, {"role": "assistant", "content": "0003"},
+            {"role": "user", "content": [{"type": "text", "text": "add 1+\u00e9="}]}]
+    for path, body in (("/v1/chat/completions", {"messages": chat}), ("/tokenize", {"messages": chat})):
+        r = _post(eager_server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[2].content", (path, r.text)
+    r = _post(eager_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+
+
 def test_openai_client_errors_and_routes(eager_server):
     client = eager_server.client(max_retries=0)
     with pytest.raises(openai.BadRequestError):
