@@ -2,6 +2,7 @@
 concurrent entries, and end to end: a step compiled once is loaded by a later process at another venv path with an
 empty Inductor cache, with no compile and no g++ build, and gives the same tokens."""
 
+import ast
 import hashlib
 import json
 import multiprocessing
@@ -89,6 +90,38 @@ def test_a_changed_source_file_is_a_miss(tmp_path):
     target = copy / "passes" / "pipeline.py"
     target.write_text(target.read_text() + "\n# edited\n")
     assert digest(str(copy)) != digest(str(PACKAGE))
+
+
+def test_an_edit_the_steps_cannot_trace_is_no_miss(tmp_path):
+    """`cli/` and `demo/` (`artifacts.UNTRACED`) are outside the digest: editing the command line keeps every step's
+    key (mutation), and no module a step can trace imports them (an AST scan of every other module; the one
+    exception is the rank launcher's entry point, which runs the CLI in a rank process)."""
+    digest = A.sources_digest.__wrapped__
+    copy = tmp_path / "pkg"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "model"))
+    for folder in A.UNTRACED:
+        target = next((copy / folder).glob("*.py"))
+        target.write_text(target.read_text() + "\n# edited\n")
+    assert digest(str(copy)) == digest(str(PACKAGE))
+    allowed = {("parallel/ranks.py", "cli")}
+    seen = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] in A.UNTRACED:
+            continue
+        package = rel.parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:  # relative: from the module's package upwards
+                base = (*package[:len(package) - node.level + 1], *(node.module.split(".") if node.module else ()))
+                targets = [(*base, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module.startswith("dgemma_compile."):
+                targets = [tuple(node.module.split(".")[1:])]
+            elif isinstance(node, ast.Import):
+                targets = [tuple(a.name.split(".")[1:]) for a in node.names if a.name.startswith("dgemma_compile.")]
+            else:
+                continue
+            seen |= {(str(rel), t[0]) for t in targets if t and t[0] in A.UNTRACED}
+    assert seen <= allowed, f"a module a step can trace imports an untraced folder: {seen - allowed}"
 
 
 def test_the_key_names_no_install_path(tiny_model):

@@ -377,6 +377,6 @@ def test_running_server_is_ready_when_health_answers_and_stops_on_exit():
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
         proc = server.proc
     assert proc.poll() is not None
-    with pytest.raises(SystemExit, match=r"dgemma serve exited \(2\):\n.*max_batch: must be a positive integer"):
+    with pytest.raises(SystemExit, match=r"dgemma serve exited \(2\):\n.*--max-batch: must be a positive integer"):
         with running_server(["--eager", "--max-batch", "0"], timeout_s=240):
             pass

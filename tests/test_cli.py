@@ -90,11 +90,11 @@ def test_generate_prints_text_and_stats(tiny_dir):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "/nonexistent/dir"], "/nonexistent/dir: not a directory"),
-    (["--max-new-tokens", "0"], "max_new_tokens: must be a positive integer"),
-    (["--max-denoising-steps", "-3"], "max_denoising_steps: must be a positive integer"),
-    (["--seed", "-1"], "seed"),
-    (["--seed", str(2**70)], "seed"),
-    (["--threads", "0"], "threads: must be a positive integer"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be a positive integer, got 0"),
+    (["--max-denoising-steps", "-3"], "argument --max-denoising-steps: must be a positive integer, got -3"),
+    (["--seed", "-1"], "argument --seed: must be an integer in [0, 2**64), got -1"),
+    (["--seed", str(2**70)], "argument --seed: must be an integer in [0, 2**64)"),
+    (["--threads", "0"], "argument --threads: must be a positive integer, got 0"),
     (["--batch-size", "2"], "batch_size: --batch-size applies to --prompts-file only"),
 ])
 def test_errors_are_one_line_without_traceback(tiny_dir, args, message):
@@ -304,7 +304,7 @@ def test_flags_argparse_refuses_are_one_error_line(args, message):
     (["--prompts-file", "/"], "--prompts-file: /: is a directory"),
     (["--prompts-file", "-", "abc"], "prompt: give a prompt or --prompts-file, not both"),
     ([], "prompt: give a prompt, or --prompts-file FILE"),
-    (["--prompts-file", "-", "--batch-size", "0"], "batch_size: must be a positive integer, got 0"),
+    (["--prompts-file", "-", "--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
 ])
 def test_prompts_file_errors_come_before_anything_runs(args, message):
     # a missing model directory too: the prompts are checked before anything is loaded
@@ -340,8 +340,8 @@ def test_compiled_batch_matches_eager(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--temperature", "-1"], "temperature: must be a finite number >= 0"),
-    (["--temperature", "nan"], "temperature: must be a finite number >= 0"),
+    (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0, got -1.0"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number, got nan"),
     (["--entropy-bound", "0"], "entropy_bound: must be a number in (0, 3.403e+38], got 0.0"),
     (["--stop", ""], "stop: empty stop string"),
 ])

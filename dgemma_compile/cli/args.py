@@ -5,6 +5,7 @@ equal to it by tests/test_imports.py."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 
@@ -13,6 +14,66 @@ COMPILE_MODES = ("auto", "always", "never")  # --compile (`run._compile_mode`)
 QUANT_SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")  # = quant.schemes.SCHEMES
 DEFAULT_GROUP_TIMEOUT_S = 300.0  # = parallel.ranks.DEFAULT_GROUP_TIMEOUT_S
 DEFAULT_BATCH_SIZE = 8
+
+
+# ----- value types: a number the command cannot use is refused while parsing, before torch is imported or a model
+# loaded ("argument --max-new-tokens: must be a positive integer, got 0"); the library checks again (its own callers)
+def _number(text: str, kind: type) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def logprob_count(text: str) -> int:
+    """An integer in [0, 64] (`CompileOptions.max_logprobs`'s range)."""
+    value = _number(text, int)
+    if not 0 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 64], got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A request seed: an integer in [0, 2**64) (`rng.seed_tensor`)."""
+    value = _number(text, int)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64), got {value}")
+    return value
+
+
+def non_negative_number(text: str) -> float:
+    """A finite number >= 0 (a temperature scale)."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
+    return value
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,19 +96,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="an image the prompt is about (repeatable; a multimodal checkpoint): with --chat, one image "
                         "part per image before the text; raw, the prompt's image placeholders, or one per image first")
-    g.add_argument("--max-soft-tokens", type=int, default=None, metavar="N",
+    g.add_argument("--max-soft-tokens", type=positive_int, default=None, metavar="N",
                    help="soft tokens per image (70, 140, 280, 560 or 1120; default: the checkpoint's processor, 280)")
     g.add_argument("--system", default=None, metavar="TEXT",
                    help="system message before the prompt in the chat template (implies --chat)")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="exact token budget (default: generation config)")
-    g.add_argument("--max-denoising-steps", type=int, default=None, help="denoise steps per block at most")
-    g.add_argument("--temperature", type=float, default=None, metavar="T",
+    g.add_argument("--max-new-tokens", type=positive_int, default=None, help="exact token budget (default: generation config)")
+    g.add_argument("--max-denoising-steps", type=positive_int, default=None, help="denoise steps per block at most")
+    g.add_argument("--temperature", type=non_negative_number, default=None, metavar="T",
                    help="scales the checkpoint's temperature schedule (GenerationConfig.with_temperature); 0 = greedy")
     g.add_argument("--entropy-bound", type=float, default=None, metavar="X",
                    help="entropy bound of the acceptance rule (default: generation config)")
     g.add_argument("--stop", action="append", default=None, metavar="S",
                    help="stop string (repeatable): the output ends before its first occurrence, across blocks too")
-    g.add_argument("--seed", type=int, default=0, help="seed of the request's random stream (of each line without one)")
+    g.add_argument("--seed", type=seed, default=0, help="seed of the request's random stream (of each line without one)")
     g.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weight dtype (default: the checkpoint's; float32 where this CPU's bf16/fp16 GEMM is slow, "
                         "docs/numerics.md)")
@@ -59,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto (default): load the step from the compile cache if it is there, else answer with the "
                         "eager step, compiling in a background process when the job is larger than one batch "
                         "(docs/cli.md); always: compile (or load) before answering; never: the eager step only")
-    g.add_argument("--threads", type=int, default=None, metavar="N",
+    g.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="intra-op CPU threads (default: OMP_NUM_THREADS if set, else dgemma_compile.threads."
                         "recommended_threads: 1 for small models, else the CPUs free now)")
     g.add_argument("--live", action="store_true",
@@ -79,12 +140,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", default=None, metavar="FILE",
                    help="one prompt per line, or JSON objects (prompt, seed, max_new_tokens, entropy_bound, temperature, "
                         "stop); '-' reads stdin; writes one JSON line per prompt on stdout, in input order")
-    g.add_argument("--batch-size", type=int, default=None, metavar="B",
+    g.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                    help=f"prompts per batch with --prompts-file (default {DEFAULT_BATCH_SIZE}: one compiled bucket)")
     _parallel_flags(g)
     e = sub.add_parser("explain", help="Dynamo explain report of the compiled step (one unit per batch size)")
     e.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
-    e.add_argument("--batch-size", type=int, default=1, help="report the bucket serving this many requests")
+    e.add_argument("--batch-size", type=positive_int, default=1, help="report the bucket serving this many requests")
     e.add_argument("--quant", choices=QUANT_SCHEMES, default=None, help="quantize the weights first (as generate)")
     e.add_argument("--json", action="store_true", help="print JSON instead of text")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (the [serve] extra): /v1/completions, "
@@ -92,40 +153,40 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--max-batch", type=int, default=8, metavar="N",
+    s.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="rows of the engine's one compiled bucket: requests running at once (default 8)")
-    s.add_argument("--max-queue", type=int, default=256, metavar="N",
+    s.add_argument("--max-queue", type=positive_int, default=256, metavar="N",
                    help="requests waiting for a row at most; more get HTTP 429 (default 256)")
-    s.add_argument("--max-seq-len", type=int, default=None, metavar="S",
+    s.add_argument("--max-seq-len", type=positive_int, default=None, metavar="S",
                    help="committed KV slots per row: prompt + generated tokens (default: the model's context, at "
                         "most 1024)")
-    s.add_argument("--kv-page-size", type=int, default=None, metavar="P",
+    s.add_argument("--kv-page-size", type=positive_int, default=None, metavar="P",
                    help="a paged KV cache of P-slot pages shared by the rows, with a prefix cache of full prompt "
                         "pages (a multiple of the canvas length; default: a static cache per row)")
-    s.add_argument("--kv-pages", type=int, default=None, metavar="N",
+    s.add_argument("--kv-pages", type=positive_int, default=None, metavar="N",
                    help="pages in the pool with --kv-page-size (default: max-batch x max-seq-len / P, the static "
                         "cache's memory); requests wait for pages, never running ones")
     s.add_argument("--served-model-name", default=None, help="the model id clients use (default: dgemma-demo for the "
                                                              "demo model, else the checkpoint directory's name)")
-    s.add_argument("--max-body-bytes", type=int, default=4 * 2**20, metavar="B",
+    s.add_argument("--max-body-bytes", type=positive_int, default=4 * 2**20, metavar="B",
                    help="larger request bodies get HTTP 413 (default 4 MiB)")
-    s.add_argument("--input-timeout", type=float, default=30.0, metavar="S",
+    s.add_argument("--input-timeout", type=seconds, default=30.0, metavar="S",
                    help="seconds one request's parsing and tokenization may take; longer gets HTTP 400 (default 30)")
-    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+    s.add_argument("--header-timeout", type=seconds, default=10.0, metavar="S",
                    help="seconds a client has to send a request's head (request line and headers) after connecting "
                         "or after its previous answer; longer gets HTTP 408 and the connection closed (default 10)")
-    s.add_argument("--max-grammar-bytes", type=int, default=64 * 2**10, metavar="B",
+    s.add_argument("--max-grammar-bytes", type=positive_int, default=64 * 2**10, metavar="B",
                    help="the longest structured-output constraint (schema, regex, choices, tool tag) in bytes; longer "
                         "gets HTTP 400 before compiling (default 64 KiB)")
-    s.add_argument("--grammar-timeout", type=float, default=10.0, metavar="S",
+    s.add_argument("--grammar-timeout", type=seconds, default=10.0, metavar="S",
                    help="seconds one grammar compile may take; its worker process is killed past it, HTTP 400 "
                         "(default 10)")
-    s.add_argument("--grammar-memory", type=int, default=2**30, metavar="B",
+    s.add_argument("--grammar-memory", type=positive_int, default=2**30, metavar="B",
                    help="bytes of address space a grammar worker's compiles may add (RLIMIT_AS); past it HTTP 400 "
                         "and the worker is replaced (default 1 GiB)")
-    s.add_argument("--grammar-workers", type=int, default=2, metavar="N",
+    s.add_argument("--grammar-workers", type=positive_int, default=2, metavar="N",
                    help="grammar worker processes, compiles at once (default 2)")
-    s.add_argument("--grammar-cache-bytes", type=int, default=256 * 2**20, metavar="B",
+    s.add_argument("--grammar-cache-bytes", type=non_negative_int, default=256 * 2**20, metavar="B",
                    help="bytes of compiled grammars kept for reuse, least recently used dropped (default 256 MiB; 0: "
                         "none)")
     s.add_argument("--image-dir", type=Path, default=None, metavar="DIR",
@@ -138,15 +199,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="with --allow-image-urls: fetch only from these host names (exact, case-insensitive; "
                         "checked on every redirect hop; default: any public host)")
-    s.add_argument("--max-image-bytes", type=int, default=8 * 2**20, metavar="B",
+    s.add_argument("--max-image-bytes", type=positive_int, default=8 * 2**20, metavar="B",
                    help="the largest image an image_url part may hold, decoded or fetched (default 8 MiB)")
-    s.add_argument("--max-image-pixels", type=int, default=32 * 2**20, metavar="N",
+    s.add_argument("--max-image-pixels", type=positive_int, default=32 * 2**20, metavar="N",
                    help="the most pixels (width x height) an image may have, checked before decoding (default 32 Mi)")
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="every /v1 and tokenizer route needs 'Authorization: Bearer KEY' (HTTP 401 otherwise; "
                         "/health and /metrics stay open); default: the environment variable DGEMMA_API_KEY, else "
                         "no key. Prefer the variable: a command line is visible to other users of the machine")
-    s.add_argument("--max-logprobs", type=int, default=20, metavar="K",
+    s.add_argument("--max-logprobs", type=logprob_count, default=20, metavar="K",
                    help="the most alternatives per token a request's logprobs may ask for (completions' logprobs, "
                         "chat's top_logprobs; more get HTTP 400); each denoise step keeps K per position (default "
                         "20, vLLM's; 0: only the returned tokens' own log-probabilities)")
@@ -162,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="commit fusion: each commit rides in its next block's first denoise step, every row of the "
                         "mixed step 2C tokens (CompileOptions.fuse_commit; auto: on for CUDA, off for CPU, where "
                         "the doubled rows cost more than the iteration they save)")
-    s.add_argument("--threads", type=int, default=None, metavar="N", help="intra-op CPU threads (as generate)")
+    s.add_argument("--threads", type=positive_int, default=None, metavar="N", help="intra-op CPU threads (as generate)")
     s.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     _parallel_flags(s)
     k = sub.add_parser("cache", help="the compile cache (compiled steps loaded by later runs; docs/cli.md): where it "
@@ -172,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=None, metavar="N",
                    help="shard the model over N ranks (docs/parallel.md): started here as N processes (gloo on CPU, "
                         "nccl on CUDA), or joined under torchrun (its WORLD_SIZE); rank 0 alone writes the output "
                         "and serves HTTP (default 1, or torchrun's WORLD_SIZE)")
@@ -180,6 +241,6 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="how a tensor-parallel run splits the routed experts: tensor (every expert's intermediate "
                         "slice on every rank, the default) or expert (E/N whole experts a rank; E must be a multiple "
                         "of N); the same bytes move per step either way (docs/parallel.md, 'Experts: which split')")
-    p.add_argument("--group-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S, metavar="S",
+    p.add_argument("--group-timeout", type=seconds, default=DEFAULT_GROUP_TIMEOUT_S, metavar="S",
                    help="seconds a rank waits for its peers in a collective before the run ends with an error (a rank "
                         f"that crashes ends it at once; default {DEFAULT_GROUP_TIMEOUT_S:.0f})")

@@ -17,8 +17,9 @@ AOTAutograd settings a caller changed from their defaults, and the `TORCHINDUCTO
 variables (what torch's own caches hash too); the model's structure (per
 parameter and buffer its name, dtype, device, shape and stride; the plain constants of its modules; not its values,
 which are inputs); the unit's name and structural config and its buffers' dtypes, shapes and strides; and the
-sha256 of every source file of the `dgemma_compile` package (our passes and decompositions included). A changed
-source or option is therefore a miss, never a stale load (tests/test_artifacts.py changes each and checks).
+sha256 of every source file of the `dgemma_compile` package that a step can trace (our passes and decompositions
+included; not `cli/` and `demo/`: `UNTRACED`). A changed source or option is therefore a miss, never a stale load
+(tests/test_artifacts.py changes each and checks).
 
 A miss is logged with its reason (no entry, or the differing parts of the nearest entry of the same unit); an entry
 is written under a temporary name and renamed into place (two processes filling one entry keep one whole entry); an
@@ -74,13 +75,24 @@ def cache_root() -> Path | None:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "dgemma_compile"
 
 
+UNTRACED = ("cli", "demo")
+"""Folders of the package whose code no step traces: the command line (argument parsing, the commands, which call
+`build` and `generate` like any user) and the demo's task suite. No other module imports them, save the rank
+launcher's entry point (tests/test_artifacts.py checks it), so an edit there cannot change a compiled graph, and is
+no miss."""
+
+
 @functools.cache
 def sources_digest(package_dir: str | None = None) -> str:
-    """sha256 over every `.py` file of the dgemma_compile package (relative path and bytes, sorted)."""
+    """sha256 over every `.py` file of the dgemma_compile package that a step can trace (all but `UNTRACED`'s):
+    relative path and bytes, sorted."""
     root = Path(package_dir) if package_dir else Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for p in sorted(root.rglob("*.py")):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+        rel = p.relative_to(root)
+        if rel.parts[0] in UNTRACED:
+            continue
+        h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
 
