@@ -329,6 +329,11 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
     stepped, committed, block, steps, event, done): what each row did, the host's only view of the transitions.
     Last, the plan of the next iteration.
 
+    `skip_idle_vocabulary` (`CompileOptions.skip_idle_vocabulary`): where no row steps, the vocabulary region (the
+    lm_head, `sampler.denoise_update`, the self-conditioning product, logprobs) is skipped -- `torch.cond` compiled,
+    a Python branch eagerly -- and the state keeps its values there (read only for rows that stepped): the same
+    tokens.
+
     Run uncompiled (an eager bucket, or a compiled one's step held while it compiles), attention reads the plan's
     dense masks (`PlanBuffers.eager_plan`) instead of FlexAttention's slow eager path; the start canvas and the noise
     come from one `rng.step_streams` call either way (the same bits as `rng.start_canvas` and `rng.step_noise`)."""
