@@ -44,10 +44,6 @@ def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> i
     A collective that fails (a peer died, or stalled past --group-timeout) ends every rank with one error line."""
     from ..parallel import ranks as R
 
-    if not args.group_timeout > 0:
-        from ..config import ConfigError
-
-        raise ConfigError("group_timeout", f"must be a positive number of seconds, got {args.group_timeout}")
     command = generate_command if args.command == "generate" else serve_command
 
     def body(ranks: "R.Ranks") -> int:
@@ -71,7 +67,10 @@ def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> i
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)  # --help and usage errors exit here, before anything imports torch
+    try:  # --help and usage errors (a flag's value refused by its type too) end here, before anything imports torch
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the help or the error line; the status is returned, as every other
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     from ..config import ConfigError
     from ..kv_cache import CacheFullError
     from ..loader import CheckpointError

@@ -28,52 +28,22 @@ def _number(text: str, kind: type) -> int | float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _ranged(kind: type, accepts, requirement: str):
+    """An argparse type: a `kind` (int or finite float) that `accepts`, else "must be {requirement}, got ..."."""
+    def parse(text: str):
+        value = _number(text, kind)
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
-
-
-def logprob_count(text: str) -> int:
-    """An integer in [0, 64] (`CompileOptions.max_logprobs`'s range)."""
-    value = _number(text, int)
-    if not 0 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 64], got {value}")
-    return value
-
-
-def seed(text: str) -> int:
-    """A request seed: an integer in [0, 2**64) (`rng.seed_tensor`)."""
-    value = _number(text, int)
-    if not 0 <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64), got {value}")
-    return value
-
-
-def non_negative_number(text: str) -> float:
-    """A finite number >= 0 (a temperature scale)."""
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
-    return value
-
-
-def seconds(text: str) -> float:
-    """A positive, finite number of seconds."""
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
-    return value
+positive_int = _ranged(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _ranged(int, lambda v: v >= 0, "an integer >= 0")
+logprob_count = _ranged(int, lambda v: 0 <= v <= 64, "an integer in [0, 64]")  # CompileOptions.max_logprobs's range
+seed = _ranged(int, lambda v: 0 <= v < 2**64, "an integer in [0, 2**64)")  # rng.seed_tensor's range
+non_negative_number = _ranged(float, lambda v: v >= 0, "a finite number >= 0")  # a temperature scale
+seconds = _ranged(float, lambda v: v > 0, "a positive number of seconds")
 
 
 class Parser(argparse.ArgumentParser):

@@ -19,10 +19,7 @@ def explain_command(args: argparse.Namespace) -> int:
     import dataclasses
 
     from .. import CompileOptions, build, load
-    from ..config import ConfigError
 
-    if args.batch_size < 1:
-        raise ConfigError("batch_size", f"must be a positive integer, got {args.batch_size}")
     model = load(args.model if args.model is not None else DEMO_MODEL)
     _quantize(model, args.quant)
     # one bucket that also serves the default workload's two-row batch; 256 slots as `dgemma generate` uses for a

@@ -36,10 +36,6 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
         raise ConfigError("live", "--live draws one prompt's canvas, not --prompts-file's")
     if args.max_soft_tokens is not None and not args.image:
         raise ConfigError("max_soft_tokens", "--max-soft-tokens applies to --image only")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ConfigError("batch_size", f"must be a positive integer, got {args.batch_size}")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError("threads", f"must be a positive integer, got {args.threads}")
     check_stop_strings(args.stop, "--stop")
     args.tensor_parallel = ranks is not None
     lines, args.pil_images = _shared(ranks, lambda: _read_inputs(args))  # before any loading

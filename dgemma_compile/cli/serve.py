@@ -42,21 +42,6 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     from dgemma_runtime import build_engine
     from dgemma_runtime.parallel import ParallelSchedule
 
-    for name in ("max_batch", "max_queue", "max_seq_len", "threads", "kv_page_size", "kv_pages", "max_body_bytes",
-                 "max_image_bytes", "max_image_pixels", "max_grammar_bytes", "grammar_memory", "grammar_workers"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ConfigError(name, f"must be a positive integer, got {v}")
-    if not 0 <= args.max_logprobs <= 64:
-        raise ConfigError("max_logprobs", f"must be an integer in [0, 64], got {args.max_logprobs}")
-    if not args.header_timeout > 0:
-        raise ConfigError("header_timeout", f"must be a positive number of seconds, got {args.header_timeout}")
-    if not args.input_timeout > 0:
-        raise ConfigError("input_timeout", f"must be a positive number of seconds, got {args.input_timeout}")
-    if not args.grammar_timeout > 0:
-        raise ConfigError("grammar_timeout", f"must be a positive number of seconds, got {args.grammar_timeout}")
-    if args.grammar_cache_bytes < 0:
-        raise ConfigError("grammar_cache_bytes", f"must be an integer >= 0, got {args.grammar_cache_bytes}")
     if args.image_dir is not None and not args.image_dir.is_dir():
         raise ConfigError("image_dir", f"{args.image_dir} is not a directory")
     from ..preprocess import ImageSources
