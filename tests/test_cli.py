@@ -51,10 +51,7 @@ def run_main(*args, stdin=None):
         sys.stdin = SimpleNamespace(buffer=io.BytesIO(stdin.encode()))
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = cli.main(list(args))
-            except SystemExit as e:  # argparse
-                rc = e.code
+            rc = cli.main(list(args))  # argparse's refusals and --help too: main returns their status
     finally:
         sys.stdin = old_stdin
     return SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
