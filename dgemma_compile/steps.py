@@ -315,7 +315,8 @@ def refresh_plan(rows: RowState, state: DenoiseState, plan: PlanBuffers) -> None
 
 def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, inputs: StepInputs, rows: RowState,
                plan: PlanBuffers, *, stop_early: bool, moe_impl: str, skip_idle_vocabulary: bool = False) -> None:
-    """One iteration over every row, in place, no host synchronisation (see the module docstring).
+    """One iteration over every row, in place, no host synchronisation (see the module docstring) -- but one host
+    read of "some row steps" with `skip_idle_vocabulary` (below; on CPU only by default).
 
     Reads the plan `refresh_plan` filled for the current phases (T = `plan.T` tokens per row: C, or 2C with commit
     fusion). The forward's ids per row, int64 [B, T]: the next prompt chunk (PREFILL), the argmax canvas (COMMIT;

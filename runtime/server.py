@@ -323,12 +323,12 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                                  frames=req.stream_options is not None and req.stream_options.include_canvas_frames,
                                  images=images, constraint=constraint, compiled=compiled, canvas=canvas)
                    for p in prompts for i in range(req.n)]
-        _check_context(engine, prompts, cfg, "messages" if getattr(req, "messages", None) is not None else "prompt")
         try:
             for c in choices:
                 c.config = engine.check_request(c.prompt, c.config, c.seed, c.images)
         except ConfigError as e:
-            raise _config_error(e) from None
+            prompt_param = "messages" if getattr(req, "messages", None) is not None else "prompt"
+            raise _context_error(e, engine, len(c.prompt), cfg.max_new_tokens, prompt_param) from None
         try:
             engine.submit_all(choices)  # all of them or none
         except QueueFullError as e:
@@ -639,18 +639,20 @@ def _cancel_unfinished(engine: Engine, choices: list[EngineRequest], reasons: li
             engine.cancel(c)
 
 
-def _check_context(engine: Engine, prompts: list[list[int]], cfg: GenerationConfig, prompt_param: str) -> None:
-    """A 400 (context_length_exceeded) in the request's own terms when a prompt plus max_tokens exceeds what this
-    server holds per request: its cache's slots (`max_model_len` of /v1/models) or the model's positions, whichever
-    is fewer. It names `prompt_param` ("prompt", or "messages" for a chat) when the prompt alone leaves no room,
-    else max_tokens. (Whole-block rounding past that is the engine's check.)"""
+def _context_error(e: ConfigError, engine: Engine, prompt_len: int, max_tokens: int, prompt_param: str
+                   ) -> P.APIError:
+    """The engine's refusal `e` as a 400. A context-length one (`e.code`) for a request whose prompt plus max_tokens
+    exceeds this server's context (its cache's slots, `max_model_len`, or the model's positions, whichever is fewer)
+    is said in the request's terms, naming `prompt_param` ("prompt", or "messages" for a chat) when the prompt alone
+    leaves no room, else max_tokens. The engine decides (it needs no slot for the last block, so a request may end
+    within one canvas of the limit); any other refusal keeps its own words (`_config_error`)."""
     limit = min(engine.max_seq_len, engine.model.config.max_position_embeddings)
-    for p in prompts:
-        if len(p) + cfg.max_new_tokens > limit:
-            raise P.APIError(400, f"this server's context is {limit} tokens (max_model_len); the request needs "
-                                  f"{len(p) + cfg.max_new_tokens}: {len(p)} prompt tokens + max_tokens "
-                                  f"{cfg.max_new_tokens}. Shorten the prompt or lower max_tokens",
-                             param=prompt_param if len(p) >= limit else "max_tokens", code=CONTEXT_LENGTH)
+    if e.code != CONTEXT_LENGTH or prompt_len + max_tokens <= limit:
+        return _config_error(e)
+    return P.APIError(400, f"this server's context is {limit} tokens; the request needs {prompt_len + max_tokens}: "
+                           f"{prompt_len} prompt tokens + max_tokens {max_tokens}. Shorten the prompt or lower "
+                           "max_tokens", param=prompt_param if prompt_len >= limit else "max_tokens",
+                      code=CONTEXT_LENGTH)
 
 
 def _message_error(e: ConfigError, messages: list[dict], tokenizer) -> ConfigError:
