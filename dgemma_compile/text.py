@@ -27,7 +27,7 @@ them out), `system`, `messages`, `chat template` (absent, or failing to render).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,13 +185,15 @@ def _texts(content: Any) -> list[str]:
 
 def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_id: int | None,
                 add_generation_prompt: bool = True, images: ImageSlots | None = None,
-                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                tools: Sequence[Mapping[str, Any]] | None = None,
+                name_of: Callable[[int, str], str] | None = None) -> list[int]:
     """Token ids of a chat through the checkpoint's own template, with exactly one BOS at position 0 when
     `bos_token_id` is not None. The rendered text is tokenized without special tokens, as `apply_chat_template`
     does, so a template that writes `{{ bos_token }}` gives the only BOS and one that does not gets it prepended.
 
     Every message's text is checked as `encode_prompt` checks a prompt, named by role (`prompt` for the user,
-    `system`, ...). `images`: the images of the messages' `{"type": "image"}` parts, in order; the placeholders the
+    `system`, ...), or by `name_of(index, role)` when given (an HTTP server names the request's field,
+    `messages[i].content`). `images`: the images of the messages' `{"type": "image"}` parts, in order; the placeholders the
     template renders for them are expanded (`ImageSlots.expand`). `tools`: OpenAI function tool specs, given to the
     template as `tools` (a Gemma4 template declares them in its system turn); an assistant message may carry
     `tool_calls` instead of text.
@@ -206,13 +208,14 @@ def encode_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *, bos_token_i
         raise ConfigError("chat template", "rendering one needs jinja2 (pip install jinja2)") from None
     if not messages:
         raise ConfigError("messages", "no message given")
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise ConfigError("messages", f"each message needs a role and a content, got {m!r}")
-        name = "prompt" if m["role"] == "user" else str(m["role"])
+        label = "prompt" if m["role"] == "user" else str(m["role"])
+        name = label if name_of is None else name_of(i, str(m["role"]))
         texts = _texts(m["content"])
         if not any(texts) and not m.get("tool_calls"):
-            raise ConfigError(name, f"empty {name}")
+            raise ConfigError(name, f"empty {label}")
         for t in texts:
             if t:
                 check_encodable(tokenizer, t, name)

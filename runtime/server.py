@@ -101,7 +101,7 @@ from dgemma_compile.canvas import canvas_of
 from dgemma_compile.config import CONTEXT_LENGTH, ConfigError, GenerationConfig
 from dgemma_compile.constraint import GrammarLibrary
 from dgemma_compile.images import prepare as prepare_images
-from dgemma_compile.text import ImageSlots, chat_template, check_encodable, encode_chat, encode_prompt
+from dgemma_compile.text import ImageSlots, chat_template, encode_chat, encode_prompt
 from . import protocol as P
 from .auth import APIKeyAuth, Secret
 from .engine import BlockEvent, Engine, QueueFullError
@@ -484,12 +484,9 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         return images, ImageSlots.for_model(tokenizer, model, [num_soft_tokens(model, im) for im in images])
 
     def chat_ids(messages: list[dict], **kw) -> list[int]:
-        """`text.encode_chat`, with a message text it refuses (empty, or characters the tokenizer cannot encode)
-        named as the request names it, `messages[i].content`, instead of by role."""
-        try:
-            return encode_chat(tokenizer, messages, bos_token_id=bos, **kw)
-        except ConfigError as e:
-            raise _message_error(e, messages, tokenizer) from None
+        """`text.encode_chat`, a message text it refuses (empty, or characters the tokenizer cannot encode) named
+        as the request names it, `messages[i].content`."""
+        return encode_chat(tokenizer, messages, bos_token_id=bos, name_of=lambda i, _: f"messages[{i}].content", **kw)
 
     def tokenize_request(req: P.TokenizeRequest) -> list[int]:
         if req.messages is not None:
@@ -653,27 +650,6 @@ def _context_error(e: ConfigError, engine: Engine, prompt_len: int, max_tokens: 
                            f"{prompt_len} prompt tokens + max_tokens {max_tokens}. Shorten the prompt or lower "
                            "max_tokens", param=prompt_param if prompt_len >= limit else "max_tokens",
                       code=CONTEXT_LENGTH)
-
-
-def _message_error(e: ConfigError, messages: list[dict], tokenizer) -> ConfigError:
-    """`e`, raised by `text.encode_chat` for a message's text (named by role: "prompt" for the user's), renamed
-    `messages[i].content` for the first message of that role whose text it refuses; otherwise `e` unchanged."""
-    for i, m in enumerate(messages):
-        role = m.get("role")
-        if ("prompt" if role == "user" else str(role)) != e.param:
-            continue
-        content = m.get("content")
-        texts = [content] if isinstance(content, str) else [
-            part.get("text") for part in content or () if isinstance(part, dict) and part.get("type") == "text"]
-        try:
-            if not any(texts) and not m.get("tool_calls"):
-                raise ConfigError(e.param, e.problem, code=e.code)
-            for t in texts:
-                if t:
-                    check_encodable(tokenizer, t, e.param)
-        except ConfigError:
-            return ConfigError(f"messages[{i}].content", e.problem, code=e.code)
-    return e
 
 
 def _config_error(e: ConfigError) -> P.APIError:
