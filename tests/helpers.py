@@ -203,3 +203,14 @@ def assert_same_parts(a, b, what: str) -> None:
             assert x.dtype == y.dtype and torch.equal(x, y), what
         else:
             assert x == y, what
+
+
+class RowReq:
+    """A `driver.RowRequest` for driving a bucket's rows in a test: a prompt's ids, its resolved config and seed,
+    optionally a grammar (`constraint.RowGrammar`); no images, frames or canvas."""
+
+    def __init__(self, prompt, config, seed, grammar=None):
+        from dgemma_compile.generate import RequestStats
+
+        self.prompt, self.config, self.seed, self.images, self.grammar = prompt, config, seed, None, grammar
+        self.sequence, self.stats, self.frames, self.canvas = [], RequestStats(), False, None

@@ -21,19 +21,11 @@ import dgemma_compile as dg
 from dgemma_compile.bucket import Bucket
 from dgemma_compile.constraint import Constraint, row_grammars
 from dgemma_compile.driver import Driver
-from dgemma_compile.generate import RequestStats
+from helpers import RowReq
 from dgemma_compile.phases import FREE
 from dgemma_compile.rows import Report, RowReport
 
 SLOTS = 128
-
-
-class _Req:
-    """A `driver.RowRequest`."""
-
-    def __init__(self, prompt, config, seed, grammar=None):
-        self.prompt, self.config, self.seed, self.images, self.grammar = prompt, config, seed, None, grammar
-        self.sequence, self.stats, self.frames, self.canvas = [], RequestStats(), False, None
 
 
 def _expected(prompt_len: int, steps_per_block: list[int], C: int, fused: bool, device_ends: bool
@@ -93,7 +85,7 @@ def test_the_report_follows_the_eager_oracles_transitions(demo, batch):
                     config=cfgs[0], fuse_commit=fused, moe_impl="dense")
     driver = Driver(bucket)
     grammars = row_grammars(model, cons, cfgs, tok)
-    reqs = [_Req(p, c, s, g) for p, c, s, g in zip(prompts, cfgs, seeds, grammars)]
+    reqs = [RowReq(p, c, s, g) for p, c, s, g in zip(prompts, cfgs, seeds, grammars)]
     for b, req in enumerate(reqs):
         driver.admit(b, req)
     seen: list[list[RowReport]] = [[] for _ in reqs]
@@ -128,9 +120,9 @@ def test_driver_frees_a_row_whose_admission_failed_and_a_row_the_host_retired(de
     bucket = Bucket(model, (1, 2), max_seq_len=32, max_denoising_steps=16, config=cfg)
     driver = Driver(bucket)
     with pytest.raises(ValueError, match="more than the 32 slots"):
-        driver.admit(0, _Req([2] + [5] * 40, cfg, 0))
+        driver.admit(0, RowReq([2] + [5] * 40, cfg, 0))
     assert driver.free() == [0, 1] and int(bucket.row_state.phase[0]) == FREE
-    a, b = _Req([2, 5, 6], cfg, 0), _Req([2, 7, 8], cfg, 1)
+    a, b = RowReq([2, 5, 6], cfg, 0), RowReq([2, 7, 8], cfg, 1)
     driver.admit(0, a)
     driver.admit(1, b)
     first = driver.step()

@@ -19,17 +19,9 @@ from dgemma_compile.bucket import Bucket
 from dgemma_compile.compile import CompileOptions
 from dgemma_compile.config import ConfigError
 from dgemma_compile.driver import Driver
-from dgemma_compile.generate import RequestStats
+from helpers import RowReq
 
 SLOTS = 128
-
-
-class _Req:
-    """A `driver.RowRequest`."""
-
-    def __init__(self, prompt, config, seed):
-        self.prompt, self.config, self.seed, self.images, self.grammar = prompt, config, seed, None, None
-        self.sequence, self.stats, self.frames, self.canvas = [], RequestStats(), False, None
 
 
 def _config(model):
@@ -79,7 +71,7 @@ def test_the_eager_step_runs_the_lm_head_only_where_a_row_samples(demo, monkeypa
         return real_step()
 
     driver.step = counted
-    before, after, tokens = _commit_only_forward(driver, _Req([2, 5, 6, 7], cfg, 3))
+    before, after, tokens = _commit_only_forward(driver, RowReq([2, 5, 6, 7], cfg, 3))
     forwards, heads = len(n) - 1, len(calls)  # the last driver call found no busy row
     ref = dg.generate(model, [[2, 5, 6, 7]], cfg, seed=3, moe_impl="dense", max_seq_len=SLOTS)
     assert tokens == ref.sequences[0]
@@ -98,7 +90,7 @@ def test_the_compiled_step_skips_the_region_in_a_commit_only_forward(demo, demo_
     # the checkpoint's structural config (stop_early, eos ids): the bucket the other tests compiled
     cfg = model.generation_config.replace(max_new_tokens=2 * model.config.canvas_length, max_denoising_steps=3,
                                           t_min=1.0, t_max=1.0, ignore_eos=True).resolved(model.config)
-    before, after, tokens = _commit_only_forward(Driver(demo_gen.bucket(cfg)), _Req([2, 5, 6, 7], cfg, 3))
+    before, after, tokens = _commit_only_forward(Driver(demo_gen.bucket(cfg)), RowReq([2, 5, 6, 7], cfg, 3))
     assert torch.equal(after, before)
     ref = dg.generate(model, [[2, 5, 6, 7]], cfg, seed=3, moe_impl=demo_gen.moe_impl,
                       max_seq_len=demo_gen.options.max_seq_len)
