@@ -54,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="static committed slots of the compiled caches (default: just enough for the workload)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per system (default: $OMP_NUM_THREADS or 1)")
+    p.add_argument("--host-memory", choices=("retain", "default"), default="retain",
+                   help="CPU: every worker keeps the memory it frees (`dgemma_compile.host_memory`, what the CLI does), "
+                        "so no system's steps page-fault their temporaries in afresh; default: the C library's own")
     p.add_argument("--bandwidth", type=float, default=None,
                    help="memory bandwidth in B/s for the roofline (default: 4.8e12 on CUDA; on CPU a measured "
                         "single-thread copy bandwidth)")
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
         work, _ = systems.workload_for(spec, wspec)
         log(f"{spec.name} / {work.describe()}")
         payloads = [dict(system=system, model=dataclasses.asdict(spec), workload=wspec.to_dict(), device=device,
-                         dtype=dtype, threads=threads, max_seq_len=args.max_seq_len)
+                         dtype=dtype, threads=threads, max_seq_len=args.max_seq_len,
+                         host_memory=args.host_memory == "retain" and device == "cpu")
                     for system in chosen]
         measured = runner.measure(payloads, wspec.repeats, interleave=not args.sequential, isolated=not args.in_process,
                                   timeout_s=args.timeout_s, budget_s=args.budget_s, deadline=deadline, log=log)
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "interleaved: systems prepared (compile, warm-up) one at a time, then timed repeats round-robin "
                   "(repeat 1 of every system in the order listed, then repeat 2, ...)"),
         memory=("CUDA max_memory_allocated during the timed passes" if device.startswith("cuda") else
-                "resident-set high-water mark (VmHWM) during the timed passes, weights included"),
+                "resident-set high-water mark (VmHWM) during the timed passes, weights included; freed host "
+                f"memory {'retained in every worker (dgemma_compile.host_memory)' if args.host_memory == 'retain' else 'returned as the C library decides'}"),
         load=f"load average 1/5/15 min at start {load_start}, at end {environment.load_average()} "
              f"({os.cpu_count()} logical CPUs)",
         started=started, finished=environment.now(), note=" ".join([args.note, "Roofline " + "; ".join(peaks.why) + "."]).strip())

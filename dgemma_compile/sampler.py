@@ -96,6 +96,13 @@ def entropy(logits_BCV: torch.Tensor) -> torch.Tensor:
     return -(log_p * log_p.exp()).sum(-1)
 
 
+def _entropy(scaled_BCV: torch.Tensor, total_BC1: torch.Tensor) -> torch.Tensor:
+    """`entropy` of float32 logits whose max is exactly 0, given total = sum(exp(logits)) [B, C, 1]: logsumexp is
+    then log(total) + 0, so this is `entropy`'s value bit for bit without its max and exp passes."""
+    log_p = (scaled_BCV - total_BC1.log()).clamp(min=torch.finfo(scaled_BCV.dtype).min)
+    return -(log_p * log_p.exp()).sum(-1)
+
+
 def entropy_bound_accept(entropy_BC: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
     """bool [B, C]: sort entropies ascending and accept position j while (cumulative entropy up to and including
     j) - entropy_j <= bound. The lowest-entropy position is always accepted (arXiv 2505.24857)."""
@@ -130,16 +137,22 @@ def sample_chunked_icdf(logits_BCV: torch.Tensor, uniform: torch.Tensor, chunk: 
     Args: logits float [B, C, V]; uniform float32 [B, C] (one draw per position) or [B, C, S] (S draws per
     position, for tests). Returns int64 of the uniform's shape.
     """
-    B, C, V = logits_BCV.shape
+    x = logits_BCV.float()
+    return sample_chunked_icdf_exp(torch.exp(x - x.amax(dim=-1, keepdim=True)), uniform, chunk)
+
+
+def sample_chunked_icdf_exp(exp_BCV: torch.Tensor, uniform: torch.Tensor, chunk: int = SAMPLE_CHUNK) -> torch.Tensor:
+    """`sample_chunked_icdf` from exp(logits - max) (float32 [B, C, V]; the chunks pad with 0, the exp of -inf),
+    for a caller that has computed it already (`sample_step`). Same arguments and result otherwise."""
+    B, C, V = exp_BCV.shape
     u_BCS = uniform.unsqueeze(-1) if uniform.dim() == 2 else uniform
     S = u_BCS.shape[-1]
     Vc = min(chunk, V)
     K = -(-V // Vc)
-    x = logits_BCV.float()
+    e = exp_BCV
     if K * Vc != V:
-        x = torch.nn.functional.pad(x, (0, K * Vc - V), value=float("-inf"))
-    x_BCKc = x.view(B, C, K, Vc)
-    e_BCKc = torch.exp(x_BCKc - x_BCKc.amax(dim=(-1, -2), keepdim=True))
+        e = torch.nn.functional.pad(e, (0, K * Vc - V), value=0.0)
+    e_BCKc = e.view(B, C, K, Vc)
     mass_BCK = e_BCKc.sum(-1)
     cum_BCK = torch.cumsum(mass_BCK, dim=-1)
     target_BCS = u_BCS * cum_BCK[..., -1:]
@@ -210,11 +223,21 @@ def sample_step(logits_BCV: torch.Tensor, temperature_B: torch.Tensor, greedy_B:
     shifted = x - x.amax(dim=-1, keepdim=True)
     scaled = _finite(shifted / torch.where(greedy_B, 1.0, temperature_B)[:, None, None])
     argmax = scaled.argmax(dim=-1)
-    sampled = torch.where(greedy_B[:, None], argmax, sample_chunked_icdf(scaled, uniform_BC))
-    ent = torch.where(greedy_B[:, None], 0.0, entropy(scaled))
-    one_hot = torch.where(torch.arange(scaled.shape[-1], device=scaled.device) == argmax[..., None], 0.0,
-                          torch.finfo(scaled.dtype).min)
-    sc_probs = torch.softmax(torch.where(greedy_B11, one_hot, scaled), dim=-1)
+    # One exp pass for the sampler, the entropy and the self-conditioning softmax. The max of `scaled` is exactly +0
+    # (the max entry of `shifted` is x - x, and 0 / T = 0), so exp(scaled) is what each of them computes after
+    # subtracting its own max, and `total` is logsumexp's sum: Inductor made three vocabulary-wide exp passes of it
+    # (and two more max passes) where one does. The same bits eagerly, and compiled where V is whole vectors; an id
+    # in a vector loop's tail may round its exp differently (tests/test_sampler.py; bench/vocabulary_region.py)
+    exp_scaled = torch.exp(scaled)
+    total = exp_scaled.sum(dim=-1, keepdim=True)
+    sampled = torch.where(greedy_B[:, None], argmax, sample_chunked_icdf_exp(exp_scaled, uniform_BC))
+    ent = torch.where(greedy_B[:, None], 0.0, _entropy(scaled, total))
+    # softmax(scaled): compiled, as Inductor decomposes softmax (exp(x - max) / sum: the same bits from the shared
+    # pass); eagerly aten's own kernel, whose bits differ (it multiplies by 1 / sum), so the eager steps keep theirs
+    probs = exp_scaled / total if _traced() else torch.softmax(scaled, dim=-1)
+    # a greedy row's input is the one-hot of its argmax: what softmax gave its one-hot logits (0 and the float min)
+    one_hot = (torch.arange(scaled.shape[-1], device=scaled.device) == argmax[..., None]).float()
+    sc_probs = torch.where(greedy_B11, one_hot, probs)
     return SampleStep(argmax=argmax, sampled=sampled, entropy=ent, sc_probs=sc_probs)
 
 

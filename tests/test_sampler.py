@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as ref
 
+from bench import vocabulary_region
 from dgemma_compile import rng, sampler
 from dgemma_compile.sampler import StepNoise, denoise_update
 
@@ -217,3 +218,34 @@ def test_inverse_cdf_sampling_distribution():
     # u -> 0 gives the first token with non-zero probability, u -> 1 the last
     edge = sampler.sample_inverse_cdf(logits[:, :2], torch.tensor([[0.0, 1.0 - 1e-7]]))
     assert edge.tolist() == [[0, 3]]
+
+
+def _region_inputs(B: int, C: int, V: int, seed: int = 0):
+    """`bench.vocabulary_region.inputs` soft-capped: row 1 greedy, row 2 constrained."""
+    head, T, greedy, uniform, allowed, constrained = vocabulary_region.inputs(B, C, V, torch.float32, seed)
+    return torch.tanh(head / 30.0) * 30.0, T, greedy, uniform, allowed, constrained
+
+
+@pytest.mark.parametrize("V", [27, 5000])  # the demo's vocabulary; two chunks, the second padded
+def test_shared_exp_pass_gives_the_separate_passes_bits_eagerly(V):
+    """`sample_step` computes exp(scaled) once for the sampler, the entropy and the self-conditioning input; eagerly
+    every output equals the former composition's (each with its own max subtraction) bit for bit."""
+    args = _region_inputs(3, 8, V)
+    for got, want in zip(sampler.sample_step(*args), vocabulary_region.sample_step_before(*args), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_shared_exp_pass_gives_the_separate_passes_bits_compiled():
+    """Compiled by Inductor (its softmax and logsumexp decompositions, its exp), the same bits as the former
+    composition compiled, for a vocabulary of whole vectors (two chunks here; the scaled model's 16,384 and the
+    released 262,144 too). Where V leaves a tail after the last full vector, one kernel may take a tail id's exp on
+    the scalar path where the other took the vector path: that id's sc_probs can differ by an ulp (V = 5,000:
+    1 of 5,000 values; the demo's V = 27 gave the same bits, and its 500-prompt dump is byte-identical).
+    bench/vocabulary_region.py times the two."""
+    args = _region_inputs(3, 8, 5120)
+    with torch.no_grad():
+        now = torch.compile(sampler.sample_step, fullgraph=True)(*args)
+        before = torch.compile(vocabulary_region.sample_step_before, fullgraph=True)(*args)
+    for field, got, want in zip(sampler.SampleStep._fields, now, before, strict=True):
+        assert torch.equal(got, want), field
