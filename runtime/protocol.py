@@ -189,6 +189,11 @@ class _Common(BaseModel):
             raise ValueError("must be a positive integer")
         return v
 
+    @property
+    def budget_param(self) -> str:
+        """The request's own name of its token budget, for the errors that concern it."""
+        return "max_tokens"
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
@@ -352,13 +357,23 @@ class ChatCompletionRequest(_Common):
             raise ConfigError("top_logprobs", "needs logprobs: true (OpenAI's rule)")
         return self
 
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _positive_completion(cls, v: int | None) -> int | None:
+        return cls._positive(v)
+
     @model_validator(mode="after")
     def _budget(self):
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens differ")
-            self.max_tokens = self._positive(self.max_completion_tokens)
+                raise ConfigError("max_completion_tokens", f"differs from max_tokens ({self.max_completion_tokens} "
+                                  f"and {self.max_tokens}): give one of them")
+            self.max_tokens = self.max_completion_tokens
         return self
+
+    @property
+    def budget_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class TokenizeRequest(BaseModel):

@@ -268,7 +268,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             cfg = engine.config.replace(**{k: v for k, v in changes.items() if v is not None})
             return cfg.with_temperature(req.temperature) if req.temperature is not None else cfg
         except ConfigError as e:
-            raise _config_error(e) from None
+            raise _config_error(e, req.budget_param) from None
 
     def logprobs_of(req: P._Common, chat: bool) -> int | None:
         """The k of the request's logprobs (None: none asked), at most `engine.max_logprobs` (else a 400)."""
@@ -304,7 +304,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             return canvas_of(req.diffusion_seed_canvas, cfg, engine.model.config.vocab_size, tokenizer,
                              pinned=req.diffusion_pinned is not False, name="diffusion_seed_canvas")
         except ConfigError as e:
-            message = str(e).replace("max_new_tokens=", "max_tokens=")  # the request's name of the budget
+            message = str(e).replace("max_new_tokens=", f"{req.budget_param}=")  # the request's name of the budget
             if e.param == "tokenizer":
                 message = "diffusion_seed_canvas: a text canvas needs the server's tokenizer; give token ids"
             raise P.APIError(400, message, param="diffusion_seed_canvas") from None
@@ -328,7 +328,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                 c.config = engine.check_request(c.prompt, c.config, c.seed, c.images)
         except ConfigError as e:
             prompt_param = "messages" if getattr(req, "messages", None) is not None else "prompt"
-            raise _context_error(e, engine, len(c.prompt), cfg.max_new_tokens, prompt_param) from None
+            raise _context_error(e, engine, len(c.prompt), cfg.max_new_tokens, prompt_param,
+                                 req.budget_param) from None
         try:
             engine.submit_all(choices)  # all of them or none
         except QueueFullError as e:
@@ -336,7 +337,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         except ConfigError as e:  # the constraint's (a matcher made at submit)
             if field is not None and e.param in ("constraint", "ignore_eos", "tokenizer"):
                 raise P.APIError(400, f"{field}: {e.problem}", param=field) from None
-            raise _config_error(e) from None
+            raise _config_error(e, req.budget_param) from None
         return choices
 
     async def compile_grammar(request: Request, constraint, field: str):
@@ -636,26 +637,28 @@ def _cancel_unfinished(engine: Engine, choices: list[EngineRequest], reasons: li
             engine.cancel(c)
 
 
-def _context_error(e: ConfigError, engine: Engine, prompt_len: int, max_tokens: int, prompt_param: str
-                   ) -> P.APIError:
+def _context_error(e: ConfigError, engine: Engine, prompt_len: int, max_tokens: int, prompt_param: str,
+                   budget: str = "max_tokens") -> P.APIError:
     """The engine's refusal `e` as a 400. A context-length one (`e.code`) for a request whose prompt plus max_tokens
     exceeds this server's context (its cache's slots, `max_model_len`, or the model's positions, whichever is fewer)
     is said in the request's terms, naming `prompt_param` ("prompt", or "messages" for a chat) when the prompt alone
-    leaves no room, else max_tokens. The engine decides (it needs no slot for the last block, so a request may end
-    within one canvas of the limit); any other refusal keeps its own words (`_config_error`)."""
+    leaves no room, else the budget (`budget`: the request's name of it, max_tokens or max_completion_tokens). The
+    engine decides (it needs no slot for the last block, so a request may end within one canvas of the limit); any
+    other refusal keeps its own words (`_config_error`)."""
     limit = min(engine.max_seq_len, engine.model.config.max_position_embeddings)
     if e.code != CONTEXT_LENGTH or prompt_len + max_tokens <= limit:
-        return _config_error(e)
+        return _config_error(e, budget)
     return P.APIError(400, f"this server's context is {limit} tokens; the request needs {prompt_len + max_tokens}: "
-                           f"{prompt_len} prompt tokens + max_tokens {max_tokens}. Shorten the prompt or lower "
-                           "max_tokens", param=prompt_param if prompt_len >= limit else "max_tokens",
+                           f"{prompt_len} prompt tokens + {budget} {max_tokens}. Shorten the prompt or lower "
+                           f"{budget}", param=prompt_param if prompt_len >= limit else budget,
                       code=CONTEXT_LENGTH)
 
 
-def _config_error(e: ConfigError) -> P.APIError:
+def _config_error(e: ConfigError, budget: str = "max_tokens") -> P.APIError:
     """A ConfigError -> 400 naming the request parameter (`ConfigError.param`, the engine's names mapped to the
-    request's: "max_seq_len" is prompt + max_tokens beyond this server's cache) with its `code`."""
-    param = {"max_new_tokens": "max_tokens", "max_seq_len": "max_tokens", "prompts[0]": "prompt"}.get(e.param, e.param)
+    request's: "max_seq_len" is prompt + the budget beyond this server's cache; `budget`: the request's name of its
+    token budget, max_tokens or a chat's max_completion_tokens) with its `code`."""
+    param = {"max_new_tokens": budget, "max_seq_len": budget, "prompts[0]": "prompt"}.get(e.param, e.param)
     return P.APIError(400, str(e), param=param, code=e.code)
 
 

@@ -339,7 +339,8 @@ def test_compiled_batch_matches_eager(tiny_dir, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0, got -1.0"),
     (["--temperature", "nan"], "argument --temperature: must be a finite number, got nan"),
-    (["--entropy-bound", "0"], "entropy_bound: must be a number in (0, 3.403e+38], got 0.0"),
+    (["--entropy-bound", "0"], "argument --entropy-bound: must be a number in (0, 3.403e+38], got 0.0"),
+    (["--entropy-bound", "1e39"], "argument --entropy-bound: must be a number in (0, 3.403e+38], got 1e+39"),
     (["--stop", ""], "stop: empty stop string"),
 ])
 def test_sampling_flags_are_validated_in_one_line(tiny_dir, args, message):

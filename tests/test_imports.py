@@ -121,12 +121,14 @@ def test_cli_choices_match_their_sources():
     import torch
 
     from dgemma_compile import cli
+    from dgemma_compile.config import FLOAT32_MAX
     from dgemma_compile.loader import FLOAT_DTYPES
     from dgemma_compile.parallel.ranks import DEFAULT_GROUP_TIMEOUT_S
     from dgemma_compile.quant.schemes import SCHEMES
 
     assert cli.QUANT_SCHEMES == SCHEMES
     assert cli.DEFAULT_GROUP_TIMEOUT_S == DEFAULT_GROUP_TIMEOUT_S
+    assert cli.FLOAT32_MAX == FLOAT32_MAX
     assert {getattr(torch, name) for name in cli.DTYPES} == set(FLOAT_DTYPES.values())
 
 

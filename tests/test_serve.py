@@ -280,8 +280,8 @@ def test_refusals(eager_server, path, body, status, param):
 
 
 def test_refusals_speak_the_requests_terms(eager_server):
-    """A context-length refusal names max_tokens and counts in the request's terms (not the library's
-    max_new_tokens / prompts[0]); a chat text the tokenizer refuses is named by its message, messages[i].content
+    """A context-length refusal names max_tokens (a chat's max_completion_tokens when it set that) and counts in
+    the request's terms (not the library's max_new_tokens / prompts[0]); a chat text the tokenizer refuses is named by its message, messages[i].content
     (the demo's tokenizer has no 'é'), on /v1/chat/completions and /tokenize alike."""
     prompt = "sort 1 2="
     n = len(eager_server.tok(prompt)["input_ids"])
@@ -303,6 +303,13 @@ def test_refusals_speak_the_requests_terms(eager_server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[2].content", (path, r.text)
     r = _post(eager_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+    # a chat that sets its budget as max_completion_tokens (OpenAI's newer name) hears that name back
+    user = [{"role": "user", "content": prompt}]
+    for body, words in (({"max_completion_tokens": 300}, "+ max_completion_tokens 300"),
+                        ({"max_completion_tokens": 0}, "must be a positive integer"),
+                        ({"max_completion_tokens": 8, "max_tokens": 16}, "differs from max_tokens")):
+        err = _post(eager_server, "/v1/chat/completions", {"messages": user, **body}).json()["error"]
+        assert err["param"] == "max_completion_tokens" and words in err["message"], (body, err)
 
 
 def test_openai_client_errors_and_routes(eager_server):

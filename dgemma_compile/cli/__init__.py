@@ -26,7 +26,8 @@ import os
 import sys
 import warnings
 
-from .args import COMPILE_MODES, DEFAULT_BATCH_SIZE, DEFAULT_GROUP_TIMEOUT_S, DTYPES, QUANT_SCHEMES, _parser
+from .args import (COMPILE_MODES, DEFAULT_BATCH_SIZE, DEFAULT_GROUP_TIMEOUT_S, DTYPES, FLOAT32_MAX, QUANT_SCHEMES,
+                   _parser)
 from .cache import cache_command
 from .explain import MOE_RULE, explain_command
 from .generate import generate_command
@@ -34,9 +35,9 @@ from .prompts import LINE_KEYS, PromptLine, parse_prompt_line, read_prompts_file
 from .run import SLOT_ROUNDING
 from .serve import serve_command
 
-__all__ = ["COMPILE_MODES", "DEFAULT_BATCH_SIZE", "DEFAULT_GROUP_TIMEOUT_S", "DTYPES", "LINE_KEYS", "MOE_RULE",
-           "PromptLine", "QUANT_SCHEMES", "SLOT_ROUNDING", "cache_command", "explain_command", "generate_command",
-           "main", "parse_prompt_line", "read_prompts_file", "serve_command"]
+__all__ = ["COMPILE_MODES", "DEFAULT_BATCH_SIZE", "DEFAULT_GROUP_TIMEOUT_S", "DTYPES", "FLOAT32_MAX", "LINE_KEYS",
+           "MOE_RULE", "PromptLine", "QUANT_SCHEMES", "SLOT_ROUNDING", "cache_command", "explain_command",
+           "generate_command", "main", "parse_prompt_line", "read_prompts_file", "serve_command"]
 
 
 def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> int:
@@ -65,12 +66,23 @@ def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> i
     return R.run(body, argv, world, args.group_timeout)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, owns_process: bool | None = None) -> int:
+    """The `dgemma` command on `argv` (default: this program's arguments); returns the exit status.
+
+    `owns_process` (default: True when `argv` is None, i.e. run as the program, as `dgemma` and `python -m
+    dgemma_compile.cli` do): generate and serve then keep the host memory a step frees for the next step
+    (`host_memory.retain_freed_memory`, a process-wide allocator setting that a caller running `main` inside its own
+    program, tests included, does not get unasked)."""
+    owns_process = argv is None if owns_process is None else owns_process
     argv = sys.argv[1:] if argv is None else list(argv)
     try:  # --help and usage errors (a flag's value refused by its type too) end here, before anything imports torch
         args = _parser().parse_args(argv)
     except SystemExit as e:  # argparse printed the help or the error line; the status is returned, as every other
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if owns_process and args.command in ("generate", "serve"):
+        from ..host_memory import retain_freed_memory
+
+        retain_freed_memory()
     from ..config import ConfigError
     from ..kv_cache import CacheFullError
     from ..loader import CheckpointError

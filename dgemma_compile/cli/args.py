@@ -14,6 +14,7 @@ COMPILE_MODES = ("auto", "always", "never")  # --compile (`run._compile_mode`)
 QUANT_SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")  # = quant.schemes.SCHEMES
 DEFAULT_GROUP_TIMEOUT_S = 300.0  # = parallel.ranks.DEFAULT_GROUP_TIMEOUT_S
 DEFAULT_BATCH_SIZE = 8
+FLOAT32_MAX = 3.4028234663852886e38  # = config.FLOAT32_MAX: per-row parameters live in float32 tensors
 
 
 # ----- value types: a number the command cannot use is refused while parsing, before torch is imported or a model
@@ -44,6 +45,8 @@ logprob_count = _ranged(int, lambda v: 0 <= v <= 64, "an integer in [0, 64]")  #
 seed = _ranged(int, lambda v: 0 <= v < 2**64, "an integer in [0, 2**64)")  # rng.seed_tensor's range
 non_negative_number = _ranged(float, lambda v: v >= 0, "a finite number >= 0")  # a temperature scale
 seconds = _ranged(float, lambda v: v > 0, "a positive number of seconds")
+entropy_bound = _ranged(float, lambda v: 0 < v <= FLOAT32_MAX, f"a number in (0, {FLOAT32_MAX:.4g}]")  # = config's
+port = _ranged(int, lambda v: 0 <= v <= 65535, "a TCP port in [0, 65535] (0: one the system picks)")
 
 
 class Parser(argparse.ArgumentParser):
@@ -74,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-denoising-steps", type=positive_int, default=None, help="denoise steps per block at most")
     g.add_argument("--temperature", type=non_negative_number, default=None, metavar="T",
                    help="scales the checkpoint's temperature schedule (GenerationConfig.with_temperature); 0 = greedy")
-    g.add_argument("--entropy-bound", type=float, default=None, metavar="X",
+    g.add_argument("--entropy-bound", type=entropy_bound, default=None, metavar="X",
                    help="entropy bound of the acceptance rule (default: generation config)")
     g.add_argument("--stop", action="append", default=None, metavar="S",
                    help="stop string (repeatable): the output ends before its first occurrence, across blocks too")
@@ -122,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
                                      "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics")
     s.add_argument("--model", type=Path, default=None, help="checkpoint directory; default: the built-in demo model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=port, default=8000, help="port (default 8000)")
     s.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                    help="rows of the engine's one compiled bucket: requests running at once (default 8)")
     s.add_argument("--max-queue", type=positive_int, default=256, metavar="N",

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..demo import DEMO_MODEL
 from .args import DEFAULT_BATCH_SIZE
 from .prompts import PromptLine, _encode, _read_inputs
-from .run import _apply_threads, _load, _quantize, _retain_host_memory, _runner, _shared
+from .run import _apply_threads, _load, _quantize, _runner, _shared
 
 
 def generate_command(args: argparse.Namespace, ranks=None) -> int:
@@ -91,7 +91,6 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
 
         canvas = {"canvas": [canvas_of(args.template, config, model.config.vocab_size, tokenizer, name="template")]}
     threads = _apply_threads(args, model)
-    _retain_host_memory(model)
     run, costs = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
 
     first_block: list[float] = []
@@ -179,7 +178,6 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
     summary = ""
     if chunks:
         threads = _apply_threads(args, model)
-        _retain_host_memory(model)
         rows = min(batch, max(len(c) for c in chunks))
         first = chunks[0]
         run, costs = _runner(model, args, rows, slots, first[0].config,

@@ -33,16 +33,6 @@ def _apply_threads(args: argparse.Namespace, model) -> int:
     return n
 
 
-def _retain_host_memory(model) -> None:
-    """On CPU, keep the memory a step frees for the next one (`host_memory.retain_freed_memory`: no page faults on
-    every step's temporaries; the process's resident memory stays at its high-water mark). A process-wide setting,
-    so the commands make it (they own the process), never the library."""
-    if model.device.type == "cpu":
-        from ..host_memory import retain_freed_memory
-
-        retain_freed_memory()
-
-
 Run = Callable[..., object]  # (prompts, config, seed=..., on_block=...) -> GenerationOutput
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..demo import DEMO_MODEL
-from .run import _apply_threads, _background, _load, _retain_host_memory
+from .run import _apply_threads, _background, _load
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -60,7 +60,6 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     model = _load(model_dir, args, ranks)
     tokenizer = load_tokenizer(model_dir)
     threads = _apply_threads(args, model)
-    _retain_host_memory(model)
     metrics = ServeMetrics()
     start = time.perf_counter()
     fatal: list[str] = []

@@ -140,7 +140,7 @@ def _follower(argv: list[str], rank: int, world: int, port: int) -> None:
                       MASTER_PORT=str(port))
     from ..cli import main
 
-    code = main(argv)
+    code = main(argv, owns_process=True)  # a rank is a process of its own
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
