@@ -121,3 +121,12 @@ def checkpoint_id(directory: str | None) -> str:
     stamp = max((f.stat().st_mtime for f in files), default=0)
     when = datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"{directory} (weights sha256 {h.hexdigest()[:12]}, written {when})"
+
+
+def publish(lines: list[str], out: Path | None) -> str:
+    """A report's markdown lines joined, printed, and written to `out` when given; returns the text."""
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if out:
+        out.write_text(report)
+    return report

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.environment import device_name, git_commit, load_average, today, versions
+from bench.environment import device_name, git_commit, load_average, publish, today, versions
 
 REPO = Path(__file__).resolve().parents[1]
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -163,10 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in scaled_rows.items():
         lines.append(f"| {name} | {r['dtype']} | {r['wall_s']:.1f} | {r['wall_s'] / base['wall_s']:.2f}x | "
                      f"{r['answers'] == base['answers']} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

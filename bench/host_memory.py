@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.environment import device_name, git_commit, load_average, today, versions
+from bench.environment import device_name, git_commit, load_average, publish, today, versions
 
 REPO = Path(__file__).resolve().parents[1]
 CODE = r"""
@@ -90,10 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {v} | {ms[v]:.2f} | {faults[v]:.0f} | {per_round} |")
     lines += ["", f"- default / retain: **{ms['default'] / ms['retain']:.2f}x** of the medians, {paired:.2f}x paired "
               "(the median over rounds of each round's ratio)"]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

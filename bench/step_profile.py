@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch._inductor import config as inductor_config
 
-from bench.environment import device_name, git_commit, load_average, today, versions
+from bench.environment import device_name, git_commit, load_average, publish, today, versions
 
 CALL = "step_profile::step"
 GROUPS: tuple[tuple[str, str], ...] = (
@@ -136,10 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         short = name if len(name) <= 90 else name[:87] + "..."
         lines.append(f"| {short.replace('|', chr(92) + '|')} | {us:.1f} | {100 * us / total:.1f}% "
                      f"| {count[name]:.3g} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

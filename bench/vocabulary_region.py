@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.environment import device_name, git_commit, load_average, today, versions
+from bench.environment import device_name, git_commit, load_average, publish, today, versions
 from dgemma_compile import sampler
 
 SOFTCAP = 30.0  # the released checkpoint's final_logit_softcapping
@@ -125,10 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["", f"- before / after: **{before / after:.2f}x** of the medians, {paired:.2f}x paired (the median "
               f"over rounds of each round's ratio)",
               "- outputs equal bit for bit: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items())]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    publish(lines, args.out)
     if not all(same.values()):
         raise SystemExit("the two compositions gave different bits")
 
