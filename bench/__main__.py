@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per system (default: $OMP_NUM_THREADS or 1)")
     p.add_argument("--host-memory", choices=("retain", "default"), default="retain",
                    help="CPU: every worker keeps the memory it frees (`dgemma_compile.host_memory`, what the CLI does), "
-                        "so no system's steps page-fault their temporaries in afresh; default: the C library's own")
+                        "so no system's steps page-fault their temporaries in afresh (not with --in-process: a "
+                        "process-wide setting stays out of the caller's process); default: the C library's own")
     p.add_argument("--bandwidth", type=float, default=None,
                    help="memory bandwidth in B/s for the roofline (default: 4.8e12 on CUDA; on CPU a measured "
                         "single-thread copy bandwidth)")
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         dtype = "bfloat16"  # quantized rows are compared with bf16 ours-compiled: every system loads in bf16
         log("quantized system(s) chosen: --dtype bfloat16 for every system (the baseline is bf16 ours-compiled)")
     load_start, started = environment.load_average(), environment.now()
+    # a process-wide allocator setting: only in the workers' own processes, never in a caller's (--in-process, tests)
+    retain = args.host_memory == "retain" and device == "cpu" and not args.in_process
     peaks = _Peaks(args, device)
 
     sections, csv_sections, dtypes, orders = [], [], set(), {}
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"{spec.name} / {work.describe()}")
         payloads = [dict(system=system, model=dataclasses.asdict(spec), workload=wspec.to_dict(), device=device,
                          dtype=dtype, threads=threads, max_seq_len=args.max_seq_len,
-                         host_memory=args.host_memory == "retain" and device == "cpu")
+                         host_memory=retain)
                     for system in chosen]
         measured = runner.measure(payloads, wspec.repeats, interleave=not args.sequential, isolated=not args.in_process,
                                   timeout_s=args.timeout_s, budget_s=args.budget_s, deadline=deadline, log=log)
@@ -182,8 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
                   "interleaved: systems prepared (compile, warm-up) one at a time, then timed repeats round-robin "
                   "(repeat 1 of every system in the order listed, then repeat 2, ...)"),
         memory=("CUDA max_memory_allocated during the timed passes" if device.startswith("cuda") else
-                "resident-set high-water mark (VmHWM) during the timed passes, weights included; freed host "
-                f"memory {'retained in every worker (dgemma_compile.host_memory)' if args.host_memory == 'retain' else 'returned as the C library decides'}"),
+                "resident-set high-water mark (VmHWM) during the timed passes, weights included; freed host memory "
+                + ("retained in every worker (dgemma_compile.host_memory)" if retain else
+                   "returned as the C library decides")),
         load=f"load average 1/5/15 min at start {load_start}, at end {environment.load_average()} "
              f"({os.cpu_count()} logical CPUs)",
         started=started, finished=environment.now(), note=" ".join([args.note, "Roofline " + "; ".join(peaks.why) + "."]).strip())
