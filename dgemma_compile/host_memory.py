@@ -34,10 +34,11 @@ larger: a mapping of their own, returned when freed, is what glibc does best wit
 def retain_freed_memory() -> str:
     """Make glibc keep freed blocks of up to `MMAP_THRESHOLD_MAX` in the process: such blocks come from the heaps
     (`M_MMAP_THRESHOLD`, fixed at its maximum instead of glibc's dynamic one) and no heap is trimmed
-    (`M_TRIM_THRESHOLD` at its maximum). Process-wide: `cli.main` run inside another program sets it there too.
+    (`M_TRIM_THRESHOLD` at its maximum). Process-wide, so the CLI calls it only when it owns its process (`cli.main`'s
+    `owns_process`) and `python -m bench` only in its worker processes.
 
-    Returns a short description of what was done, for the log: "glibc X: freed memory retained", or why nothing
-    changed ("not Linux", "no glibc mallopt", "mallopt refused ..."). Never raises: on another C library the
+    Returns a short description of what was done, for the log: "glibc X: freed memory retained", or why it was not
+    ("unchanged (not Linux)", "unchanged (no glibc mallopt)", "not retained (glibc X mallopt refused ...)"). Never raises: on another C library the
     process keeps its allocator's own behaviour.
     """
     if not sys.platform.startswith("linux"):
@@ -54,5 +55,5 @@ def retain_freed_memory() -> str:
                                                ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, 2**31 - 1))
                if mallopt(param, value) != 1]
     if refused:
-        return f"unchanged (glibc {version().decode()} mallopt refused {', '.join(refused)})"
+        return f"not retained (glibc {version().decode()} mallopt refused {', '.join(refused)})"
     return f"glibc {version().decode()}: freed memory retained"
