@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
                    help="static committed slots of the compiled caches (default: just enough for the workload)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per system (default: $OMP_NUM_THREADS or 1)")
     p.add_argument("--host-memory", choices=("retain", "default"), default="retain",
-                   help="CPU: every worker keeps the memory it frees (`dgemma_compile.host_memory`, what the CLI does), "
+                   help="CPU: every worker keeps the memory it frees (`dgemma_compile.cli.host_memory`, what the CLI does), "
                         "so no system's steps page-fault their temporaries in afresh (not with --in-process: a "
                         "process-wide setting stays out of the caller's process); default: the C library's own")
     p.add_argument("--bandwidth", type=float, default=None,
@@ -116,7 +116,7 @@ class _Peaks:
 
 
 def _roofline(spec: models.ModelSpec, work: workloads.Workload, dtype: str, peaks: _Peaks) -> roofline.Roofline:
-    from dgemma_compile.loader import load_configs
+    from dgemma_compile.model.loader import load_configs
 
     mcfg = load_configs(spec.checkpoint)[0] if spec.has_checkpoint else models.full_config(tiny=spec.direct == "full-tiny")
     prompts = [len(p) for r in work.requests for p in r.prompts]
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "(repeat 1 of every system in the order listed, then repeat 2, ...)"),
         memory=("CUDA max_memory_allocated during the timed passes" if device.startswith("cuda") else
                 "resident-set high-water mark (VmHWM) during the timed passes, weights included; freed host memory "
-                + ("retained in every worker (dgemma_compile.host_memory)" if retain else
+                + ("retained in every worker (dgemma_compile.cli.host_memory)" if retain else
                    "returned as the C library decides")),
         load=f"load average 1/5/15 min at start {load_start}, at end {environment.load_average()} "
              f"({os.cpu_count()} logical CPUs)",

@@ -14,7 +14,7 @@ inputs, which Inductor's CPU flex template needs), as our step's plan is:
   than C run in C-token chunks. It ends by filling the step's plan for the new lengths.
 - `step`: the forward over tok [B, 1] (a one-token causal pass reading S+1 slots; the larger block_size only leaves
   unused block slots, it adds no reads), `model.logits`, argmax into `tok`; then it fills its own plan for the next
-  token, inside the unit (as `steps.mixed_step` refreshes its plan).
+  token, inside the unit (as `mixed_step.mixed_step` refreshes its plan).
 The cache holds block_size = C rather than 1 so that the prompt is encoded in C-token compiled chunks like ours,
 instead of one forward per prompt token; decode forwards are unaffected.
 """
@@ -26,9 +26,9 @@ import time
 import torch
 
 from dgemma_compile.compile import CompileOptions, UnitFactory
-from dgemma_compile.ops.moe import resolve_moe_impl
-from dgemma_compile.phases import ENCODER
-from dgemma_compile.plan import PlanBuffers, every_row
+from dgemma_compile.kernels.moe.op import resolve_moe_impl
+from dgemma_compile.step.phases import ENCODER
+from dgemma_compile.model.plan import PlanBuffers, every_row
 
 
 class ARBaseline:

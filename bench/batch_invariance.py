@@ -91,7 +91,7 @@ def cost(model_name: str, reps: int) -> list[str]:
     V, C = model.config.vocab_size, model.config.canvas_length
     if model_name == "demo":  # held-out task prompts (as bench/serve.py)
         from dgemma_compile.demo import DEMO_MODEL, tasks
-        from dgemma_compile.text import encode_prompt
+        from dgemma_compile.inputs.text import encode_prompt
 
         tok = dg.load_tokenizer(DEMO_MODEL)
         prompts = [encode_prompt(tok, q, bos_token_id=model.config.bos_token_id)

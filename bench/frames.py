@@ -9,7 +9,7 @@ default, the compiled generator's step with `--compiled` (compile time reported 
 Each round runs it twice, without and with frames (`RowRequest.frames`), alternating which goes first; the runs'
 tokens must be equal. `--without-only` runs only the request without frames: run under another checkout
 (`PYTHONPATH` at a commit before frames, whose driver has no frames) it gives the before figure of the step, whose
-frame writes (`steps.DenoiseState.accepted` / `entropy`) every request now pays. Per run, each iteration's `Driver.step` wall time is recorded (the step, the report
+frame writes (`mixed_step.DenoiseState.accepted` / `entropy`) every request now pays. Per run, each iteration's `Driver.step` wall time is recorded (the step, the report
 read, and for the framed run the frames read, `Iteration.frames_s`), split into denoise iterations (the row
 stepped) and the others (prefill, commit). Reported: medians over all rounds of the denoise iterations' time
 without and with frames, their difference and ratio, the frames read alone, and the unframed run's
@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.bucket import Bucket
+from dgemma_compile.step.row_table import RowTable
 from dgemma_compile.demo import DEMO_MODEL
-from dgemma_compile.driver import Driver
-from dgemma_compile.generate import RequestStats
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.step.driver import Driver
+from dgemma_compile.step.requests import RequestStats
+from dgemma_compile.inputs.text import encode_prompt
 
 from . import environment
 
@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
 
         gen = build(model, CompileOptions(batch_buckets=(1,), max_seq_len=SLOTS))
         compile_s = gen.warmup(1, cfg)
-        bucket, step = gen.bucket(cfg), f"compiled ({gen.step_source}, {compile_s:.1f} s apart)"
+        row_table, step = gen.row_table(cfg), f"compiled ({gen.step_source}, {compile_s:.1f} s apart)"
     else:
-        bucket, step = Bucket(model, (1,), max_seq_len=SLOTS, max_denoising_steps=64), "eager"
-    driver = Driver(bucket)
+        row_table, step = RowTable(model, (1,), max_seq_len=SLOTS, max_denoising_steps=64), "eager"
+    driver = Driver(row_table)
     names = [PLAIN] if args.without_only else [PLAIN, FRAMED]
     for name in names:  # warm-up, excluded
         run_once(driver, prompt, cfg, name == FRAMED)

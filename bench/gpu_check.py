@@ -8,16 +8,16 @@ bench/gpu_rehearse.sh): wall-clock timings instead of CUDA events, no CUDA graph
 the CUDA kernel against the CPU op).
 
 1. Demo model, float32 on CUDA: compiled tokens must equal eager tokens (several prompts, blocks, batch sizes).
-2. Reports, per batch size of the bucket (`Bucket.views()`), whether its compiled step's CUDA graph was captured or
+2. Reports, per batch size of the bucket (`RowTable.views()`), whether its compiled step's CUDA graph was captured or
    why it fell back (logged).
 3. The public `Observer` hook on CUDA (CUDA-event spans): eager, one `on_step` per denoise step and block ends
    0, 1, ... in order; compiled, one `on_step` per iteration of the driver (prefill chunks and commits included, so
    at least one per decoder pass) and one "step[B{b}_...]" unit span per `on_step`; positive durations
    (`check_observer`, which also runs on a CPU: tests/test_bench.py).
 4. Per-step latency (median of CUDA-event timings) of a denoise step at context 512, eager (`denoise_block` over the
-   same buffers) vs compiled (`BucketView.step` of size 1 with one request in row 0 denoising), for the demo model
+   same buffers) vs compiled (`Bucket.step` of size 1 with one request in row 0 denoising), for the demo model
    and for a random-weight bf16 model with DiffusionGemma-like proportions.
-5. `dgemma::sample_step`'s CUDA implementation (the Triton kernel, `templates/sample_step.py`; what the
+5. `dgemma::sample_step`'s CUDA implementation (the Triton kernel, `kernels/sample/triton_kernel.py`; what the
    `sample_step_fusion` pass puts in every compiled denoise step) against its CPU implementation at the released
    vocabulary (bf16 logits [2, 256, 262144], softcap 30, one greedy row): argmax identical, sampled ids identical at
    >= 99.9% of positions (float32 sums in another order may move a draw at a chunk boundary), entropy and
@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dgemma_compile as dg  # noqa: E402
 from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
 from dgemma_compile.compile import CompileOptions, build  # noqa: E402
-from dgemma_compile.config import ModelConfig, RopeConfig  # noqa: E402
-from dgemma_compile.model import DiffusionGemma  # noqa: E402
-from dgemma_compile.phases import Phase  # noqa: E402
-from dgemma_compile.uniform import denoise_block  # noqa: E402
+from dgemma_compile.model.config import ModelConfig, RopeConfig  # noqa: E402
+from dgemma_compile.model.backbone import DiffusionGemma  # noqa: E402
+from dgemma_compile.step.phases import Phase  # noqa: E402
+from dgemma_compile.model.forwards import denoise_block  # noqa: E402
 
 
 def cuda_ms(fn, repeats: int) -> float:
@@ -81,8 +81,8 @@ def check_tokens(model, gen) -> bool:
         same = eager.sequences == compiled.sequences and eager.stats == compiled.stats
         print(f"tokens compiled == eager (batch {len(ps)}): {same}")
         ok &= same
-    for bucket in gen.buckets:
-        for view in bucket.views():
+    for row_table in gen.row_tables:
+        for view in row_table.views():
             unit = view.step
             state = "captured" if unit.graph is not None else f"no graph ({unit.graph_error or 'not captured yet'})"
             print(f"  {view.name}: {state}, called by {unit.strategy!r}, {unit.calls} calls")
@@ -136,7 +136,7 @@ CONTEXT = 512
 
 
 def step_latency(model, label: str, repeats: int) -> None:
-    """A denoise step at context `CONTEXT`, batch 1: the compiled step of size 1 (`BucketView.step`) with one request
+    """A denoise step at context `CONTEXT`, batch 1: the compiled step of size 1 (`Bucket.step`) with one request
     in row 0 denoising (its prompt of `CONTEXT` tokens prefilled by the step), vs the eager `denoise_block` over the
     same buffers. Each compiled step advances the row (its block may end): the row is re-admitted and prefilled
     again (untimed) whenever it is not DENOISE, and each timing is of one call."""
@@ -145,8 +145,8 @@ def step_latency(model, label: str, repeats: int) -> None:
     gen.warmup(1)
     compile_s = time.perf_counter() - t0
     cfg = model.generation_config.resolved(model.config)
-    bucket = gen.bucket(cfg)
-    view = bucket.view(1)
+    row_table = gen.row_table(cfg)
+    view = row_table.view(1)
     prompt = [model.config.bos_token_id] + [3 + i % 20 for i in range(CONTEXT - 1)]
     readmits = -1
 
@@ -156,7 +156,7 @@ def step_latency(model, label: str, repeats: int) -> None:
         if phase() == Phase.DENOISE:
             return
         if phase() != Phase.PREFILL:
-            bucket.admit(0, prompt, cfg, 0)
+            row_table.admit(0, prompt, cfg, 0)
             view.refresh()
             readmits += 1
         while phase() == Phase.PREFILL:
@@ -201,7 +201,7 @@ def scaled_model(device) -> DiffusionGemma:
 
 
 def check_sample_step_kernel(repeats: int) -> bool:
-    from dgemma_compile import sampler
+    from dgemma_compile.step import sampler
 
     g = torch.Generator().manual_seed(0)
     B, C, V = 2, 256, 262_144

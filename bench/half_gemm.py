@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 GEMM_CODE = """
 import json, time, torch
-from dgemma_compile import compute_dtype
+from dgemma_compile.model import compute_dtype
 torch.set_num_threads(1)
 out = {}
 for m, k, n in [(256, 1024, 4096), compute_dtype.PROBE_SHAPE]:

@@ -1,5 +1,5 @@
 """`python -m bench.host_memory`: the compiled denoise step with glibc's default allocator behaviour and with freed
-memory retained (`dgemma_compile.host_memory.retain_freed_memory`, what the CLI does on CPU), side by side.
+memory retained (`dgemma_compile.cli.host_memory.retain_freed_memory`, what the CLI does on CPU), side by side.
 
     python -m bench.host_memory --model scaled --rounds 4 --steps 30
     python -m bench.host_memory --model demo --rounds 4 --steps 300 --out bench/results/host_memory_demo_cpu_$(date +%F).md
@@ -29,7 +29,7 @@ import json, resource, statistics, sys, time, torch
 torch.set_num_threads(1)
 said = "default"
 if sys.argv[2] == "retain":
-    from dgemma_compile.host_memory import retain_freed_memory
+    from dgemma_compile.cli.host_memory import retain_freed_memory
     said = retain_freed_memory()
 import dgemma_compile as dg
 from bench import models

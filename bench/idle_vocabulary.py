@@ -31,7 +31,7 @@ import torch
 import dgemma_compile as dg
 from dgemma_compile.compile import CompileOptions, build
 from dgemma_compile.demo import DEMO_MODEL
-from dgemma_compile.rows import Report
+from dgemma_compile.step.rows import Report
 
 from . import environment, models, workloads
 
@@ -62,8 +62,8 @@ def _count(gen, wl: workloads.Workload) -> tuple[int, int]:
     """(forwards, forwards in which no row sampled) of one pass, each step's report read after it (untimed)."""
     counts = [0, 0]
     wrapped = []
-    for bucket in gen.buckets:
-        for view in bucket.views():
+    for row_table in gen.row_tables:
+        for view in row_table.views():
             def counted(view=view, unit=view.step):
                 unit()
                 counts[0] += 1

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.images import Image, prefill_images, prepare
+from dgemma_compile.inputs.images import Image, prefill_images, prepare
 
 from .environment import device_name, git_commit
 

@@ -5,8 +5,8 @@ one size (8), side by side in one run on the demo model.
     OMP_NUM_THREADS=1 python -m bench.mixed_step --quick      # a smoke run: 8 requests, 1 round (compiles 5 steps)
     python -m bench.mixed_step --device cuda
 
-Every iteration of an engine runs one forward, the bucket's compiled step (`steps.mixed_step`), at the smallest of
-its batch sizes that holds every busy row (`Bucket.size_for`): with sizes (1, 2, 4, 8) a lone request runs at batch 1,
+Every iteration of an engine runs one forward, the bucket's compiled step (`mixed_step.mixed_step`), at the smallest of
+its batch sizes that holds every busy row (`RowTable.size_for`): with sizes (1, 2, 4, 8) a lone request runs at batch 1,
 with (8,) every iteration runs all 8 rows, idle ones included. Two compiled generators on the same model
 (`CompileOptions(batch_buckets=...)`, 256 slots, the device's commit-fusion default), every size warmed before the
 rounds (`gen.warmup(b)`, compile time reported apart), and an engine over each (`build_engine(generator=gen)`).
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     from dgemma_compile.compile import CompileOptions, build
     from dgemma_compile.demo import DEMO_MODEL, tasks
     from dgemma_runtime import build_engine
-    from dgemma_compile.text import encode_prompt
+    from dgemma_compile.inputs.text import encode_prompt
 
     model, tok = dg.load(DEMO_MODEL, device=args.device), dg.load_tokenizer(DEMO_MODEL)
     texts = [q for _, q, _ in tasks.make_split("heldout", args.requests, seed=0)]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dgemma_compile.config import FULL, SLIDING, GenerationConfig, ModelConfig, RopeConfig
+from dgemma_compile.model.config import FULL, SLIDING, GenerationConfig, ModelConfig, RopeConfig
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "dgemma_compile" / "demo" / "model"
 CACHE_ROOT = Path("/tmp/dgemma_bench")
@@ -128,7 +128,7 @@ def build_direct(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
     """Our `DiffusionGemma(cfg)` with random weights allocated directly on `device` in `dtype` (never a float32 copy):
     built on the meta device, then every tensor allocated and filled in place, as the loader does. Matrices
     ~ N(0, 0.02); norm weights, router scales and layer scalars 1."""
-    from dgemma_compile.model import DiffusionGemma
+    from dgemma_compile.model.backbone import DiffusionGemma
 
     with torch.device("meta"):
         model = DiffusionGemma(cfg)

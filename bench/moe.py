@@ -1,4 +1,4 @@
-"""Routed-expert implementations side by side: why `ops.moe.resolve_moe_impl` picks what it picks.
+"""Routed-expert implementations side by side: why `kernels.moe.op.resolve_moe_impl` picks what it picks.
 
     OMP_NUM_THREADS=1 python -m bench.moe [--repeats 30] [--out bench/results]
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dgemma_compile import ops
+from dgemma_compile import kernels as ops
 from dgemma_compile.compile.options import CompileOptions
 from dgemma_compile.compile.units import UnitFactory, compile_isolated
 

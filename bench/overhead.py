@@ -6,9 +6,9 @@ with guards skipped, and direct calls of the compiled graph (the default).
 
 The demo model, `build(model, CompileOptions(batch_buckets=(1,), max_seq_len=256, direct_calls=..., skip_guards=...))`,
 `warmup(1)` (compile time reported apart), then the size-1 view of the bucket serving the demo's own generation config
-(`gen.bucket(config).view(1)`) runs one request as the compiled generator would: admitted into row 0
-(`Bucket.admit`), its 64-token prompt encoded by prefill iterations of the step, until the row is DENOISE. Then the
-step (`BucketView.step`, one `CompiledUnit`) is timed call after call, each call one denoise step of that row; each
+(`gen.row_table(config).view(1)`) runs one request as the compiled generator would: admitted into row 0
+(`RowTable.admit`), its 64-token prompt encoded by prefill iterations of the step, until the row is DENOISE. Then the
+step (`Bucket.step`, one `CompiledUnit`) is timed call after call, each call one denoise step of that row; each
 step advances the row, so before every timed call the row's phase is read (untimed) and, once its block has ended
 (COMMIT, or FREE when the request ended), the request is admitted afresh and prefilled again (untimed), so that every
 timed call is a denoise step at the same context (prompt + block 0). Three generators on the same model take turns in
@@ -44,7 +44,7 @@ import dgemma_compile as dg
 from dgemma_compile.compile import CompileOptions, applied
 from dgemma_compile.compile.units import guards_skipped
 from dgemma_compile.demo import DEMO_MODEL
-from dgemma_compile.phases import Phase
+from dgemma_compile.step.phases import Phase
 
 from . import environment
 
@@ -64,8 +64,8 @@ class MidRequest:
 
     def __init__(self, gen, model, prompt_len: int = PROMPT_LEN):
         self.cfg = model.generation_config.resolved(model.config)
-        self.bucket = gen.bucket(self.cfg)
-        self.view = self.bucket.view(1)
+        self.row_table = gen.row_table(self.cfg)
+        self.view = self.row_table.view(1)
         self.prompt = [model.config.bos_token_id] + [3 + i % 20 for i in range(prompt_len - 1)]
         self.admissions = 0
         self.ready()
@@ -80,7 +80,7 @@ class MidRequest:
             return
         with torch.no_grad():
             if self.phase() != Phase.PREFILL:
-                self.bucket.admit(0, self.prompt, self.cfg, 0)
+                self.row_table.admit(0, self.prompt, self.cfg, 0)
                 self.view.refresh()
                 self.admissions += 1
             while self.phase() == Phase.PREFILL:

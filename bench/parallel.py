@@ -6,7 +6,7 @@
 Per (N, experts split), each rank (a process of `parallel.spawn`, 1 intra-op thread) builds the same random-weight
 slice (`slice_config`: the release's widths -- hidden 2816, 16 query heads, sliding 8 KV heads of 256 and full 2 of
 512, dense MLP 2112, experts of 704 -- with 2 layers, 8 experts top 2, canvas 256, `--vocab` ids), shards it
-(`parallel.shard`, N > 1) and runs the eager reference's steps (`generate.EagerSteps`, as `dg.generate` does):
+(`parallel.shard`, N > 1) and runs the eager reference's steps (`oracle.EagerSteps`, as `dg.generate` does):
 - bytes: `parallel.traffic.measure_steps` counts the collectives of one prefill chunk, denoise step and commit
   (calls, payload and ring wire bytes per rank), beside `traffic.analytic_bytes`; whatever the step holds is counted,
   so after a change of the sharding (the vocabulary-parallel sampler drops the logits gather) a re-run gives the
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import environment, models, roofline  # noqa: E402
-from dgemma_compile.config import FULL, SLIDING, GenerationConfig, ModelConfig, RopeConfig  # noqa: E402
+from dgemma_compile.model.config import FULL, SLIDING, GenerationConfig, ModelConfig, RopeConfig  # noqa: E402
 
 NVLINK_BYTES_PER_S = 450e9
 """H200 NVLink 4: 900 GB/s per GPU in both directions together, ~450 GB/s a direction (NVIDIA's spec)."""
@@ -59,8 +59,8 @@ def _rank(rank: int, world: int, out_dir: str, vocab: int, experts: str, repeats
     import torch.distributed as dist
 
     from dgemma_compile import parallel
-    from dgemma_compile.generate import EagerSteps, prefill
-    from dgemma_compile.uniform import denoise_block
+    from dgemma_compile.oracle import EagerSteps, prefill
+    from dgemma_compile.model.forwards import denoise_block
     from dgemma_compile.parallel.traffic import CollectiveCounter, measure_steps
 
     if world > 1:
@@ -191,7 +191,7 @@ def report(results: dict, args, started: str, balance: dict | None = None) -> st
              "Model: the release's widths (hidden 2816, 16 query heads, sliding 8 KV heads of 256, full 2 of 512, dense "
              f"MLP 2112, experts of 704), 2 layers (sliding, full), 8 experts top 2, canvas 256, vocabulary "
              f"{args.vocab}, random float32 weights (`bench.parallel.slice_config`); batch 1, a prompt of "
-             f"{args.prompt_len} tokens, the eager reference's steps (`generate.EagerSteps`, experts impl \"loop\").",
+             f"{args.prompt_len} tokens, the eager reference's steps (`oracle.EagerSteps`, experts impl \"loop\").",
              "", "## Per rank and denoise step, measured", "",
              "| N | experts | ms / step (rank 0, median) | ms / step (slowest rank) | gloo ms / step (collectives "
              "alone) | gloo share | collectives | payload MB | wire MB (ring) | analytic MB | max |logits - 1 rank| | "

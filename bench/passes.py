@@ -7,7 +7,7 @@ released vocabulary.
 `time`: the demo model, one compiled generator with every pass (defaults), one with `CompileOptions.disabled_passes`
 naming them all, and one with `sample_step_fusion` forced on at the demo's size (`sample_step_fusion_min_bytes=0`),
 each with the size-1 view of its bucket set up mid-request (`overhead.MidRequest`: a 64-token prompt encoded, block 0
-in flight; re-admitted, untimed, whenever the block ends), its step (`BucketView.step`) called `--calls` times per
+in flight; re-admitted, untimed, whenever the block ends), its step (`Bucket.step`) called `--calls` times per
 round, each call a denoise step, the variants taking turns for `--rounds` rounds. Reports the median, p10 and p90 of
 the unit call per variant, and whether the passes-on median lies inside the passes-off p10-p90 band (issue 13's CPU
 target).
@@ -42,8 +42,8 @@ import torch
 
 import dgemma_compile as dg
 from dgemma_compile.compile import CompileOptions
-from dgemma_compile.passes import PASS_NAMES
-from dgemma_compile.phases import Phase
+from dgemma_compile.compile.passes import PASS_NAMES
+from dgemma_compile.step.phases import Phase
 
 from . import environment
 
@@ -131,7 +131,7 @@ def _rss_kib(field: str) -> int:
 def memory_child(passes: str, batch: int) -> dict:
     """In this process: compile the step of the 2-layer released-width model at `batch`, call it twice (a prefill
     iteration, then a denoise step of every row), measure the second call (see the module docstring)."""
-    from dgemma_compile.config import FULL, SLIDING
+    from dgemma_compile.model.config import FULL, SLIDING
 
     from .models import build_direct, full_config
 
@@ -142,10 +142,10 @@ def memory_child(passes: str, batch: int) -> dict:
     gen = dg.build(model, CompileOptions(batch_buckets=(batch,), max_seq_len=512,
                                          disabled_passes=PASS_NAMES if passes == "off" else ()))
     config = model.generation_config.resolved(model.config)
-    bucket = gen.bucket(config)
-    view = bucket.view(batch)
+    row_table = gen.row_table(config)
+    view = row_table.view(batch)
     for row in range(batch):
-        bucket.admit(row, [cfg.bos_token_id] + [3 + i for i in range(7)], config, row)
+        row_table.admit(row, [cfg.bos_token_id] + [3 + i for i in range(7)], config, row)
     view.refresh()
     t = time.perf_counter()
     with torch.no_grad():

@@ -26,7 +26,7 @@ from pathlib import Path
 import dgemma_compile as dg
 from dgemma_compile.demo import DEMO_MODEL
 from dgemma_compile.demo import tasks as T
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.inputs.text import encode_prompt
 
 from . import environment
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dgemma_compile.config import SLIDING, ModelConfig
+from dgemma_compile.model.config import SLIDING, ModelConfig
 
 H200_BANDWIDTH = 4.8e12  # B/s, HBM3e spec
 H200_BF16_FLOPS = 989e12  # dense bf16 spec (about 790e12 measured in practice)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from dgemma_compile import rng, sampler
+from dgemma_compile.step import rng, sampler
 
 
 def _time(fn, repeats: int) -> float:

@@ -99,7 +99,7 @@ def _offline(prompts: list[str], batch: int, max_seq_len: int) -> tuple[dict, di
     import dgemma_compile as dg
     from dgemma_compile.compile import CompileOptions
     from dgemma_compile.demo import DEMO_MODEL
-    from dgemma_compile.text import Detokenizer, encode_prompt
+    from dgemma_compile.inputs.text import Detokenizer, encode_prompt
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)

@@ -1,7 +1,7 @@
 """The one way a bench script starts `dgemma serve`: `running_server(flags)`, a subprocess on a loopback port, ready
 when its `/health` answers 200, stopped (SIGINT, then killed) on exit. Used by `bench.serve` (the load test),
-`bench.clients` (the field's clients) and `bench.schemathesis` (the fuzzer); `bench.startup` times its own start and
-`bench.before_after` runs in other trees' workers, so they keep theirs.
+`bench.clients` (the field's clients) and `bench.schemathesis` (the fuzzer); `bench.startup` times its own start, so
+it keeps its own.
 """
 
 from __future__ import annotations

@@ -69,13 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=8, help="denoise steps profiled (and timed unprofiled)")
     ap.add_argument("--top", type=int, default=25, help="events listed one by one")
     ap.add_argument("--retain-host-memory", action="store_true",
-                    help="keep freed host memory in the process first (`dgemma_compile.host_memory`, as the CLI does)")
+                    help="keep freed host memory in the process first (`dgemma_compile.cli.host_memory`, as the CLI does)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     host = "as the C library decides"
     if args.retain_host_memory:
-        from dgemma_compile.host_memory import retain_freed_memory
+        from dgemma_compile.cli.host_memory import retain_freed_memory
 
         host = retain_freed_memory()
     inductor_config.cpp.enable_kernel_profile = True

@@ -1,6 +1,6 @@
 """The systems under test and where each one's steps are timed (`session.py` prepares and repeats them).
 
-- ours-compiled: `dg.build(model).generate`, one compiled step per batch size (`steps.mixed_step` over the bucket's
+- ours-compiled: `dg.build(model).generate`, one compiled step per batch size (`mixed_step.mixed_step` over the bucket's
   rows, each row in its own phase: prefill chunk, denoise step, commit); a step is one iteration of the compiled
   driver reported to a public `dgemma_compile.Observer` (`on_step`), so prefill chunks and (unfused) commits are
   steps too, beside the denoise steps; the compiled unit alone is its `on_unit` span ("step[B{b}_...]"). Its block
@@ -8,7 +8,7 @@
 - ours-eager: `dg.generate(model, ...)`, the eager reference loop; steps from the same `Observer.on_step` (denoise
   steps only: its prefill and commits are not step spans).
 - ours-step-eager: ours-compiled's generator with its steps deferred (`gen.defer()`, never released), so every step
-  is the one step (`steps.mixed_step`) run uncompiled: the step `dgemma generate` answers with while the compiled
+  is the one step (`mixed_step.mixed_step`) run uncompiled: the step `dgemma generate` answers with while the compiled
   step compiles in the background (the same tokens). Timed as ours-compiled (`on_step`: one iteration; `on_unit`:
   the step alone).
 - hf-eager: transformers `DiffusionGemmaForBlockDiffusion.generate` (dynamic cache); timed at its
@@ -180,7 +180,7 @@ class OursCompiled(_Ours):
             self.timing = self.timing.replace("the compiled step", "the step run uncompiled (gen.defer())", 1)
         else:
             self.compile_s = self.gen.warmup(B, ctx.cfg)
-        self.bucket = self.gen.bucket(ctx.cfg)
+        self.row_table = self.gen.row_table(ctx.cfg)
 
     def _on_block(self):
         rec, seen = self.ctx.rec, set()
@@ -198,7 +198,7 @@ class OursCompiled(_Ours):
     def finish(self) -> None:
         super().finish()
         ctx = self.ctx
-        from dgemma_compile.sampler import SCHEME
+        from dgemma_compile.step.sampler import SCHEME
 
         ctx.notes.append(f"finished blocks: one [b] event flag read per iteration, sampling {SCHEME}, "
                          f"moe_impl {self.gen.moe_impl}, commit fusion {'on' if self.gen.fuse_commit else 'off'}"
@@ -208,7 +208,7 @@ class OursCompiled(_Ours):
         if not self.eager:
             ctx.notes.append(f"compile s = gen.warmup({ctx.batch}) wall time (Inductor {self.gen.compile_seconds:.1f} s "
                              "of it)")
-        _graph_notes(ctx, [v.step for v in self.bucket.views()])
+        _graph_notes(ctx, [v.step for v in self.row_table.views()])
 
 
 def _weights(ctx: Context, scheme: str | None) -> None:
@@ -355,7 +355,7 @@ def make(system: str, ctx: Context) -> System:
 def workload_for(spec: models.ModelSpec, wspec: workloads.WorkloadSpec):
     """(Workload, tokenizer or None): real task prompts and a tokenizer for the demo's adaptive workload."""
     import dgemma_compile as dg
-    from dgemma_compile.loader import load_configs
+    from dgemma_compile.model.loader import load_configs
 
     if spec.has_checkpoint:
         mcfg, gcfg = load_configs(spec.checkpoint)

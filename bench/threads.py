@@ -6,7 +6,7 @@ The job is `dgemma generate "sort 3 1 2 9 5="` as the CLI runs it: the demo mode
 bucket and a static cache rounded up to 256 slots, compiled (or loaded from Inductor's cache) before timing, seed 0.
 Each cell runs in its own process (no OMP_NUM_THREADS; the thread count is set with torch.set_num_threads before
 compiling, as the CLI does): `--threads 1`, `--threads 2`, and the default, which the worker chooses with
-`dgemma_compile.threads.recommended_threads` after the busy process started (so its /proc/stat sample sees it).
+`dgemma_compile.cli.threads.recommended_threads` after the busy process started (so its /proc/stat sample sees it).
 "Busy" is a spin loop in a subprocess this script starts and kills (bounded: it ends by itself after
 --max-seconds + 30 minutes). The three cells of a condition are started one after another (each compiles, or loads
 Inductor's cache, then waits), then take turns in rounds of 2 requests, so that a shared machine's drift spreads
@@ -82,9 +82,9 @@ def worker(threads: str) -> None:
     sys.path.insert(0, str(REPO))
     import dgemma_compile as dg
     from dgemma_compile.demo import DEMO_MODEL
-    from dgemma_compile.generate import plan_requests
-    from dgemma_compile.text import encode_prompt
-    from dgemma_compile.threads import free_cpus, recommended_threads
+    from dgemma_compile.step.requests import plan_requests
+    from dgemma_compile.inputs.text import encode_prompt
+    from dgemma_compile.cli.threads import free_cpus, recommended_threads
 
     warnings.filterwarnings("ignore")
     model, tok = dg.load(DEMO_MODEL), dg.load_tokenizer(DEMO_MODEL)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "each cell in its own process (compile or Inductor-cache load before timing), the cells of a condition timed "
         "in interleaved rounds of 2 requests, medians over the runs",
         "- busy: one spin-loop process started by the script (killed after the busy cells)",
-        "- default: `dgemma_compile.threads.recommended_threads(model)`, chosen in the worker after the busy process "
+        "- default: `dgemma_compile.cli.threads.recommended_threads(model)`, chosen in the worker after the busy process "
         "started; the CLI applies the same unless --threads or OMP_NUM_THREADS is given",
         f"- device: {machine()}",
         f"- versions: {versions()}",

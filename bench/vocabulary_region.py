@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.environment import device_name, git_commit, load_average, publish, today, versions
-from dgemma_compile import sampler
+from dgemma_compile.step import sampler
 
 SOFTCAP = 30.0  # the released checkpoint's final_logit_softcapping
 

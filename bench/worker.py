@@ -63,7 +63,7 @@ class Worker:
         self.system = payload["system"]
         torch.set_num_threads(int(payload["threads"]))
         if payload.get("host_memory"):  # every system alike (`python -m bench --host-memory`)
-            from dgemma_compile.host_memory import retain_freed_memory
+            from dgemma_compile.cli.host_memory import retain_freed_memory
 
             retain_freed_memory()
         start = time.perf_counter()

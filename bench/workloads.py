@@ -17,7 +17,7 @@ import dataclasses
 import random
 from dataclasses import dataclass, field
 
-from dgemma_compile.config import GenerationConfig, ModelConfig
+from dgemma_compile.model.config import GenerationConfig, ModelConfig
 
 KINDS = ("fixed", "adaptive")
 

@@ -13,33 +13,33 @@ something compiles (`tests/test_imports.py`).
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .canvas import Canvas
     from .compile import CompiledGenerator, CompileOptions, build
-    from .config import ConfigError, GenerationConfig, ModelConfig
-    from .generate import GenerationOutput, RequestStats, generate
-    from .kv_cache import CacheFullError, KVCache
-    from .loader import CheckpointError, load, load_tokenizer
-    from .model import DiffusionGemma
-    from .observe import Observer
+    from .model.backbone import DiffusionGemma
+    from .model.config import ConfigError, GenerationConfig, ModelConfig
+    from .model.forwards import denoise, encode
+    from .model.kv_cache import CacheFullError, KVCache
+    from .model.loader import CheckpointError, load, load_tokenizer
+    from .oracle import generate
     from .quant import QuantReport, quantize
-    from .uniform import denoise, encode
+    from .step.canvas import Canvas
+    from .step.observe import Observer
+    from .step.requests import GenerationOutput, RequestStats
 
 _SOURCES = {
-    "canvas": ("Canvas",),
     "compile": ("CompiledGenerator", "CompileOptions", "build"),
-    "config": ("ConfigError", "GenerationConfig", "ModelConfig"),
-    "generate": ("GenerationOutput", "RequestStats", "generate"),
-    "kv_cache": ("CacheFullError", "KVCache"),
-    "loader": ("CheckpointError", "load", "load_tokenizer"),
-    "model": ("DiffusionGemma",),
-    "observe": ("Observer",),
+    "model.backbone": ("DiffusionGemma",),
+    "model.config": ("ConfigError", "GenerationConfig", "ModelConfig"),
+    "model.forwards": ("denoise", "encode"),
+    "model.kv_cache": ("CacheFullError", "KVCache"),
+    "model.loader": ("CheckpointError", "load", "load_tokenizer"),
+    "oracle": ("generate",),
     "quant": ("QuantReport", "quantize"),
-    "uniform": ("denoise", "encode"),
+    "step.canvas": ("Canvas",),
+    "step.observe": ("Observer",),
+    "step.requests": ("GenerationOutput", "RequestStats"),
 }
 _SUBMODULE = {name: sub for sub, names in _SOURCES.items() for name in names}
 """Public name -> the submodule (of this package) it is imported from on first use."""
@@ -62,19 +62,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """This package's module type. The import system binds each submodule it imports on its package
-    (`dgemma_compile.generate = <module dgemma_compile.generate>`); where a public name is also a submodule's name
-    (`generate`), the name keeps the submodule's object of that name, as the eager `from .generate import generate`
-    did: `dgemma_compile.generate` is the function whatever was imported first."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if (_SUBMODULE.get(name) == name and isinstance(value, types.ModuleType)
-                and value.__name__ == f"{__name__}.{name}"):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -1,17 +1,17 @@
-"""The serving engine: continuous batching of requests over the rows of one `bucket.Bucket`, a user of the one
+"""The serving engine: continuous batching of requests over the rows of one `row_table.RowTable`, a user of the one
 driver (`driver.Driver`: admit, step, read the report, finalize, retire) with a thread, a queue, KV pages and events
 around it; its admissions, cancellations and stop come from a schedule source (`ScheduleSource`: its own, or under
 tensor parallel rank 0's, `runtime/parallel.py`).
 
-Every iteration (`Engine.step`) runs ONE forward, the bucket's step (`steps.mixed_step`), over the smallest of the
-bucket's batch sizes that holds every busy row (`Bucket.size_for`: requests are admitted into the lowest free row,
+Every iteration (`Engine.step`) runs ONE forward, the bucket's step (`mixed_step.mixed_step`), over the smallest of the
+bucket's batch sizes that holds every busy row (`RowTable.size_for`: requests are admitted into the lowest free row,
 so a lone request runs at batch 1 whatever `max_batch` is); each row is in its own phase (`phases.py`: prefill
 chunk, denoise step, commit -- fused with the next block's first step where the bucket fuses commits -- or idle),
 with the phase transitions decided on the device. An iteration:
 
-1. retires cancelled requests and admits queued ones into free rows (`Bucket.admit`: the per-row inputs, the row
+1. retires cancelled requests and admits queued ones into free rows (`RowTable.admit`: the per-row inputs, the row
    state, the cache row; nothing is recompiled, every value is written into the bucket's static buffers); if the
-   host changed any row, or the batch size changes, refills the plan of the size it runs (`BucketView.refresh`);
+   host changed any row, or the batch size changes, refills the plan of the size it runs (`Bucket.refresh`);
 2. runs the step (compiled: one unit per batch size, compiled on first use with a log line; `build_engine` compiles
    the smallest before the engine starts);
 3. reads the step's report (`rows.Report`, int64 [b, K]: what each row did -- prompt tokens encoded, stepped,
@@ -38,7 +38,7 @@ Numerics: the step is per-row deterministic within a bucket (batch-invariant row
 request's tokens equal its solo `gen.generate` run whatever its batch mates, phases, row and batch size.
 
 KV memory: over a static cache each row owns max_seq_len committed slots. Over a `kv_cache.PagedKVCache` (a bucket
-built with `page_size`) the rows draw pages from one pool (`kv_memory.PagedMemory`): a request waits in the queue
+built with `page_size`) the rows draw pages from one pool (`kv.memory.PagedMemory`): a request waits in the queue
 until its pages are available, holds them until it retires, and with the prefix cache (on by default) starts its
 prefill after the cached full pages its prompt starts with (`EngineStats.prefix_hit_tokens`, `prefill_tokens`:
 `RowState.prefilled` and the cache row's length start at the hit), waiting for those another row is computing.
@@ -70,19 +70,19 @@ from typing import Any, Protocol
 
 import torch
 
-from dgemma_compile.config import ConfigError, GenerationConfig
-from dgemma_compile.bucket import Bucket
-from dgemma_compile.constraint import Constraint, RowGrammar, row_grammars
-from dgemma_compile.driver import Driver, Finished
-from dgemma_compile.canvas import Canvas, canvas_of
-from dgemma_compile.frames import CanvasFrame
-from dgemma_compile.generate import STRUCTURAL, RequestStats, check_slots, plan_requests
-from dgemma_compile.images import ImagePrompt
-from dgemma_compile.images import prepare as prepare_images
-from dgemma_compile.model import DiffusionGemma
-from dgemma_compile.rows import RowReport
-from dgemma_compile.text import StopStrings
-from .kv_memory import PagedMemory
+from dgemma_compile.model.config import ConfigError, GenerationConfig
+from dgemma_compile.step.row_table import RowTable
+from dgemma_compile.inputs.constraint import Constraint, RowGrammar, row_grammars
+from dgemma_compile.step.driver import Driver, Finished
+from dgemma_compile.step.canvas import Canvas, canvas_of
+from dgemma_compile.step.frames import CanvasFrame
+from dgemma_compile.step.requests import STRUCTURAL, RequestStats, check_slots, plan_requests
+from dgemma_compile.inputs.images import ImagePrompt
+from dgemma_compile.inputs.images import prepare as prepare_images
+from dgemma_compile.model.backbone import DiffusionGemma
+from dgemma_compile.step.rows import RowReport
+from dgemma_compile.inputs.text import StopStrings
+from .kv.memory import PagedMemory
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class BlockEvent:
     `text` its canvas's text (special tokens skipped); never a finish, nothing committed."""
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     """With `Request.logprobs` = k: per token of `tokens`, (its log-probability, the k most likely (id, log p)) in the
-    denoise step whose argmax canvas was committed (`steps.logprobs`: temperature 1); None otherwise."""
+    denoise step whose argmax canvas was committed (`mixed_step.logprobs`: temperature 1); None otherwise."""
 
 
 @dataclass(eq=False)
@@ -136,7 +136,7 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     submitted: float = 0.0
     matcher: StopStrings | None = None
-    slots: int = 0  # committed slots it can need (`generate.plan_requests`)
+    slots: int = 0  # committed slots it can need (`requests.plan_requests`)
     draft_every: int = 0
     frames: bool = False
     """A live canvas frame event after each of its denoise steps (`BlockEvent.frame`)."""
@@ -154,7 +154,7 @@ class Request:
     """The constraint's xgrammar `CompiledGrammar` made before `submit` (the server's grammar workers,
     `grammars.GrammarService`); None: `submit` compiles it in the calling thread."""
     canvas: Canvas | None = None
-    """Its seeded or pinned canvas (`dgemma_compile.canvas`): each block's slice written into its row by the driver;
+    """Its seeded or pinned canvas (`dgemma_compile.step.canvas`): each block's slice written into its row by the driver;
     None: every position free."""
 
 
@@ -240,8 +240,8 @@ class Engine:
 
     Args:
         model: the model the bucket's step runs.
-        bucket: a `bucket.Bucket` (eager, or a compiled generator's: `gen.bucket(...)`); its rows are the engine's B.
-        config: the structural config every request must share (`generate.STRUCTURAL`); default the model's.
+        bucket: a `row_table.RowTable` (eager, or a compiled generator's: `gen.row_table(...)`); its rows are the engine's B.
+        config: the structural config every request must share (`requests.STRUCTURAL`); default the model's.
         tokenizer: detokenizes events (`BlockEvent.text`) and matches stop strings; None: no text.
         max_queue: requests waiting for a row at most; more raise `QueueFullError`.
         compiles: returns the compile counter of the bucket's generator (`CompiledGenerator.compiles`), read by
@@ -261,11 +261,11 @@ class Engine:
             prefill on a chunk boundary).
     """
 
-    def __init__(self, model: DiffusionGemma, bucket: Bucket, *, config: GenerationConfig | None = None,
+    def __init__(self, model: DiffusionGemma, row_table: RowTable, *, config: GenerationConfig | None = None,
                  tokenizer=None, max_queue: int = 256, compiles: Callable[[], Counter] | None = None, metrics=None,
                  prefix_cache: bool = True, poll: Callable[[], None] | None = None,
                  schedule: ScheduleSource | None = None, on_fatal: Callable[[str], None] | None = None):
-        self.model, self.bucket, self.tokenizer = model, bucket, tokenizer
+        self.model, self.row_table, self.tokenizer = model, row_table, tokenizer
         self.config = (config or model.generation_config).resolved(model.config)
         self.structural = {f: getattr(self.config, f) for f in STRUCTURAL}
         self.schedule = schedule or LocalSchedule()
@@ -289,21 +289,21 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._baseline = Counter(compiles()) if compiles is not None else Counter()
-        for view in bucket.views():
+        for view in row_table.views():
             view.unit.check_owners()
-        self.driver = Driver(bucket)  # the row table's host side (clears the bucket)
-        self.memory = PagedMemory(bucket.cache, self.C, prefix_cache) if bucket.paged else None
+        self.driver = Driver(row_table)  # the row table's host side (clears the bucket)
+        self.memory = PagedMemory(row_table.cache, self.C, prefix_cache) if row_table.paged else None
 
     # ----- requests ------------------------------------------------------------------------------------------------
     @property
     def max_logprobs(self) -> int | None:
         """The most alternatives per token a request may ask log-probabilities for (the bucket's; None: no
         logprobs)."""
-        return self.bucket.max_logprobs
+        return self.row_table.max_logprobs
 
     @property
     def max_seq_len(self) -> int:
-        return self.bucket.cache.max_seq_len
+        return self.row_table.cache.max_seq_len
 
     def bucket_table(self) -> list[dict]:
         """The engine's batch sizes over its one row table, a row each: rows (the size); tokens per row of a forward
@@ -312,7 +312,7 @@ class Engine:
         runs it now: "compiled", "loaded" from the compile cache, "eager" -- an eager engine, or a compiled one whose
         background compile has not finished -- or null: not made or not run yet). `dgemma serve` prints it at startup
         and `/health` returns it."""
-        bk = self.bucket
+        bk = self.row_table
         out = []
         for size in bk.sizes:
             view = bk.made(size)
@@ -344,7 +344,7 @@ class Engine:
         """Validate one request against the model and this engine's bucket; returns the resolved config.
 
         Raises:
-            ConfigError: as `generate.plan_requests` (empty prompt, ids outside the vocabulary, prompt +
+            ConfigError: as `requests.plan_requests` (empty prompt, ids outside the vocabulary, prompt +
                 max_new_tokens beyond the model's context, bad seed); committed slots beyond the cache
                 (`max_seq_len`); more denoise steps than the temperature table; a structural field different from the
                 engine's; image placeholders in a prompt without `images` (as the generators refuse them).
@@ -360,7 +360,7 @@ class Engine:
         check_slots(needed, self.max_seq_len, "the server's max_seq_len")
         if self.memory is not None:
             self.memory.check(needed)
-        width = self.bucket.inputs.temperature.shape[1]
+        width = self.row_table.inputs.temperature.shape[1]
         if cfg.max_denoising_steps > width:
             raise ConfigError("max_denoising_steps", f"{cfg.max_denoising_steps} is more than this server allows "
                               f"({width})")
@@ -413,7 +413,7 @@ class Engine:
         request.config, request.slots = self._check(request.prompt, request.config, request.seed, request.images)
         if request.canvas is not None:  # ids in the vocabulary, within the budget (`canvas.canvas_of`)
             if not isinstance(request.canvas, Canvas):
-                raise ConfigError("canvas", f"must be a dgemma_compile.canvas.Canvas, got {type(request.canvas).__name__}")
+                raise ConfigError("canvas", f"must be a dgemma_compile.step.canvas.Canvas, got {type(request.canvas).__name__}")
             canvas_of(request.canvas, request.config, self.model.config.vocab_size)
 
         request.prompt = list(request.prompt)
@@ -633,7 +633,7 @@ class Engine:
             self._emit(req, BlockEvent(req, frame.tokens, text, None, len(req.sequence), block=frame.block,
                                        step=frame.step, frame=frame))
         asking = [f.row for f in it.finished if self.driver.rows[f.row].logprobs is not None]
-        lps = dict(zip(asking, self.bucket.read_logprobs(asking, max(self.driver.rows[b].logprobs for b in asking))
+        lps = dict(zip(asking, self.row_table.read_logprobs(asking, max(self.driver.rows[b].logprobs for b in asking))
                        if asking else []))
         for f in it.finished:
             self._end_block(f, logprobs=lps.get(f.row))
@@ -701,7 +701,7 @@ class Engine:
                 asking.append((b, rep))
         if not asking:
             return
-        canvases = self.bucket.state.argmax[torch.tensor([b for b, _ in asking])].tolist()
+        canvases = self.row_table.state.argmax[torch.tensor([b for b, _ in asking])].tolist()
         for (b, rep), canvas in zip(asking, canvases):
             req = self.driver.rows[b]
             cfg = req.config
@@ -803,14 +803,14 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     `config.DEFAULT_MAX_SEQ_LEN`; the smallest size compiles here, the others on first use, logged) or, with `eager`,
     the eager step. `generator`: reuse a compiled generator (tests share one with `gen.generate`); its
     `batch_buckets` are the sizes, its `fuse_commit` decides fusion. `fuse_commit`: commit fusion (rows of 2C tokens,
-    see `steps.py`; the tokens of `generate(fuse_commit=True)`); None: `CompileOptions.fuse_commit`'s default (on for
+    see `mixed_step.py`; the tokens of `generate(fuse_commit=True)`); None: `CompileOptions.fuse_commit`'s default (on for
     CUDA, off for CPU, where the doubled rows cost more than the forward they save). `page_size` (a multiple of the
     canvas length with the prefix cache): a paged KV cache of `kv_pages` pages (default: the static cache's memory)
     shared by the rows, with a prefix cache unless `prefix_cache` is False (see the module docstring, "KV memory").
     `batch_invariant`: `CompileOptions.batch_invariant` (None: on for CPU); eagerly, on means moe "dense"
     (batch-invariant), off "loop" (transformers' order); `Engine.batch_invariant` tells which ran. `max_logprobs`: the
     most alternatives per token a request's logprobs may ask for (each step keeps that many per position:
-    `steps.logprobs`; vLLM's default 20; compiled, `CompileOptions.max_logprobs`, a given generator's). The engine is
+    `mixed_step.logprobs`; vLLM's default 20; compiled, `CompileOptions.max_logprobs`, a given generator's). The engine is
     not started (`Engine.start`). `schedule`: the engine's `ScheduleSource` (default its own); under tensor parallel
     (the model sharded by `parallel.shard`) a `runtime.parallel.ParallelSchedule` over the ranks' host channel, every
     rank building its engine the same way, rank 0 serving and the others `follow()`ing its schedule; `on_fatal`
@@ -826,7 +826,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
             cache, a `page_size` that is not a multiple of the canvas length.
         ValueError: `kv_cache.new_paged_cache`'s (max_seq_len not a multiple of page_size)."""
     from dgemma_compile.compile import CompileOptions, build
-    from dgemma_compile.config import DEFAULT_MAX_SEQ_LEN
+    from dgemma_compile.model.config import DEFAULT_MAX_SEQ_LEN
 
     if max_seq_len is None:
         max_seq_len = min(model.config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
@@ -847,10 +847,10 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
     paging = dict(page_size=page_size, kv_pages=kv_pages) if page_size is not None else {}
     if eager:
         on = CompileOptions(batch_invariant=batch_invariant).batch_invariance(model.device.type)
-        bucket = Bucket(model, batch_sizes, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
+        row_table = RowTable(model, batch_sizes, max_seq_len=max_seq_len, max_denoising_steps=max_denoising_steps,
                         config=config, fuse_commit=fuse, moe_impl="dense" if on else "loop", max_logprobs=max_logprobs,
                         skip_idle_vocabulary=CompileOptions().idle_vocabulary_skip(model.device.type), **paging)
-        engine = Engine(model, bucket, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
+        engine = Engine(model, row_table, tokenizer=tokenizer, max_queue=max_queue, metrics=metrics,
                         prefix_cache=prefix_cache, schedule=schedule, on_fatal=on_fatal)
         engine.batch_invariant = on
         return engine
@@ -861,7 +861,7 @@ def build_engine(model: DiffusionGemma, *, max_batch: int = 8, max_seq_len: int 
         gen.defer(None)
     else:
         gen.warmup(1, config, **paging)  # the smallest size: a lone first request never waits for a compile
-    engine = Engine(model, gen.bucket(config, **paging), config=config, tokenizer=tokenizer, max_queue=max_queue,
+    engine = Engine(model, gen.row_table(config, **paging), config=config, tokenizer=tokenizer, max_queue=max_queue,
                     compiles=lambda: gen.compiles, metrics=metrics, prefix_cache=prefix_cache, poll=gen.poll,
                     schedule=schedule, on_fatal=on_fatal)
     engine.batch_invariant = gen.batch_invariant

@@ -36,10 +36,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from dgemma_compile.config import GenerationConfig
-from dgemma_compile.canvas import Canvas
-from dgemma_compile.constraint import Constraint
-from dgemma_compile.images import ImagePrompt
+from dgemma_compile.model.config import GenerationConfig
+from dgemma_compile.step.canvas import Canvas
+from dgemma_compile.inputs.constraint import Constraint
+from dgemma_compile.inputs.images import ImagePrompt
 from .engine import Request, Schedule
 
 log = logging.getLogger(__name__)

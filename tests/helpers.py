@@ -152,7 +152,7 @@ def assert_sparsity_of_create_block_mask(mask_mod, B, q_len, kv_len, block_size)
     """`block_sparsity` gives create_block_mask's partial and full blocks, tensor for tensor (counts and order)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dgemma_compile.masks import block_sparsity
+    from dgemma_compile.model.masks import block_sparsity
 
     ref = create_block_mask(mask_mod, B, None, q_len, kv_len, device="cpu", BLOCK_SIZE=block_size)
     got = block_sparsity(mask_mod, B, q_len, kv_len, block_size, "cpu")
@@ -187,7 +187,7 @@ def wait_for_health(proc, port: int, *, timeout_s: float) -> None:
 def assert_same_parts(a, b, what: str) -> None:
     """Two weights hold the same parts bitwise: plain tensors, torchao tensors (codes, scales and an NVFP4 per-tensor
     scale) or `ExpertProjection`s (weight and scales); 1-byte parts compared as bytes (fp8 has NaN codes)."""
-    from dgemma_compile.model import ExpertProjection
+    from dgemma_compile.model.backbone import ExpertProjection
     from dgemma_compile.parallel.quantized import is_quantized
 
     def parts(t):
@@ -210,7 +210,7 @@ class RowReq:
     optionally a grammar (`constraint.RowGrammar`); no images, frames or canvas."""
 
     def __init__(self, prompt, config, seed, grammar=None):
-        from dgemma_compile.generate import RequestStats
+        from dgemma_compile.step.requests import RequestStats
 
         self.prompt, self.config, self.seed, self.images, self.grammar = prompt, config, seed, None, grammar
         self.sequence, self.stats, self.frames, self.canvas = [], RequestStats(), False, None

@@ -12,7 +12,7 @@ has M a multiple of the canvas (16 demo, 256 released), so no fixed-M call is ne
 (bucket 1 against bucket 8) and eagerly at the released width in bfloat16.
 
 The recorded signal per row and live step is the soft embedding of the step's softmax((logits - max) / T)
-(`steps.DenoiseState.sc_embeds`), a per-row function of that step's logits, plus the final sequences.
+(`mixed_step.DenoiseState.sc_embeds`), a per-row function of that step's logits, plus the final sequences.
 """
 
 import random
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.generate import EagerSteps, plan_requests, run_block_diffusion
+from dgemma_compile.oracle import EagerSteps, run_block_diffusion
+from dgemma_compile.step.requests import plan_requests
 
 # the issue's settings: no row stops on confidence, at most 8 denoise steps per block
 SETTINGS = dict(confidence_threshold=1e9, max_denoising_steps=8, max_new_tokens=48)
@@ -47,18 +48,18 @@ def _compiled_run(gen, cfg):
     """run(prompts, seeds) for `_assert_invariant` through `gen.generate`: each view's step of the bucket is wrapped to
     keep, per request (request r runs in row r: the call's requests fit the rows), a copy of its self-conditioning
     input after each step its row stepped."""
-    from dgemma_compile.phases import stepping
+    from dgemma_compile.step.phases import stepping
 
-    bucket = gen.bucket(cfg)
+    row_table = gen.row_table(cfg)
 
     def run(prompts, seeds):
         trace = [[] for _ in prompts]
-        for size in bucket.sizes:
-            view = bucket.view(size)
+        for size in row_table.sizes:
+            view = row_table.view(size)
             step = getattr(view, "unwrapped", view.step)
 
             def record(view=view, step=step):
-                live = stepping(view.row_state.phase, fused=bucket.fuse_commit).tolist()
+                live = stepping(view.row_state.phase, fused=row_table.fuse_commit).tolist()
                 step()
                 for r in (r for r, on in enumerate(live) if on and r < len(prompts)):
                     trace[r].append(view.state.sc_embeds[r].clone())
@@ -67,7 +68,7 @@ def _compiled_run(gen, cfg):
         try:
             return gen.generate(prompts, cfg, seed=seeds), trace
         finally:
-            for view in bucket.views():
+            for view in row_table.views():
                 view.step = view.unwrapped
 
     return run
@@ -135,7 +136,7 @@ def test_compiled_rows_are_bitwise_invariant_across_buckets(demo):
     model, _ = demo
     cfg = model.generation_config.replace(**SETTINGS)
     gen = build(model, CompileOptions(batch_buckets=(1, 8), max_seq_len=256, batch_invariant=True))
-    # size 1 ready first: a driver runs a lone row at the smallest READY size (`Bucket.warm`), which after the batch
+    # size 1 ready first: a driver runs a lone row at the smallest READY size (`RowTable.warm`), which after the batch
     # of 8 would otherwise be size 8, and this test compares the two sizes
     gen.warmup(1, cfg)
     run = _compiled_run(gen, cfg)
@@ -158,7 +159,7 @@ def released_width_model(dtype: torch.dtype, num_experts: int = 8, top_k: int = 
     model: the lm_head's and the self-conditioning product's other dimension; their GEMM rows, what batching changes,
     stay B x 256), so that the test runs in well under a minute."""
     from bench.models import build_direct, full_config
-    from dgemma_compile.config import FULL, SLIDING
+    from dgemma_compile.model.config import FULL, SLIDING
 
     base = full_config()
     layers = (SLIDING, FULL)
@@ -190,7 +191,7 @@ def test_released_width_logits_are_bitwise_batch_invariant_in_the_hosts_compute_
     float32 on CPU at a canvas of 256). Fixed shapes as in the engine: prompts padded to one 256-token chunk, a cache
     of 512 slots for every batch size. Rows: 2 prompts of 200 and 120 tokens; the solo run of the second (a third row
     of 30 tokens added time and no case: the batch's rows already differ in length and position)."""
-    from dgemma_compile import compute_dtype
+    from dgemma_compile.model import compute_dtype
 
     dtype, _ = compute_dtype.for_host(torch.bfloat16, torch.device("cpu"))
     if not _gemm_is_row_invariant(dtype):

@@ -200,7 +200,7 @@ def test_bench_uses_public_api_only(tmp_path):
     assert len(files) >= 10
     assert [b for f in files for b in _private_uses(f)] == []
     probe = tmp_path / "probe.py"  # the checker flags what it exists for, so the empty list above means something
-    probe.write_text("gen._buckets\nfrom dgemma_compile.generate import _seeds\npatched(CompiledSteps, 'step', f)\n"
+    probe.write_text("gen._buckets\nfrom dgemma_compile.step.requests import _seeds\npatched(CompiledSteps, 'step', f)\n"
                      "getattr(gen, '_buckets')\nself._x\nmodel._denoising_step\npatched(m, '_denoising_step', f)\n")
     assert len(_private_uses(probe)) == 4
 

@@ -18,7 +18,7 @@ import pytest
 import dgemma_compile as dg
 
 pytestmark = pytest.mark.slow  # CLI runs, most in a subprocess (torch + transformers imports: ~2-9 s)
-from dgemma_compile.text import REPLACEMENT
+from dgemma_compile.inputs.text import REPLACEMENT
 from helpers import write_checkpoint
 from test_text import TEMPLATE_NO_BOS, write_byte_bpe
 
@@ -193,7 +193,7 @@ def test_threads_flag_reaches_the_stats_line(tiny_dir):
 def test_threads_precedence_flag_then_environment_then_recommendation(tiny_dir, monkeypatch):
     import torch
 
-    from dgemma_compile import threads
+    from dgemma_compile.cli import threads
     from dgemma_compile.cli.run import _apply_threads
 
     model = dg.load(tiny_dir)
@@ -354,7 +354,7 @@ def test_sampling_flags_are_validated_in_one_line(tiny_dir, args, message):
 def test_stop_string_temperature_and_entropy_bound_flags(tiny_dir):
     """--temperature 0 (greedy, through with_temperature), --entropy-bound and --stop against the library run with
     the same config and the same stop hook."""
-    from dgemma_compile.text import StopStrings
+    from dgemma_compile.inputs.text import StopStrings
 
     model, tok = dg.load(tiny_dir), dg.load_tokenizer(tiny_dir)
     cfg = model.generation_config.replace(max_new_tokens=24, max_denoising_steps=3, entropy_bound=0.7,
@@ -377,7 +377,7 @@ def test_quick_start_command_prints_the_answer(demo):
     """The README's main job, compiled, on the built-in demo model; also the compiled single-prompt path against the
     eager library on the same prompt, config, seed and cache size, and its stats line."""
     from dgemma_compile.cli import SLOT_ROUNDING
-    from dgemma_compile.text import encode_prompt
+    from dgemma_compile.inputs.text import encode_prompt
 
     prompt = "sort 3 1 2 9 5="
     res = run_cli("generate", prompt, timeout=900)

@@ -10,7 +10,7 @@ import dgemma_compile as dg
 
 pytestmark = pytest.mark.slow  # compiles (shared through the session fixture `tiny_compiled`)
 from dgemma_compile.compile import CompileOptions, CudaGraphs, UnitFactory, build
-from dgemma_compile.config import ConfigError
+from dgemma_compile.model.config import ConfigError
 
 PROMPTS = [[2, 5, 6], [2, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [2, 20, 21, 22, 23, 24]]
 
@@ -45,7 +45,7 @@ def test_nan_left_in_unused_cache_slots_cannot_reach_the_next_request(tiny):
     model, gen = tiny
     cfg = dg.GenerationConfig(max_new_tokens=12, max_denoising_steps=4, t_min=0.8, t_max=1.2, eos_token_ids=(1,))
     gen.generate(PROMPTS[:2], cfg, seed=[1, 2])
-    cache = gen.bucket(cfg).cache
+    cache = gen.row_table(cfg).cache
     S = cache.max_seq_len
     for t in (*cache.keys, *cache.values):
         for row, length in enumerate(cache.lengths.tolist()):
@@ -209,7 +209,7 @@ def test_warmup_captures_the_step_before_any_request(tiny_dir):
     gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256), graphs=graphs)
     cfg = dg.GenerationConfig(max_new_tokens=12, max_denoising_steps=3, eos_token_ids=(1,))
     gen.warmup(1, cfg)
-    (view,) = gen.bucket(cfg).views()
+    (view,) = gen.row_table(cfg).views()
     assert (graphs.warm_ups, graphs.captures, graphs.replays) == (1, 1, 0) and view.step.strategy == "cuda graph"
     out = gen.generate(PROMPTS[:2], cfg, seed=[5, 6])
     assert graphs.captures == 1 and graphs.replays == view.step.calls - 1 > 0

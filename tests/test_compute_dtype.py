@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile import compute_dtype
+from dgemma_compile.model import compute_dtype
 from helpers import hf_model, write_checkpoint
 
 # ATen's and oneDNN's own switches to the code paths of an AVX2-only CPU: on any x86 host they run a bf16 GEMM through
@@ -33,7 +33,7 @@ def bf16_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_probe_finds_the_avx2_paths_bf16_gemm_slow_and_float32_unaffected():
-    code = ("import torch; from dgemma_compile import compute_dtype as c; p = c.probe(torch.bfloat16); "
+    code = ("import torch; from dgemma_compile.model import compute_dtype as c; p = c.probe(torch.bfloat16); "
             "print(p.ratio, p.slow)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **AVX2_ONLY}, capture_output=True,
                          text=True, check=True, timeout=120).stdout.split()

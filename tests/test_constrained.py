@@ -15,10 +15,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dgemma_compile as dg
-from dgemma_compile.config import ConfigError
-from dgemma_compile.constraint import Constraint, ConstraintError, GrammarLibrary, bitmask_words
-from dgemma_compile.sampler import MASKED_LOGIT, mask_first
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.inputs.constraint import Constraint, ConstraintError, GrammarLibrary, bitmask_words
+from dgemma_compile.step.sampler import MASKED_LOGIT, mask_first
+from dgemma_compile.inputs.text import encode_prompt
 
 DEMO_PROMPTS = ["sort 3 1 2 9 5=", "add 12 5=", "reverse 1 2 3="]
 SCHEMAS = [  # the held set: nested objects, bounded arrays, enums, numbers, strings with patterns, optional fields
@@ -326,7 +326,7 @@ def test_engine_constrained_rows_equal_the_oracle(demo, fuse):
 @settings(max_examples=20)
 @given(V=st.integers(1, 200), data=st.data())
 def test_pack_bitmask_is_xgrammars_layout(V, data):
-    from dgemma_compile.constraint import pack_bitmask
+    from dgemma_compile.inputs.constraint import pack_bitmask
 
     allowed = torch.tensor([data.draw(st.booleans()) for _ in range(V)])
     words = pack_bitmask(allowed)

@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import dgemma_compile as dg
-from dgemma_compile.bucket import Bucket
-from dgemma_compile.constraint import Constraint, row_grammars
-from dgemma_compile.driver import Driver
+from dgemma_compile.step.row_table import RowTable
+from dgemma_compile.inputs.constraint import Constraint, row_grammars
+from dgemma_compile.step.driver import Driver
 from helpers import RowReq
-from dgemma_compile.phases import FREE
-from dgemma_compile.rows import Report, RowReport
+from dgemma_compile.step.phases import FREE
+from dgemma_compile.step.rows import Report, RowReport
 
 SLOTS = 128
 
@@ -81,9 +81,9 @@ def test_the_report_follows_the_eager_oracles_transitions(demo, batch):
     ref = dg.generate(model, prompts, cfgs, seed=seeds, moe_impl="dense", max_seq_len=SLOTS, fuse_commit=fused,
                       constraint=cons, tokenizer=tok)
 
-    bucket = Bucket(model, tuple(range(1, len(prompts) + 1)), max_seq_len=SLOTS, max_denoising_steps=8,
+    row_table = RowTable(model, tuple(range(1, len(prompts) + 1)), max_seq_len=SLOTS, max_denoising_steps=8,
                     config=cfgs[0], fuse_commit=fused, moe_impl="dense")
-    driver = Driver(bucket)
+    driver = Driver(row_table)
     grammars = row_grammars(model, cons, cfgs, tok)
     reqs = [RowReq(p, c, s, g) for p, c, s, g in zip(prompts, cfgs, seeds, grammars)]
     for b, req in enumerate(reqs):
@@ -103,7 +103,7 @@ def test_the_report_follows_the_eager_oracles_transitions(demo, batch):
         assert req.stats.steps_per_block == st_.steps_per_block
         device_ends = cons[r] is None  # the device never ends a constrained row
         assert seen[r] == _expected(len(prompts[r]), st_.steps_per_block, C, fused, device_ends), f"request {r}"
-    assert all(int(p) == FREE for p in bucket.row_state.phase)
+    assert all(int(p) == FREE for p in row_table.row_state.phase)
 
 
 def test_report_columns_are_the_host_records_fields():
@@ -117,11 +117,11 @@ def test_driver_frees_a_row_whose_admission_failed_and_a_row_the_host_retired(de
     the next request takes it; a request the host retires mid-block frees its row (FREE, frozen) at once."""
     model, _ = demo
     cfg = model.generation_config.resolved(model.config)
-    bucket = Bucket(model, (1, 2), max_seq_len=32, max_denoising_steps=16, config=cfg)
-    driver = Driver(bucket)
+    row_table = RowTable(model, (1, 2), max_seq_len=32, max_denoising_steps=16, config=cfg)
+    driver = Driver(row_table)
     with pytest.raises(ValueError, match="more than the 32 slots"):
         driver.admit(0, RowReq([2] + [5] * 40, cfg, 0))
-    assert driver.free() == [0, 1] and int(bucket.row_state.phase[0]) == FREE
+    assert driver.free() == [0, 1] and int(row_table.row_state.phase[0]) == FREE
     a, b = RowReq([2, 5, 6], cfg, 0), RowReq([2, 7, 8], cfg, 1)
     driver.admit(0, a)
     driver.admit(1, b)
@@ -130,6 +130,6 @@ def test_driver_frees_a_row_whose_admission_failed_and_a_row_the_host_retired(de
     assert all(rep.encoded == 3 and rep.prefilled == 3 for rep in first.reports.values())
     assert driver.step().refresh_s is None  # nothing changed on the host: the step keeps its own plan filled
     assert driver.retire(1) is b and driver.busy() == [0]
-    assert int(bucket.row_state.phase[1]) == FREE and bool(bucket.state.finished[1])
+    assert int(row_table.row_state.phase[1]) == FREE and bool(row_table.state.finished[1])
     it = driver.step()
     assert it.size == 1 and list(it.reports) == [0] and it.refresh_s is not None  # smaller size, refreshed

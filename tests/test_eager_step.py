@@ -1,4 +1,4 @@
-"""The one step run uncompiled (`steps.mixed_step` over a `Bucket` with no unit, or a compiled generator's steps held
+"""The one step run uncompiled (`mixed_step.mixed_step` over a `RowTable` with no unit, or a compiled generator's steps held
 by `defer()`): what makes it fast keeps its numbers. Dense masks equal to what FlexAttention sees, the plan left as
 it is when its inputs are unchanged, one Philox call for the step's noise, bitwise-equal norms, the experts' eager
 implementation; and its tokens are the eager oracle's and the compiled step's on demo prompts.
@@ -14,17 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dgemma_compile as dg
-from dgemma_compile import rng
-from dgemma_compile.bucket import Bucket
+from dgemma_compile.step import rng
+from dgemma_compile.step.row_table import RowTable
 from dgemma_compile.compile import CompileOptions, build
 from dgemma_compile.demo import tasks
-from dgemma_compile.finish import finalize_row
-from dgemma_compile.generate import RequestStats
-from dgemma_compile.masks import block_mask_mod, dense_mask, flex_block_attention, make_block_mask
-from dgemma_compile.model import RMSNorm, eager_attention, rms_normalize
-from dgemma_compile.ops import moe as ops_moe
-from dgemma_compile.phases import DENOISE_MODE, ENCODER, IDLE
-from dgemma_compile.plan import PlanBuffers, build_plan
+from dgemma_compile.step.finish import finalize_row
+from dgemma_compile.step.requests import RequestStats
+from dgemma_compile.model.masks import block_mask_mod, dense_mask, flex_block_attention, make_block_mask
+from dgemma_compile.model.backbone import RMSNorm, eager_attention, rms_normalize
+from dgemma_compile.kernels.moe import op as ops_moe
+from dgemma_compile.step.phases import DENOISER, ENCODER, IDLE
+from dgemma_compile.model.plan import PlanBuffers, build_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 
@@ -129,7 +129,7 @@ def _mixed(model, B=3, S=40, seed=0):
     C = model.config.canvas_length
     cache = model.new_cache(B, S)
     cache.lengths.copy_(torch.tensor([0, 7, 23][:B]))
-    mode = torch.tensor([ENCODER, DENOISE_MODE, IDLE][:B])
+    mode = torch.tensor([ENCODER, DENOISER, IDLE][:B])
     n_new = torch.tensor([5, 0, 0][:B])
     sc = torch.tensor([False, True, False][:B])
     ids = torch.randint(3, model.config.vocab_size, (B, C), generator=g)
@@ -208,7 +208,7 @@ def test_the_eager_step_gives_the_eager_oracles_tokens(demo):
 
 
 def test_an_eager_bucket_serves_the_deferred_steps_tokens(demo):
-    """A `Bucket` with no unit (dense plan masks from the start, no block sparsity: `dgemma serve --eager`'s) steps
+    """A `RowTable` with no unit (dense plan masks from the start, no block sparsity: `dgemma serve --eager`'s) steps
     the same tokens as a compiled generator's held steps (block masks, the dense ones derived each step)."""
     model, tok = demo
     prompts = _heldout(tok, 3, offset=20)
@@ -216,19 +216,19 @@ def test_an_eager_bucket_serves_the_deferred_steps_tokens(demo):
     gen.defer()
     held = gen.generate(prompts, seed=[3, 4, 5])
     cfg = model.generation_config.resolved(model.config)
-    bucket = Bucket(model, (1,), max_seq_len=256, max_denoising_steps=256, config=cfg, moe_impl=gen.moe_impl)
-    view = bucket.view(1)
+    row_table = RowTable(model, (1,), max_seq_len=256, max_denoising_steps=256, config=cfg, moe_impl=gen.moe_impl)
+    view = row_table.view(1)
     assert all(isinstance(m, torch.Tensor) for m in view.plan.plan.masks.values())
     for p, prompt in enumerate(prompts):
-        bucket.clear()
-        bucket.admit(0, prompt, cfg, 3 + p)
+        row_table.clear()
+        row_table.admit(0, prompt, cfg, 3 + p)
         view.refresh()
         sequence, stats, done = [], RequestStats(), False
         while not done:
             view.step()
             report = view.report()[0]
             if report.event:
-                argmax = bucket.read_blocks([0])[0]
+                argmax = row_table.read_blocks([0])[0]
                 _, done = finalize_row(argmax, cfg, sequence, stats, report.steps)
                 assert done == report.done
         assert sequence == held.sequences[p] and stats.steps_per_block == held.stats[p].steps_per_block

@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from dgemma_compile import fetch as F
-from dgemma_compile.config import ConfigError
-from dgemma_compile.preprocess import ImageSources, decode_data_url, open_image_url
+from dgemma_compile.inputs import fetch as F
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.inputs.preprocess import ImageSources, decode_data_url, open_image_url
 
 
 class _Site(http.server.BaseHTTPRequestHandler):

@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, strategies as st
 
 import dgemma_compile as dg
-from dgemma_compile.bucket import Bucket
-from dgemma_compile.finish import finalize_row, request_done
-from dgemma_compile.generate import RequestStats
-from dgemma_compile.phases import FREE
+from dgemma_compile.step.row_table import RowTable
+from dgemma_compile.step.finish import finalize_row, request_done
+from dgemma_compile.step.requests import RequestStats
+from dgemma_compile.step.phases import FREE
 
 C, EOS, PAD = 8, (1, 7), 0
 
@@ -58,16 +58,16 @@ def test_the_step_accepts_a_row_the_host_retired(demo):
     cfg = model.generation_config.resolved(model.config)
     prompt = [2, 5, 6, 7, 8]
 
-    def held(b: Bucket) -> tuple[torch.Tensor, ...]:
+    def held(b: RowTable) -> tuple[torch.Tensor, ...]:
         """Row 1's state that a later admission does not rewrite (the self-conditioning input is read only under
         `has_sc`, which admission clears)."""
         st = b.state
         return st.canvas[1], st.argmax[1], st.history[:, 1], st.steps[1:2], b.cache.lengths[1:2], b.inputs.block[1:2]
 
-    def bucket() -> Bucket:
-        return Bucket(model, (2,), max_seq_len=64, max_denoising_steps=64, config=cfg)
+    def row_table() -> RowTable:
+        return RowTable(model, (2,), max_seq_len=64, max_denoising_steps=64, config=cfg)
 
-    def run(b: Bucket, retire_after: int | None) -> list[list[int]]:
+    def run(b: RowTable, retire_after: int | None) -> list[list[int]]:
         view = b.view(2)
         for row in range(2 if retire_after is not None else 1):
             b.admit(row, prompt, cfg, seed=row)
@@ -86,6 +86,6 @@ def test_the_step_accepts_a_row_the_host_retired(demo):
                     assert torch.equal(before, now)
         return canvases
 
-    retired = bucket()
+    retired = row_table()
     with_mate = run(retired, retire_after=2)
-    assert with_mate == run(bucket(), retire_after=None)
+    assert with_mate == run(row_table(), retire_after=None)

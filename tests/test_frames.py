@@ -25,10 +25,10 @@ import httpx
 import pytest
 
 import dgemma_compile as dg
-from dgemma_compile.bucket import Bucket
+from dgemma_compile.step.row_table import RowTable
 from dgemma_compile.compile import CompileOptions, build
-from dgemma_compile.frames import CanvasFrame
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.step.frames import CanvasFrame
+from dgemma_compile.inputs.text import encode_prompt
 
 FIXTURES = Path(__file__).parent / "fixtures" / "frames"
 SORT = "sort 5 3 9 1 2="
@@ -143,7 +143,7 @@ def test_engine_frame_events(demo):
     cfg = _hot(model).resolved(model.config)
     runs = {}
     for frames in (False, True):
-        engine = Engine(model, Bucket(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+        engine = Engine(model, RowTable(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
         events = []
         req = engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=5, frames=frames,
                                     on_event=events.append))
@@ -275,7 +275,7 @@ def test_live_view_styles_accepted_and_renoised_positions(demo):
     transient (nothing left once it closes)."""
     import io
 
-    from dgemma_compile.live import ACCEPTED, RENOISED, LiveView
+    from dgemma_compile.cli.live import ACCEPTED, RENOISED, LiveView
 
     model, tok = demo
     frame = CanvasFrame(block=1, step=3, tokens=[5, 14, 6, 14], accepted=[True, False, True, True], mean_entropy=0.25)

@@ -8,8 +8,8 @@ from helpers import hf_model, write_checkpoint
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as G
 
 import dgemma_compile as dg
-from dgemma_compile.config import ConfigError
-from dgemma_compile import rng
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.step import rng
 
 # Temperatures so low that sampling is argmax and every position is accepted: no randomness is left except the
 # start canvas of each block, which the test hands to both implementations.

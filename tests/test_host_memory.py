@@ -13,7 +13,7 @@ import ctypes, json, os, re, sys, tempfile
 import torch
 said = "default"
 if sys.argv[1] == "retain":
-    from dgemma_compile.host_memory import retain_freed_memory
+    from dgemma_compile.cli.host_memory import retain_freed_memory
     said = retain_freed_memory()
 libc = ctypes.CDLL(None)
 libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, (ctypes.c_char_p, ctypes.c_char_p)
@@ -64,5 +64,6 @@ def test_blocks_up_to_32_mb_come_from_the_heap_and_stay_when_freed():
     assert default["24"]["live"][0] == default["24"]["start"][0] + 1, default
     mid = retained["24"]
     assert mid["live"][0] == mid["start"][0]
-    assert mid["live"][1] >= mid["start"][1] + 24 * 2**20
+    # the heap grows by the block, less the free space its top already had (a few hundred KB after the imports)
+    assert mid["live"][1] >= mid["start"][1] + 23 * 2**20
     assert mid["freed"][1] == mid["live"][1]

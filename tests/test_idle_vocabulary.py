@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.bucket import Bucket
+from dgemma_compile.step.row_table import RowTable
 from dgemma_compile.compile import CompileOptions
-from dgemma_compile.config import ConfigError
-from dgemma_compile.driver import Driver
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.step.driver import Driver
 from helpers import RowReq
 
 SLOTS = 128
@@ -41,11 +41,11 @@ def _commit_only_forward(driver: Driver, request) -> tuple[torch.Tensor, torch.T
             _, done = driver.finalize(it.finished[0])
             assert not done
             break
-    before = driver.bucket.state.entropy.clone()
+    before = driver.row_table.state.entropy.clone()
     it = driver.step()
     rep = it.reports[0]
     assert rep.committed and not rep.stepped, "the forward after a finished block is a commit-only one"
-    after = driver.bucket.state.entropy.clone()
+    after = driver.row_table.state.entropy.clone()
     while (it := driver.step()) is not None:
         for f in it.finished:
             _, done = driver.finalize(f)
@@ -61,8 +61,8 @@ def test_the_eager_step_runs_the_lm_head_only_where_a_row_samples(demo, monkeypa
     calls = []
     logits = model.logits
     monkeypatch.setattr(model, "logits", lambda *a, **k: calls.append(1) or logits(*a, **k))
-    bucket = Bucket(model, (1,), max_seq_len=SLOTS, max_denoising_steps=8, config=cfg, skip_idle_vocabulary=skip)
-    driver = Driver(bucket)
+    row_table = RowTable(model, (1,), max_seq_len=SLOTS, max_denoising_steps=8, config=cfg, skip_idle_vocabulary=skip)
+    driver = Driver(row_table)
     n = []
     real_step = driver.step
 
@@ -90,7 +90,7 @@ def test_the_compiled_step_skips_the_region_in_a_commit_only_forward(demo, demo_
     # the checkpoint's structural config (stop_early, eos ids): the bucket the other tests compiled
     cfg = model.generation_config.replace(max_new_tokens=2 * model.config.canvas_length, max_denoising_steps=3,
                                           t_min=1.0, t_max=1.0, ignore_eos=True).resolved(model.config)
-    before, after, tokens = _commit_only_forward(Driver(demo_gen.bucket(cfg)), RowReq([2, 5, 6, 7], cfg, 3))
+    before, after, tokens = _commit_only_forward(Driver(demo_gen.row_table(cfg)), RowReq([2, 5, 6, 7], cfg, 3))
     assert torch.equal(after, before)
     ref = dg.generate(model, [[2, 5, 6, 7]], cfg, seed=3, moe_impl=demo_gen.moe_impl,
                       max_seq_len=demo_gen.options.max_seq_len)

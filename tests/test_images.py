@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from transformers.cache_utils import DynamicCache
 
 import dgemma_compile as dg
-from dgemma_compile.config import ConfigError
-from dgemma_compile.images import Image, encode_prompts, pieces, prepare
-from dgemma_compile.loader import CheckpointError
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.inputs.images import Image, encode_prompts, pieces, prepare
+from dgemma_compile.model.loader import CheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 
@@ -171,7 +171,7 @@ def test_bad_image_inputs_name_the_thing(mm):
          r"images\[0\]\[0\]: pixel_values: must be a float tensor \[patches, 768\], got torch.float32 \[36, 700\]"),
         ([good], [[Image(torch.rand(36, 768), torch.zeros(36, 3, dtype=torch.long))]],
          r"images\[0\]\[0\]: position_ids: must be an integer tensor \[36, 2\]"),
-        ([good], [["not an image"]], r"images\[0\]\[0\]: must be a dgemma_compile.images.Image, got str"),
+        ([good], [["not an image"]], r"images\[0\]\[0\]: must be a dgemma_compile.inputs.images.Image, got str"),
         ([[2] + placeholders(1121) + [3]], [[image(6, 0)]], r"prompts\[0\]: an image of 1121 soft tokens, more than the "
                                                             r"1120 served"),
     ]

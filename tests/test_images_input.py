@@ -10,10 +10,10 @@ from helpers import hf_model, image_token_ids, write_checkpoint
 
 import dgemma_compile as dg
 from dgemma_compile import cli
-from dgemma_compile.config import ConfigError
-from dgemma_compile.images import image_runs, prepare
-from dgemma_compile.preprocess import num_soft_tokens, preprocess, read_image
-from dgemma_compile.text import ImageSlots, encode_chat, encode_prompt, user_messages
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.inputs.images import image_runs, prepare
+from dgemma_compile.inputs.preprocess import num_soft_tokens, preprocess, read_image
+from dgemma_compile.inputs.text import ImageSlots, encode_chat, encode_prompt, user_messages
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 PIL = pytest.importorskip("PIL.Image")

@@ -72,7 +72,7 @@ from dgemma_compile.demo import DEMO_MODEL
 model = dg.load(DEMO_MODEL)
 gen = dg.build(model)
 dg.CompileOptions, dg.generate, dg.CompiledGenerator
-import dgemma_compile.compile, dgemma_compile.passes
+import dgemma_compile.compile, dgemma_compile.compile.passes
 added = sorted(m for m in sys.modules if m.startswith({COMPILER!r}) and m not in base)
 print(json.dumps({{"added": added, "gen": type(gen).__name__}}))
 """)
@@ -85,12 +85,13 @@ def test_public_names_resolve_to_their_objects():
 
     import dgemma_compile as dg
 
-    sources = {"Canvas": "canvas", "CompiledGenerator": "compile", "CompileOptions": "compile", "build": "compile",
-               "ConfigError": "config", "GenerationConfig": "config", "ModelConfig": "config",
-               "GenerationOutput": "generate", "RequestStats": "generate", "generate": "generate",
-               "CacheFullError": "kv_cache", "KVCache": "kv_cache", "CheckpointError": "loader", "load": "loader",
-               "load_tokenizer": "loader", "DiffusionGemma": "model", "Observer": "observe", "QuantReport": "quant",
-               "quantize": "quant", "encode": "uniform", "denoise": "uniform"}
+    sources = {"Canvas": "step.canvas", "CompiledGenerator": "compile", "CompileOptions": "compile",
+               "build": "compile", "ConfigError": "model.config", "GenerationConfig": "model.config",
+               "ModelConfig": "model.config", "GenerationOutput": "step.requests", "RequestStats": "step.requests",
+               "generate": "oracle", "CacheFullError": "model.kv_cache", "KVCache": "model.kv_cache",
+               "CheckpointError": "model.loader", "load": "model.loader", "load_tokenizer": "model.loader",
+               "DiffusionGemma": "model.backbone", "Observer": "step.observe", "QuantReport": "quant",
+               "quantize": "quant", "encode": "model.forwards", "denoise": "model.forwards"}
     assert set(sources) == set(dg.__all__)
     for name, sub in sources.items():
         assert getattr(dg, name) is getattr(importlib.import_module(f"dgemma_compile.{sub}"), name), name
@@ -102,28 +103,13 @@ def test_public_names_resolve_to_their_objects():
         dg.no_such_name  # noqa: B018
 
 
-def test_generate_stays_the_function_when_its_module_is_imported_first():
-    """`dgemma_compile.generate` is a submodule and a public function: the import system binds the submodule on the
-    package when it is imported, and the package keeps the function (as the eager `from .generate import generate`
-    did)."""
-    r = _run("""
-import json
-import dgemma_compile.generate
-import dgemma_compile as dg
-from dgemma_compile import generate
-import dgemma_compile.generate as g
-print(json.dumps([callable(dg.generate) and dg.generate.__module__, generate is dg.generate, g is dg.generate]))
-""")
-    assert r == ["dgemma_compile.generate", True, True]
-
-
 def test_cli_choices_match_their_sources():
     import torch
 
     from dgemma_compile import cli
-    from dgemma_compile.config import FLOAT32_MAX
-    from dgemma_compile.loader import FLOAT_DTYPES
-    from dgemma_compile.parallel.ranks import DEFAULT_GROUP_TIMEOUT_S
+    from dgemma_compile.model.config import FLOAT32_MAX
+    from dgemma_compile.model.loader import FLOAT_DTYPES
+    from dgemma_compile.cli.ranks import DEFAULT_GROUP_TIMEOUT_S
     from dgemma_compile.quant.schemes import SCHEMES
 
     assert cli.QUANT_SCHEMES == SCHEMES

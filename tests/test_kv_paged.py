@@ -1,4 +1,4 @@
-"""Paged KV memory (`kv_cache.PagedKVCache`, `runtime/kv_pool.py`, `runtime/prefix_cache.py`) and the engine over it.
+"""Paged KV memory (`kv_cache.PagedKVCache`, `runtime/kv/pool.py`, `runtime/kv/prefix_cache.py`) and the engine over it.
 
 Every check compares tokens against `dg.generate` of each request alone (static cache, eager, moe "dense"): paging,
 prefix hits (prompt pages and committed blocks) and eviction change no numerics. Free pages are filled with NaN after
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.kv_cache import ZERO_PAGE, new_paged_cache, paged_cache
-from dgemma_compile.bucket import Bucket
+from dgemma_compile.model.kv_cache import ZERO_PAGE, new_paged_cache, paged_cache
+from dgemma_compile.step.row_table import RowTable
 from dgemma_runtime import Engine, Request, build_engine
-from dgemma_runtime.kv_pool import OutOfPagesError, PagePool
-from dgemma_runtime.prefix_cache import PrefixCache
-from dgemma_compile.text import encode_prompt
+from dgemma_runtime.kv.pool import OutOfPagesError, PagePool
+from dgemma_runtime.kv.prefix_cache import PrefixCache
+from dgemma_compile.inputs.text import encode_prompt
 
 SLOTS = 256
 P = 16  # page size = the demo's canvas (the encoder chunk)
@@ -35,7 +35,7 @@ def _ids(tok, model, text: str) -> list[int]:
 
 
 def _poison_free(engine: Engine) -> None:
-    engine.bucket.cache.fill_pages(list(engine.memory.pool.free), float("nan"))
+    engine.row_table.cache.fill_pages(list(engine.memory.pool.free), float("nan"))
 
 
 def _run(engine: Engine, *, poison: bool = True) -> None:
@@ -47,9 +47,9 @@ def _run(engine: Engine, *, poison: bool = True) -> None:
             _poison_free(engine)
 
 
-def _bucket(model, rows: int, kv_pages: int, fuse: bool = False) -> Bucket:
+def _bucket(model, rows: int, kv_pages: int, fuse: bool = False) -> RowTable:
     """An eager bucket of `rows` rows stepping at every batch size 1..rows, over a pool of `kv_pages` pages."""
-    return Bucket(model, range(1, rows + 1), max_seq_len=SLOTS, max_denoising_steps=64, page_size=P,
+    return RowTable(model, range(1, rows + 1), max_seq_len=SLOTS, max_denoising_steps=64, page_size=P,
                   kv_pages=kv_pages, fuse_commit=fuse)
 
 
@@ -254,7 +254,7 @@ def test_prefix_cache_committed_blocks(demo, fuse):
     static, page = model.new_cache(1, SLOTS), prefix.lookup(whole[0], 3)[2]
     dg.encode(model, torch.tensor([whole[0][:3 * P]]), static, moe_impl="dense")
     for layer in range(model.config.num_layers):
-        for pool, want in ((engine.bucket.cache.keys, static.keys), (engine.bucket.cache.values, static.values)):
+        for pool, want in ((engine.row_table.cache.keys, static.keys), (engine.row_table.cache.values, static.values)):
             assert torch.equal(pool[layer][page], want[layer][0, :, 2 * P:3 * P])
     follow = Request(prompt=whole[0] + _ids(tok, model, "rev 1 2=")[1:], config=model.generation_config, seed=3)
     hits = engine.stats.prefix_hit_tokens
@@ -284,5 +284,5 @@ def test_compiled_paged_engine(demo):
     assert engine.stats.prefix_hit_tokens >= 2 * 2 * P and engine.recompiles() == {}
     for r in reqs:
         assert r.sequence == _solo(model, r, gen.moe_impl).sequences[0], r.prompt
-    tag = engine.bucket.tag
+    tag = engine.row_table.tag
     assert dict(gen.ready) == {f"step[B1_{tag}]": 1, f"step[B2_{tag}]": 1}

@@ -1,4 +1,4 @@
-"""Images on the paged KV cache and its prefix cache (`runtime/image_pages.py`): an image request's tokens over paged
+"""Images on the paged KV cache and its prefix cache (`runtime/kv/image_pages.py`): an image request's tokens over paged
 memory equal the static-cache eager generator's; the same image in a second request maps the first one's pages and
 runs no vision encoder, with the same tokens; a different image behind the same placeholder ids never hits its pages;
 a hit that ends between two images encodes only the second. Free pages hold NaN after every iteration (a row that read
@@ -12,10 +12,10 @@ from helpers import write_checkpoint
 from test_images import image, multimodal, placeholders
 
 import dgemma_compile as dg
-from dgemma_compile.images import Image, ImagePrompt, digest, prepare
-from dgemma_compile.kv_cache import new_paged_cache
+from dgemma_compile.inputs.images import Image, ImagePrompt, digest, prepare
+from dgemma_compile.model.kv_cache import new_paged_cache
 from dgemma_runtime import Request, build_engine
-from dgemma_runtime.image_pages import cut_hit, page_keys
+from dgemma_runtime.kv.image_pages import cut_hit, page_keys
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 
@@ -47,7 +47,7 @@ def _run(engine, model, prompt, imgs, cfg, seed=1) -> Request:
     while not engine.idle():
         engine.step()
         engine.memory.pool.check()
-        engine.bucket.cache.fill_pages(list(engine.memory.pool.free), float("nan"))
+        engine.row_table.cache.fill_pages(list(engine.memory.pool.free), float("nan"))
     return req
 
 
@@ -118,7 +118,7 @@ def test_concurrent_same_image_waits_and_maps(mm):
     while not engine.idle():
         engine.step()
         engine.memory.pool.check()
-        engine.bucket.cache.fill_pages(list(engine.memory.pool.free), float("nan"))
+        engine.row_table.cache.fill_pages(list(engine.memory.pool.free), float("nan"))
     assert [r.sequence for r in reqs] == [_static(model, ONE, [image(9, 1)], cfg, seed=s) for s in (1, 3)]
     assert engine.stats.images_encoded == 1 and engine.stats.prefix_hit_tokens == 16
 

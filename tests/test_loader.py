@@ -11,7 +11,7 @@ from helpers import hf_model, write_checkpoint
 from safetensors.torch import load_file, save_file
 
 import dgemma_compile as dg
-from dgemma_compile.loader import CheckpointError
+from dgemma_compile.model.loader import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,8 @@ def test_shared_weights_stored_under_encoder_names(tmp_path, ckpt):
 def test_what_the_loader_remembers_is_one_record_and_no_new_attribute(ckpt):
     """The loader's memory of a checkpoint is `model.checkpoint` (a `CheckpointInfo`), never attributes added to the
     model: a loaded model, lazily or not, has exactly the attributes of one built in memory (issue 38 item 3)."""
-    from dgemma_compile.checkpoint_info import CheckpointInfo
-    from dgemma_compile.model import DiffusionGemma
+    from dgemma_compile.model.checkpoint_info import CheckpointInfo
+    from dgemma_compile.model.backbone import DiffusionGemma
 
     built = DiffusionGemma(dg.load(ckpt).config)
     assert built.checkpoint == CheckpointInfo()

@@ -1,4 +1,4 @@
-"""Log-probabilities of the committed tokens (`steps.logprobs`, `Engine` with `Request.logprobs`): taken from the
+"""Log-probabilities of the committed tokens (`mixed_step.logprobs`, `Engine` with `Request.logprobs`): taken from the
 denoise step whose argmax canvas was committed, at temperature 1, aligned with each event's tokens, and never a
 batch mate's (vLLM issue 45689's class): each request's logprobs in a mixed batch equal its run alone, bitwise."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.bucket import Bucket
+from dgemma_compile.step.row_table import RowTable
 from dgemma_runtime import Engine, Request
-from dgemma_compile.steps import logprobs
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.step.mixed_step import logprobs
+from dgemma_compile.inputs.text import encode_prompt
 
 SLOTS = 256
 REV = "rev 1 2 3 4 5 6 7 8 9 0 1="
@@ -31,7 +31,7 @@ def test_logprobs_against_log_softmax():
 
 
 def _run(model, tok, specs, rows: int):
-    engine = Engine(model, Bucket(model, range(1, rows + 1), max_seq_len=SLOTS, max_denoising_steps=64,
+    engine = Engine(model, RowTable(model, range(1, rows + 1), max_seq_len=SLOTS, max_denoising_steps=64,
                                   max_logprobs=5), tokenizer=tok)
     events = {}
     reqs = []
@@ -75,7 +75,7 @@ def test_engine_logprobs_are_each_requests_own(demo):
 
 def test_logprobs_above_the_bucket_are_refused(demo):
     model, tok = demo
-    engine = Engine(model, Bucket(model, (1,), max_seq_len=SLOTS, max_denoising_steps=64, max_logprobs=2))
+    engine = Engine(model, RowTable(model, (1,), max_seq_len=SLOTS, max_denoising_steps=64, max_logprobs=2))
     with pytest.raises(dg.ConfigError, match=r"top_logprobs: must be an integer in \[0, 2\]"):
         engine.submit(Request(prompt=[2, 5], config=model.generation_config, seed=0, logprobs=3))
     assert engine.queue_depth == 0

@@ -1,4 +1,4 @@
-"""Mask factories of `dgemma_compile.masks` against the dense reference `dense_block_mask`, and FlexAttention
+"""Mask factories of `dgemma_compile.model.masks` against the dense reference `dense_block_mask`, and FlexAttention
 (eager and compiled) against `model.dense_attention` under that mask.
 
 Legend: B batch, T block length, S committed slots, H query heads, Hkv kv heads, D head dim.
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
-from dgemma_compile.masks import (
+from dgemma_compile.model.masks import (
     WINDOW_KINDS,
     block_mask_mod,
     block_sparsity,
@@ -25,7 +25,7 @@ from dgemma_compile.masks import (
     make_block_mask,
     select_mask_mod,
 )
-from dgemma_compile.model import dense_attention
+from dgemma_compile.model.backbone import dense_attention
 from helpers import assert_sparsity_of_create_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
-from dgemma_compile.masks import (
+from dgemma_compile.model.masks import (
     WINDOW_KINDS,
     block_mask_mod,
     dense_block_mask,
@@ -22,7 +22,7 @@ from dgemma_compile.masks import (
     image_group_mask_mod,
     make_block_mask,
 )
-from dgemma_compile.model import dense_attention
+from dgemma_compile.model.backbone import dense_attention
 from helpers import assert_sparsity_of_create_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dgemma_compile as dg
-from dgemma_compile import ops
+from dgemma_compile import kernels as ops
 from dgemma_compile.compile.options import CompileOptions
 from dgemma_compile.compile.units import UnitFactory
 
@@ -114,7 +114,7 @@ def test_compiled_matches_loop_and_decomposes(impl, dtype):
         out, ran = runs_op(compiled(impl), *args)
         assert ran == (impl == "loop"), f"{impl}: dgemma::moe_experts {'did not run' if ran is False else 'ran'}"
         assert_matches_loop(out / 2, call("loop", *args))
-    if impl == "gathered":  # its input is stored once (`ops.moe.materialize`), not recomputed in the weight loop
+    if impl == "gathered":  # its input is stored once (`kernels.moe.op.materialize`), not recomputed in the weight loop
         assert runs_op(compiled(impl), *args, op="dgemma::materialize")[1]
 
 
@@ -206,7 +206,7 @@ def test_resolve_moe_impl_grouped_for_large_float32_canvases_on_cpu(dtype, devic
 
 
 def test_cache_key_tag():
-    """AOTAutograd's cache key ignores the decomposition table: our compiles carry a tag hashing ops/moe.py."""
+    """AOTAutograd's cache key ignores the decomposition table: our compiles carry a tag hashing kernels/moe/op.py."""
     with torch.compiler.config.patch(cache_key_tag=""), ops.moe_cache_key():
         assert torch.compiler.config.cache_key_tag.startswith("dgemma-moe-")
     with torch.compiler.config.patch(cache_key_tag="user"):
@@ -263,7 +263,7 @@ def test_bad_impl():
 
 
 def test_compile_options_moe_impl():
-    from dgemma_compile.config import ConfigError
+    from dgemma_compile.model.config import ConfigError
 
     assert CompileOptions().moe_impl == "auto"
     for impl in ("loop", "grouped", "dense"):
@@ -277,7 +277,7 @@ def test_model_moe_impl(tiny_dir):
     """`moe_impl` reaches every layer (an explicit one per call, else the model's attribute); an unknown one is
     refused before anything is written."""
     import dgemma_compile as dg
-    from dgemma_compile.model import DiffusionGemma
+    from dgemma_compile.model.backbone import DiffusionGemma
 
     model = dg.load(tiny_dir)
     assert model.moe_impl == "loop"

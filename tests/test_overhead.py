@@ -14,7 +14,7 @@ import torch._dynamo.eval_frame
 import dgemma_compile as dg
 from dgemma_compile.compile import CompileOptions, CompiledUnit, build
 from dgemma_compile.compile.units import ModelChangedError, ModelFingerprint, UnitFactory
-from dgemma_compile.config import ConfigError
+from dgemma_compile.model.config import ConfigError
 
 PROMPTS = [[2, 5, 6, 7], [2, 9, 10]]
 
@@ -183,7 +183,7 @@ def test_the_generator_units_call_directly(tiny_compiled):
     model, gen = tiny_compiled
     cfg = dg.GenerationConfig(max_new_tokens=4, max_denoising_steps=2)
     gen.generate(PROMPTS, cfg, seed=0)
-    views = gen.bucket(cfg).views()
+    views = gen.row_table(cfg).views()
     assert views
     for view in views:
         assert view.step.direct is not None, (view.name, view.step.direct_refused)

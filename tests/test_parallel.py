@@ -18,11 +18,11 @@ import torch
 
 import dgemma_compile as dg
 from dgemma_compile import parallel
-from dgemma_compile.config import ConfigError
+from dgemma_compile.model.config import ConfigError
 from dgemma_compile.parallel import RankFailed, RendezvousError, attention_heads, split, vocab_range
 from dgemma_compile.parallel.vocab import local_rows
 from dgemma_compile.parallel.group import env_rank
-from dgemma_compile.sampler import SCHEME
+from dgemma_compile.step.sampler import SCHEME
 
 # Logits of the sharded model vs the single process, max abs over every real position (float32, |logits| <= 30 by
 # the softcap). Each row-parallel projection sums its K products in world_size partial sums instead of one: a
@@ -186,7 +186,7 @@ def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
     lazy_ep = parallel.load_sharded(DEMO_MODEL, experts="expert")
     _same_model(by_expert, lazy_ep, "load_sharded(experts='expert')")
     ep_read = lazy_ep.tensor_parallel.load_report.largest
-    from dgemma_compile.sampler import step_scheme
+    from dgemma_compile.step.sampler import step_scheme
 
     quantized = _quantized_ranks(world)
     torch.save({"out": _forwards(model), "out_expert": _forwards(by_expert), "kv_heads": model.config.num_kv_heads,
@@ -216,7 +216,7 @@ def _quantized_ranks(world: int) -> dict:
         return {}
     from helpers import assert_same_parts
 
-    from dgemma_compile.sampler import step_scheme
+    from dgemma_compile.step.sampler import step_scheme
 
     lazy = parallel.load_sharded(QUANT_FIXTURES / "demo-nvfp4a16")
     whole = parallel.shard(dg.load(QUANT_FIXTURES / "demo-nvfp4a16"))
@@ -329,8 +329,8 @@ def _released_slice():
     2 KV heads of 512 (split 1 a rank at 2 ranks, not replicated), dense MLP 2112, experts of 704 (4 of them, top 2,
     instead of 128 top 8), vocabulary 61 (padded to 62); random float32 weights from one seeded generator (every
     process builds the same model), fan-in scaled, norm weights and router scales around 1."""
-    from dgemma_compile.config import FULL, SLIDING, ModelConfig, RopeConfig
-    from dgemma_compile.model import DiffusionGemma
+    from dgemma_compile.model.config import FULL, SLIDING, ModelConfig, RopeConfig
+    from dgemma_compile.model.backbone import DiffusionGemma
 
     cfg = ModelConfig(vocab_size=61, hidden_size=2816, intermediate_size=2112, num_layers=2, num_attention_heads=16,
                       layer_types=(SLIDING, FULL), head_dims=(256, 512), num_kv_heads=(8, 2), sliding_window=16,

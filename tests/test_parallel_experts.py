@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgemma_compile.ops.moe import MOE_IMPLS
+from dgemma_compile.kernels.moe.op import MOE_IMPLS
 from dgemma_compile.parallel.expert_parallel import (ExpertParallelExperts, check_expert_parallel, check_expert_split,
                                                      expert_range, local_routing)
 from dgemma_compile.parallel.experts import TensorParallelExperts
@@ -96,7 +96,7 @@ def test_quantized_experts_split_into_partial_sums_of_the_single_process_op(laye
     intermediate activations on its own (docs/parallel.md, "Quantized weights")."""
     import copy
 
-    from dgemma_compile.model import Experts
+    from dgemma_compile.model.backbone import Experts
     from dgemma_compile.quant.schemes import scheme
 
     experts, x, w, idx = layer_inputs

@@ -19,13 +19,13 @@ pytest.importorskip("torchao")
 
 import dgemma_compile as dg  # noqa: E402
 from helpers import assert_same_parts  # noqa: E402
-from dgemma_compile.model import ExpertProjection  # noqa: E402
+from dgemma_compile.model.backbone import ExpertProjection  # noqa: E402
 from dgemma_compile.parallel.load import is_sharded  # noqa: E402
 from dgemma_compile.parallel.quantized import (cat_projections, narrow_part,  # noqa: E402
                                                narrow_projection, narrow_tensor, projection)
 from dgemma_compile.parallel.source import FileWeights, ModelWeights  # noqa: E402
 from dgemma_compile.quant.quantize import quiet_torchao  # noqa: E402
-from dgemma_compile.ops.expert_formats import NONE  # noqa: E402
+from dgemma_compile.kernels.moe.formats import NONE  # noqa: E402
 from dgemma_compile.quant.schemes import scheme as scheme_named  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"

@@ -1,4 +1,4 @@
-"""`parallel.sampler.VocabShard` against the single-process sampler: N ranks simulated by N threads whose
+"""`kernels.sample.vocab_parallel.VocabShard` against the single-process sampler: N ranks simulated by N threads whose
 collectives meet at a barrier (no process group; the same reduction ops the gloo group runs, element for element),
 so every property runs in the fast tier. The real 2-rank gloo run is tests/test_parallel.py's."""
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgemma_compile import sampler, steps
-from dgemma_compile.parallel.sampler import VocabShard
+from dgemma_compile.step import sampler, mixed_step as steps
+from dgemma_compile.kernels.sample.vocab_parallel import VocabShard
 from dgemma_compile.parallel.vocab import vocab_range
 
 
@@ -136,7 +136,7 @@ def test_shard_sample_step_bitwise_where_chunks_align():
 
 @pytest.mark.parametrize("world,V,k", [(2, 27, 5), (4, 27, 20), (3, 100, 0), (2, 61, 30)])
 def test_shard_logprobs_equal_the_single_process(world, V, k):
-    """`VocabShard.logprobs` against `steps.logprobs`: the tokens' log p and the top k (ids as sets where values
+    """`VocabShard.logprobs` against `mixed_step.logprobs`: the tokens' log p and the top k (ids as sets where values
     tie), the same on every rank."""
     x = _logits(7, 2, 5, V, 20.0, False)
     tokens = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(8))

@@ -1,4 +1,4 @@
-"""Serving and generating over tensor-parallel ranks (runtime/parallel.py, dgemma_compile/parallel/ranks.py,
+"""Serving and generating over tensor-parallel ranks (runtime/parallel.py, dgemma_compile/cli/ranks.py,
 docs/parallel.md "Serving").
 
 Fast: rank 0's schedule replayed by a follower engine in the same process (an in-memory host channel, two eager
@@ -25,9 +25,9 @@ import time
 import pytest
 
 import dgemma_compile as dg
-from dgemma_compile.bucket import Bucket
-from dgemma_compile.parallel.ranks import ParallelError, world_size_for
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.step.row_table import RowTable
+from dgemma_compile.cli.ranks import ParallelError, world_size_for
+from dgemma_compile.inputs.text import encode_prompt
 from dgemma_runtime import Engine, Request
 from dgemma_runtime.parallel import ParallelSchedule
 from helpers import wait_for_health
@@ -57,8 +57,8 @@ class PairChannel:
 
 
 def _engine(model, tok, channel, events=None):
-    bucket = Bucket(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64)
-    eng = Engine(model, bucket, tokenizer=tok, schedule=ParallelSchedule(channel))
+    row_table = RowTable(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64)
+    eng = Engine(model, row_table, tokenizer=tok, schedule=ParallelSchedule(channel))
     if events is not None:  # record every final event by request id
         base = eng._emit
 
@@ -229,7 +229,7 @@ def test_cli_serve_on_2_ranks_answers_as_one_process_and_ends_when_a_rank_dies(d
             t.join(150)
         cfg = model.generation_config.replace(max_new_tokens=12)
         for i, (p, seed) in enumerate(prompts):
-            from dgemma_runtime.server import choice_seed
+            from dgemma_runtime.http.server import choice_seed
 
             ref = dg.generate(model, [tok(p)["input_ids"]], cfg, seed=choice_seed(seed, 0), moe_impl="dense",
                               max_seq_len=SLOTS)

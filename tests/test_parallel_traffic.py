@@ -1,4 +1,4 @@
-"""Bytes per step (`parallel/traffic.py`, docs/parallel.md "Bytes per step"): the collectives a sharded model's
+"""Bytes per step (`y`, docs/parallel.md "Bytes per step"): the collectives a sharded model's
 prefill chunk, denoise step and commit issue, counted by `CollectiveCounter` while the eager reference's own steps run,
 equal the analytic count of the sharding's design, for both experts splits. One process: torch's fake process group
 (`fake` backend: collectives return their input, so values are meaningless but every call and shape is the real

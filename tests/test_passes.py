@@ -1,4 +1,4 @@
-"""Our Inductor graph passes (`dgemma_compile/passes/`) and the op they insert (`dgemma::sample_step`):
+"""Our Inductor graph passes (`dgemma_compile/compile/`) and the op they insert (`dgemma::sample_step`):
 the op against `sampler.sample_step`; the pipeline's cache key; the fusion pass on small graphs (match counts, values,
 the generated code) and on the demo model's real captured units (counts per unit, the code, identical tokens with the
 pass on and off)."""
@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.testing import FileCheck
 
-from dgemma_compile import sampler
+from dgemma_compile.step import sampler
 from dgemma_compile.compile import CompileOptions
 from dgemma_compile.compile.units import UnitFactory
-from dgemma_compile.config import ConfigError
-from dgemma_compile.ops import sample as sample_op
-from dgemma_compile.passes import pipeline, records
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.kernels.sample import op as sample_op
+from dgemma_compile.compile import passes as pipeline, pass_records as records
 
 FUSION = "sample_step_fusion"
 
@@ -75,7 +75,7 @@ def test_pipeline_uuid_changes_with_a_pass_source_and_the_enabled_passes(tmp_pat
     try:
         on = pipeline.inductor_config()[pipeline.sample_step_fusion.STAGE].uuid()
         assert pipeline.inductor_config((FUSION,)) == {}  # nothing installed when the only pass is off
-        fusion_copy = next(p for p in copies if p.name.endswith("sample_step_fusion.py"))
+        fusion_copy = next(p for p in copies if p.name.endswith("_fusion.py"))
         fusion_copy.write_text(fusion_copy.read_text() + "\n# edited\n")
         pipeline.sources_hash.cache_clear()
         edited = pipeline.inductor_config()[pipeline.sample_step_fusion.STAGE].uuid()
@@ -185,7 +185,7 @@ def test_fusion_on_the_demo_units_counts_code_and_identical_tokens(demo, demo_ge
                                          for i in range(0, 6, 2)])
 
     default = run(demo_gen)[0]
-    unit = f"step[B2_{demo_gen.bucket().tag}]"
+    unit = f"step[B2_{demo_gen.row_table().tag}]"
     assert demo_gen.units.pass_matches[unit].counts == fusion(0)
     # artifact_cache off: this test reads the code Inductor generates, which a step loaded from the cache skips
     on_gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=256, sample_step_fusion_min_bytes=0,
@@ -234,7 +234,7 @@ def test_fusion_on_bf16_units_with_softcap_and_commit_fusion(tmp_path):
     assert out.fused_commits > 0 and out.sequences == eager.sequences
     # a constrained row beside a free one through the same compiled step: the first-position mask is the op's
     # per-row tensor data (no recompile), tokens equal the eager oracle's and the text matches
-    from dgemma_compile.constraint import Constraint, GrammarLibrary
+    from dgemma_compile.inputs.constraint import Constraint, GrammarLibrary
 
     tok = dg.load_tokenizer(path)
     ccfg = gcfg.replace(eos_token_ids=(1,))  # a grammar ends on eos (a new end rule: its own compile, once)
@@ -252,7 +252,7 @@ def test_fusion_on_bf16_units_with_softcap_and_commit_fusion(tmp_path):
 
 def _region_into_state(logits_bf16, T, greedy, u, sc_state):
     """The model's path in bfloat16: float32 cast and softcap of the lm_head output, the region, and the
-    self-conditioning output copied into the step's bfloat16 state buffer (as `steps.denoise_step` does)."""
+    self-conditioning output copied into the step's bfloat16 state buffer (as `mixed_step.denoise_step` does)."""
     logits = torch.tanh(logits_bf16.float() / 30.0) * 30.0
     out = sampler.sample_step(logits, T, greedy, u)
     sc_state.copy_(out.sc_probs)

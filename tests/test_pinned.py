@@ -23,11 +23,11 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.canvas import BLANK, Canvas, parse_template
+from dgemma_compile.step.canvas import BLANK, Canvas, parse_template
 from dgemma_compile.compile import CompileOptions, build
-from dgemma_compile.constraint import Constraint
-from dgemma_compile.sampler import SampleStep, pin
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.inputs.constraint import Constraint
+from dgemma_compile.step.sampler import SampleStep, pin
+from dgemma_compile.inputs.text import encode_prompt
 
 SORT = "sort 5 3 9 1 2="
 REV = "rev 1 2 3 4 5 6 7 8 9 0 1="  # answer "1 0 9 8 7 6 5 4 3 2 1": two blocks of 16
@@ -256,14 +256,14 @@ def test_compiled_pinned_equals_the_oracle(demo, demo_gen):
 
 def test_engine_pinned_request(demo):
     """The serving engine (the same driver): a pinned request's tokens are the oracle's."""
-    from dgemma_compile.bucket import Bucket
+    from dgemma_compile.step.row_table import RowTable
     from dgemma_runtime import Engine, Request
 
     model, tok = demo
     prompts, cfg, canvases = _pinned_batch(model, tok)
     cfg = cfg.resolved(model.config)
     cv = Canvas(tuple(parse_template(canvases[0], tok)))
-    engine = Engine(model, Bucket(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    engine = Engine(model, RowTable(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
     req = engine.submit(Request(prompt=prompts[0], config=cfg, seed=3, canvas=cv))
     while not engine.idle():
         engine.step()

@@ -10,15 +10,15 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_mask
 
 import dgemma_compile as dg
-from dgemma_compile.masks import dense_block_mask, dense_commit_denoise_mask
-from dgemma_compile.plan import COMMIT_DENOISE, DENOISE_MODE, ENCODER, IDLE, PlanBuffers, build_plan, every_row
-from dgemma_compile.uniform import commit_denoise_block, denoise_block, encode_block
+from dgemma_compile.model.masks import dense_block_mask, dense_commit_denoise_mask
+from dgemma_compile.model.plan import COMMIT_DENOISER, DENOISER, ENCODER, IDLE, PlanBuffers, build_plan, every_row
+from dgemma_compile.model.forwards import commit_denoise_block, denoise_block, encode_block
 
 S = 48  # committed slots per row
 # (mode, tokens committed before the forward, real tokens of an encoder row, self-conditioned)
 ROWS = [(ENCODER, 0, 5, False),   # a prefill chunk (shorter than the block)
-        (DENOISE_MODE, 21, 0, True),   # a denoise step with the previous step's logits
-        (DENOISE_MODE, 9, 0, False),   # a block's first denoise step
+        (DENOISER, 21, 0, True),   # a denoise step with the previous step's logits
+        (DENOISER, 9, 0, False),   # a block's first denoise step
         (ENCODER, 30, 8, False),  # a commit (a whole block)
         (IDLE, 5, 0, False)]      # a row with nothing to do
 
@@ -53,7 +53,7 @@ def _separately(model, cache, ids, sc_logits, moe_impl):
         c = _row_cache(cache, r)
         if mode == ENCODER:
             y = encode_block(model, ids[r:r + 1], c, torch.tensor([n]), moe_impl=moe_impl)[0, :n]
-        elif mode == DENOISE_MODE:
+        elif mode == DENOISER:
             y = denoise_block(model, ids[r:r + 1], c, sc_logits[r:r + 1] if with_sc else None,
                                     moe_impl=moe_impl)[0]
         else:
@@ -71,7 +71,7 @@ def _check(model, mixed_hidden, mixed_cache, expected):
     for r, ((mode, _, n, _), (y, c)) in enumerate(zip(ROWS, expected)):
         if mode == ENCODER:
             torch.testing.assert_close(mixed_hidden[r, :n], y, atol=1e-5, rtol=1e-5, msg=f"row {r} hidden")
-        elif mode == DENOISE_MODE:
+        elif mode == DENOISER:
             torch.testing.assert_close(model.logits(mixed_hidden[r:r + 1])[0], y, atol=1e-5, rtol=1e-5,
                                        msg=f"row {r} logits")
         assert mixed_cache.lengths[r] == c.lengths[0], f"row {r} length"
@@ -125,12 +125,12 @@ def test_mixed_rows_equal_separate_calls_compiled(tiny_dir, attention):
                                     (dict(mode=torch.ones(5, dtype=torch.long)), "n_new: required"),
                                     (dict(mode=torch.full((5,), 2), self_conditioning=torch.ones(5, dtype=torch.long)),
                                      "self_conditioning must be bool"),
-                                    (dict(mode=torch.full((5,), 3)), r"COMMIT_DENOISE \(3\) only in a fused plan"),
+                                    (dict(mode=torch.full((5,), 3)), r"COMMIT_DENOISER \(3\) only in a fused plan"),
                                     (dict(mode=torch.full((5,), 4), n_new=torch.ones(5, dtype=torch.long), canvas=8,
                                           T=16), "per-row modes are IDLE"),
                                     (dict(mode=torch.full((5,), 3), canvas=8, T=16), "n_new: required for encoder"),
                                     (dict(mode=torch.full((5,), 2), canvas=5), "canvas: a plan's canvas is T or T / 2"),
-                                    (dict(mode=torch.full((5,), -1)), "per-row modes are IDLE, ENCODER, DENOISE_MODE"),
+                                    (dict(mode=torch.full((5,), -1)), "per-row modes are IDLE, ENCODER, DENOISER"),
                                     (dict(mode=torch.full((5,), 2), groups=torch.zeros(5, 16, dtype=torch.long),
                                           canvas=8, T=16), "groups: .* not fused"),
                                     (dict(mode=torch.full((5,), 1), groups=torch.zeros(5, 3, dtype=torch.long),
@@ -220,7 +220,7 @@ def test_commit_fusion_equals_commit_then_denoise_compiled(tiny_dir):
     expected = _unfused(model, cache, ids, canvas, n_new, "loop")
     C = canvas.shape[1]
     with torch.no_grad():
-        plan = build_plan(model, cache, 2 * C, mode=every_row(cache, COMMIT_DENOISE), n_new=n_new, canvas=C)
+        plan = build_plan(model, cache, 2 * C, mode=every_row(cache, COMMIT_DENOISER), n_new=n_new, canvas=C)
         both = torch.cat([ids, canvas], dim=1)
         step = torch.compile(lambda: model.logits(model.forward_plan(both, cache, plan, moe_impl="gathered")[:, C:]),
                              fullgraph=True, dynamic=False)
@@ -253,7 +253,7 @@ def test_plan_buffers_hold_the_plan_of_the_current_lengths(tiny_dir, attention):
         cache.reset()
         dg.encode(model, torch.randint(3, V, (3, max(lengths)), generator=g), cache, input_lengths=torch.tensor(lengths))
         plan.fill()
-        fresh = build_plan(model, cache, C, mode=every_row(cache, DENOISE_MODE))
+        fresh = build_plan(model, cache, C, mode=every_row(cache, DENOISER))
         assert torch.equal(plan.plan.positions, fresh.positions)
         with torch.no_grad():
             assert torch.equal(denoise_block(model, canvas, cache, None, plan=plan.plan),
@@ -314,7 +314,7 @@ KERNELS = {"encoder": {"sliding_attention": {"BLOCK_M": 32}, "full_attention": {
 
 def test_kernel_options_reach_flex_attention_per_query_kind_and_layer_type(tiny_dir, monkeypatch):
     """Eagerly: each layer's `flex_attention` call gets its layer type's options of the plan's query kind."""
-    from dgemma_compile import masks
+    from dgemma_compile.model import masks
 
     model = dg.load(tiny_dir)
     seen = []
@@ -366,9 +366,9 @@ def test_kernel_options_are_in_the_captured_graph(tiny_dir):
 # --- a fused mixed plan (T = 2C): the serving engine's commit fusion, row by row ------------------------------------
 # (mode, tokens committed before the forward, committed tokens (encoder: real), self-conditioned)
 FUSED_ROWS = [(ENCODER, 0, 5, False),          # a prefill chunk in the first half
-              (DENOISE_MODE, 21, 0, True),          # a denoise step (canvas in the first half), self-conditioned
-              (COMMIT_DENOISE, 9, None, False),  # a commit (n_new = C) and the next block's first step
-              (DENOISE_MODE, 30, 0, False),         # a block's first denoise step (after its prompt)
+              (DENOISER, 21, 0, True),          # a denoise step (canvas in the first half), self-conditioned
+              (COMMIT_DENOISER, 9, None, False),  # a commit (n_new = C) and the next block's first step
+              (DENOISER, 30, 0, False),         # a block's first denoise step (after its prompt)
               (IDLE, 5, 0, False)]
 
 
@@ -398,10 +398,10 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
             c = _row_cache(cache, r)
             if m == ENCODER:
                 y = encode_block(model, first[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0, :n_new[r]]
-            elif m == DENOISE_MODE:
+            elif m == DENOISER:
                 y = denoise_block(model, first[r:r + 1], c, None, torch.tensor([with_sc]), moe_impl="dense",
                                         self_conditioning_embeds=model.self_conditioning_embedding(sc_probs[r:r + 1]))[0]
-            elif m == COMMIT_DENOISE:
+            elif m == COMMIT_DENOISER:
                 y = commit_denoise_block(model, first[r:r + 1], second[r:r + 1], c, n_new[r:r + 1], moe_impl="dense")[0]
             else:
                 y = None
@@ -409,20 +409,20 @@ def test_fused_mixed_rows_equal_separate_calls_bitwise(tiny_dir, attention):
         before_kv = [(k.clone(), v.clone()) for k, v in zip(cache.keys, cache.values)]
         plan = build_plan(model, cache, 2 * C, mode=mode, n_new=n_new, canvas=C,
                           self_conditioning=torch.tensor([r[3] for r in FUSED_ROWS]))
-        ids = torch.cat([first, torch.where((mode == COMMIT_DENOISE)[:, None], second, 0)], dim=1)
+        ids = torch.cat([first, torch.where((mode == COMMIT_DENOISER)[:, None], second, 0)], dim=1)
         hidden = model.forward_plan(ids, cache, plan, model.self_conditioning_embedding(sc_probs), moe_impl="dense")
     for r, ((m, _, _, _), (y, c)) in enumerate(zip(FUSED_ROWS, expected)):
         if m == ENCODER:
             assert torch.equal(hidden[r, :n_new[r]], y), f"row {r} hidden"
-        elif m == DENOISE_MODE:
+        elif m == DENOISER:
             assert torch.equal(model.logits(hidden[r:r + 1, :C])[0], y), f"row {r} logits"
-        elif m == COMMIT_DENOISE:
+        elif m == COMMIT_DENOISER:
             assert torch.equal(model.logits(hidden[r:r + 1, C:])[0], y), f"row {r} logits"
         assert cache.lengths[r] == c.lengths[0], f"row {r} length"
         for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
             assert torch.equal(k[r, :, :S], c.keys[layer][0, :, :S]), f"row {r} layer {layer} keys"
             assert torch.equal(v[r, :, :S], c.values[layer][0, :, :S]), f"row {r} layer {layer} values"
-    assert cache.lengths.tolist() == (before + torch.where(mode == DENOISE_MODE, 0, n_new) * (mode != IDLE)).tolist()
+    assert cache.lengths.tolist() == (before + torch.where(mode == DENOISER, 0, n_new) * (mode != IDLE)).tolist()
     for (k, v), (k0, v0) in zip(zip(cache.keys, cache.values), before_kv):  # the idle row: untouched
         assert torch.equal(k[-1, :, :S], k0[-1, :, :S]) and torch.equal(v[-1, :, :S], v0[-1, :, :S])
 
@@ -443,7 +443,7 @@ def test_fused_mixed_masks_are_the_unfused_passes_masks(tiny_flex_and_dense, dat
     flex, dense = tiny_flex_and_dense
     C = flex.config.canvas_length
     B = data.draw(st.integers(1, 5))
-    mode = torch.tensor(data.draw(st.lists(st.sampled_from([IDLE, ENCODER, DENOISE_MODE, COMMIT_DENOISE]), min_size=B,
+    mode = torch.tensor(data.draw(st.lists(st.sampled_from([IDLE, ENCODER, DENOISER, COMMIT_DENOISER]), min_size=B,
                                            max_size=B)))
     n_new = torch.tensor([data.draw(st.integers(0, C)) for _ in range(B)])
     lengths = torch.tensor([data.draw(st.integers(0, S - C)) for _ in range(B)])
@@ -459,9 +459,9 @@ def test_fused_mixed_masks_are_the_unfused_passes_masks(tiny_flex_and_dense, dat
         assert torch.equal(got, masks["dense"][lt]), lt
         cd = dense_commit_denoise_mask(lengths, n_new, canvas=C, cache_slots=S, **window)
         for b in range(B):
-            if mode[b] == COMMIT_DENOISE:
+            if mode[b] == COMMIT_DENOISER:
                 assert torch.equal(got[b], cd[b]), (lt, b)
-            elif mode[b] in (ENCODER, DENOISE_MODE):
+            elif mode[b] in (ENCODER, DENOISER):
                 enc = bool(mode[b] == ENCODER)
                 ref = dense_block_mask(lengths[b:b + 1], n_new[b:b + 1] if enc else torch.tensor([C]),
                                        torch.tensor([enc]), block_len=C, cache_slots=S, **window)[0]
@@ -476,7 +476,7 @@ def test_every_plan_holds_tensors_per_row(tiny_dir):
     C = model.config.canvas_length
     cache = model.new_cache(3, S, block_size=2 * C)
     n_new = torch.tensor([2, 0, 5])
-    for mode, T, canvas in ((ENCODER, C, None), (DENOISE_MODE, C, None), (COMMIT_DENOISE, 2 * C, C)):
+    for mode, T, canvas in ((ENCODER, C, None), (DENOISER, C, None), (COMMIT_DENOISER, 2 * C, C)):
         plan = build_plan(model, cache, T, mode=every_row(cache, mode), n_new=n_new, canvas=canvas)
         assert plan.mode.tolist() == [mode] * 3
         for name in ("real", "commit", "self_conditioning"):
@@ -485,4 +485,4 @@ def test_every_plan_holds_tensors_per_row(tiny_dir):
             t = getattr(plan, name)
             assert t.dtype == torch.bool and t.shape in ((3, 1), (3, T)), (mode, name)
         assert plan.slots.shape == (3, T) and plan.positions.shape == (3, T)
-        assert plan.commit.tolist() == ([0, 0, 0] if mode == DENOISE_MODE else n_new.tolist())
+        assert plan.commit.tolist() == ([0, 0, 0] if mode == DENOISER else n_new.tolist())

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("torchao")
 
 import dgemma_compile as dg  # noqa: E402
-from dgemma_compile.config import ConfigError  # noqa: E402
+from dgemma_compile.model.config import ConfigError  # noqa: E402
 from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
 from dgemma_compile.quant import EXCLUDED_PARTS, quantize  # noqa: E402
 

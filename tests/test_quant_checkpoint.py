@@ -18,8 +18,8 @@ pytest.importorskip("torchao")
 
 import dgemma_compile as dg  # noqa: E402
 from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
-from dgemma_compile.loader import CheckpointError  # noqa: E402
-from dgemma_compile.model import ExpertProjection  # noqa: E402
+from dgemma_compile.model.loader import CheckpointError  # noqa: E402
+from dgemma_compile.model.backbone import ExpertProjection  # noqa: E402
 from dgemma_compile.quant import quantize  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("torchao")
 
-from dgemma_compile.ops import expert_formats  # noqa: E402
-from dgemma_compile.ops import moe as moe_ops  # noqa: E402
+from dgemma_compile.kernels.moe import formats as expert_formats  # noqa: E402
+from dgemma_compile.kernels.moe import op as moe_ops  # noqa: E402
 from dgemma_compile.quant.schemes import scheme  # noqa: E402
 import test_ops  # noqa: E402
 
@@ -141,7 +141,7 @@ def test_zero_rows_and_unused_experts_stay_finite(quant, impl, dtype):
 
 
 def test_set_quantized_checks_the_layout():
-    from dgemma_compile.model import ExpertProjection
+    from dgemma_compile.model.backbone import ExpertProjection
 
     proj = ExpertProjection(2, 32, 16)
     before = proj.weight
@@ -161,7 +161,7 @@ def test_set_quantized_checks_the_layout():
 def test_a_format_is_looked_up_by_name_once():
     """Every name the op takes names one object, an unknown one is refused naming the argument, and the schemes'
     experts are those objects (the op's `quant` argument is the scheme's experts' name)."""
-    from dgemma_compile.config import ConfigError
+    from dgemma_compile.model.config import ConfigError
     from dgemma_compile.quant.schemes import SCHEME_OBJECTS
 
     assert tuple(expert_formats.EXPERT_FORMATS) == moe_ops.EXPERT_QUANTS

@@ -40,9 +40,9 @@ from torch import nn
 
 import dgemma_compile as dg
 from dgemma_compile.compile import CompileOptions, UnitFactory
-from dgemma_compile.loader import load_configs
-from dgemma_compile.ops.moe import resolve_moe_impl
-from dgemma_compile.plan import DENOISE_MODE, ENCODER, build_plan, every_row
+from dgemma_compile.model.loader import load_configs
+from dgemma_compile.kernels.moe.op import resolve_moe_impl
+from dgemma_compile.model.plan import DENOISER, ENCODER, build_plan, every_row
 from helpers import hf_cache
 
 pytestmark = pytest.mark.slow
@@ -224,7 +224,7 @@ def variant(model: dg.DiffusionGemma, **kw) -> dg.DiffusionGemma:
 def denoise_hidden(model: dg.DiffusionGemma, cache, canvas: torch.Tensor) -> torch.Tensor:
     """The denoiser's final hidden states [C, D] on a block's first step (what `denoise` turns into logits)."""
     with torch.no_grad():
-        return model.forward_plan(canvas, cache, build_plan(model, cache, C, mode=every_row(cache, DENOISE_MODE)))[0]
+        return model.forward_plan(canvas, cache, build_plan(model, cache, C, mode=every_row(cache, DENOISER)))[0]
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +287,7 @@ def test_bfloat16_logits_within_epsilon_bound(reference):
     Skipped where this host's bfloat16 GEMM is ATen's slow reference path (`compute_dtype.probe`: an AVX2-only host,
     where it took 114 s of CI): no default path of such a host computes in bfloat16 (a bf16 checkpoint loads as
     float32 there; docs/numerics.md), and the float32 checks of this module still run."""
-    from dgemma_compile import compute_dtype
+    from dgemma_compile.model import compute_dtype
 
     probe = compute_dtype.probe(torch.bfloat16)
     if probe.slow:
@@ -364,7 +364,7 @@ def test_float32_compiled_within_transformers_noise(reference, model32):
             assert all(m.BLOCK_SIZE == (128, 128) for m in plan.masks.values())
             enc.append(step(ids, plan)[0, :n])
         assert cache.lengths.tolist() == [PROMPT]
-        dec = step(reference.canvas, build_plan(model, cache, C, mode=torch.tensor([DENOISE_MODE])))[0]
+        dec = step(reference.canvas, build_plan(model, cache, C, mode=torch.tensor([DENOISER])))[0]
     assert dict(factory.compiles) == {"real_size_forward": 1}
     check_float32("compiled", "encoder hidden", torch.cat(enc), reference)
     check_float32("compiled", "denoise hidden", dec, reference)

@@ -1,4 +1,4 @@
-"""Counter-based streams (dgemma_compile.rng): Random123 known answers, a pure-Python second oracle, the layout
+"""Counter-based streams (dgemma_compile.step.rng): Random123 known answers, a pure-Python second oracle, the layout
 table, uniformity and independence (chi-square at alpha = 1e-3, p-values from torch.special.gammaincc),
 eager == compiled bit for bit without recompiles, batching invariance, ranges and argument errors."""
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgemma_compile.config import ConfigError
-from dgemma_compile.rng import (
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.step.rng import (
     LANE_RENOISE, LANE_SAMPLE, LANE_START_CANVAS, LANE_VOCAB_BASE, MAX_VOCAB, philox4x32, seed_tensor,
     start_canvas, step_noise, stream_words, to_token, to_uniform,
 )

@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as ref
 
 from bench import vocabulary_region
-from dgemma_compile import rng, sampler
-from dgemma_compile.sampler import StepNoise, denoise_update
+from dgemma_compile.step import rng, sampler
+from dgemma_compile.step.sampler import StepNoise, denoise_update
 
 
 def start(canvas, frozen, stability):
-    """(canvas, argmax, history, finished) of a block's start, as `steps.DenoiseState.begin` sets them."""
+    """(canvas, argmax, history, finished) of a block's start, as `mixed_step.DenoiseState.begin` sets them."""
     B, C = canvas.shape
     return canvas, canvas.clone(), torch.full((stability, B, C), -1, dtype=torch.long), frozen.clone()
 

@@ -1,7 +1,7 @@
 """The serving runtime (`runtime/`, imported as `dgemma_runtime`): the engine against the generators, and the
 OpenAI-compatible server on loopback through the official `openai` client.
 
-Fast tier: the engine over the eager step (`bucket.Bucket`, moe "dense": batch-invariant rows) against `dg.generate`, and
+Fast tier: the engine over the eager step (`row_table.RowTable`, moe "dense": batch-invariant rows) against `dg.generate`, and
 the HTTP behaviour (refusals, queue limit, disconnect, metrics) against eager servers. Slow tier: one compiled bucket
 of 8 rows shared by the module (`demo_serve`), whose answers must equal `gen.generate`'s on the same bucket alone and
 among 16 concurrent requests, and `dgemma serve` as a subprocess.
@@ -25,16 +25,16 @@ import pytest
 
 import dgemma_compile as dg
 from dgemma_compile.demo import tasks
-from dgemma_compile.bucket import Bucket
+from dgemma_compile.step.row_table import RowTable
 from dgemma_runtime import Engine, Request, build_engine
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.inputs.text import encode_prompt
 from helpers import wait_for_health
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from dgemma_runtime.metrics import ServeMetrics  # noqa: E402
-from dgemma_runtime.server import choice_seed, create_app  # noqa: E402
+from dgemma_runtime.http.metrics import ServeMetrics  # noqa: E402
+from dgemma_runtime.http.server import choice_seed, create_app  # noqa: E402
 
 MODEL = "dgemma-demo"
 SLOTS = 256
@@ -96,9 +96,9 @@ def _run_engine(engine: Engine) -> None:
 
 
 # ----- the engine, eager ----------------------------------------------------------------------------------------
-def _eager_bucket(model, rows: int, body: str) -> Bucket:
+def _eager_bucket(model, rows: int, body: str) -> RowTable:
     """An eager bucket of `rows` rows stepping at every batch size 1..rows, commits "separate" or "fused"."""
-    return Bucket(model, range(1, rows + 1), max_seq_len=SLOTS, max_denoising_steps=64, fuse_commit=body == "fused")
+    return RowTable(model, range(1, rows + 1), max_seq_len=SLOTS, max_denoising_steps=64, fuse_commit=body == "fused")
 
 
 BODIES = ["separate", pytest.param("fused", marks=pytest.mark.slow)]
@@ -136,7 +136,7 @@ def test_engine_staggered_admission_equals_generate(demo, body):
     assert st.flag_reads == st.forwards and st.requests == {"eos": 6, "length": 1}
     assert st.tokens == sum(r.stats.num_tokens for r in reqs)
     assert st.forwards <= st.iterations and len(st.forwards_by_size) > 1  # sizes change as rows come and go
-    assert engine.bucket.tokens_per_row == (2 if fused else 1) * model.config.canvas_length
+    assert engine.row_table.tokens_per_row == (2 if fused else 1) * model.config.canvas_length
     assert fused_commits == (3 if fused else 0)  # the references fused (or not) as many commits
 
 
@@ -197,7 +197,7 @@ def test_engine_draft_events(demo, body):
         assert e.finish_reason is None and len(e.tokens) <= model.config.canvas_length
         assert not set(e.tokens) & set(cfg.resolved(model.config).eos_token_ids)
         assert e.text == tok.decode(e.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    engine = Engine(model, Bucket(model, (1,), max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
+    engine = Engine(model, RowTable(model, (1,), max_seq_len=SLOTS, max_denoising_steps=64), tokenizer=tok)
     with pytest.raises(dg.ConfigError, match="draft_every"):
         engine.submit(Request(prompt=_ids(tok, model, REV), config=cfg, seed=0, draft_every=-1))
 
@@ -212,7 +212,7 @@ def eager_server(demo):
         yield srv
 
 
-class SlowBucket(Bucket):
+class SlowBucket(RowTable):
     """The eager step slowed down, so that requests are still running when a test acts on them."""
 
     def __init__(self, *a, delay: float, **kw):
@@ -431,7 +431,7 @@ def demo_serve(demo):
     `references[(prompt, seed, kw)]` is the eager oracle's text for that request alone (`dg.generate` with the
     generator's experts implementation), and `gen.generate` of each request alone on the same bucket must agree."""
     from dgemma_compile.compile import CompileOptions, build
-    from dgemma_compile.text import Detokenizer
+    from dgemma_compile.inputs.text import Detokenizer
 
     model, tok = demo
     gen = build(model, CompileOptions(batch_buckets=(1, 8), max_seq_len=SLOTS, fuse_commit=False))
@@ -496,7 +496,7 @@ def test_compiled_fused_mixed_step(demo):
     model, tok = demo
     gen = build(model, CompileOptions(batch_buckets=(2,), max_seq_len=SLOTS, fuse_commit=True))
     engine = build_engine(model, max_batch=2, max_seq_len=SLOTS, tokenizer=tok, generator=gen)
-    assert engine.bucket.fuse_commit and [v.name for v in engine.bucket.views()] == ["step[B2_P1_stop]"]
+    assert engine.row_table.fuse_commit and [v.name for v in engine.row_table.views()] == ["step[B2_P1_stop]"]
     base = model.generation_config
     specs = [(REV, base, 0), ("sort 3 1 2 9 5=", base.with_temperature(0), 1), (REV, base.with_temperature(2.0), 2),
              ("dedup 3 1 3 2=", base.replace(max_new_tokens=3), 3), (REV, base.replace(max_denoising_steps=1), 4)]

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from dgemma_runtime import QueueFullError, Request, build_engine
-from dgemma_runtime.metrics import ServeMetrics
+from dgemma_runtime.http.metrics import ServeMetrics
 
 pytest.importorskip("uvicorn")
 

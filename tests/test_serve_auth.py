@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from dgemma_runtime import build_engine
-from dgemma_runtime.auth import APIKeyAuth, Secret, protected
-from dgemma_runtime.metrics import ServeMetrics
+from dgemma_runtime.http.auth import APIKeyAuth, Secret, protected
+from dgemma_runtime.http.metrics import ServeMetrics
 
 pytest.importorskip("uvicorn")
 
@@ -80,7 +80,7 @@ def test_the_key_is_never_shown():
 def test_cli_reads_the_key_from_the_environment(monkeypatch):
     from dgemma_compile.cli import _parser
     from dgemma_compile.cli.serve import _api_key
-    from dgemma_compile.config import ConfigError
+    from dgemma_compile.model.config import ConfigError
 
     monkeypatch.delenv("DGEMMA_API_KEY", raising=False)
     assert _api_key(_parser().parse_args(["serve"])) is None

@@ -1,5 +1,5 @@
 """Per-request work that ends with its request (issue 36, docs/serving.md "Bounded work"): grammar compiles run in
-worker processes bounded in size, time and memory (`runtime/grammars.py`); hostile constraints are refused naming
+worker processes bounded in size, time and memory (`runtime/http/grammars.py`); hostile constraints are refused naming
 the limit while a good request keeps its solo answer, and the server's memory and threads return to idle."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 import dgemma_compile as dg
 from dgemma_runtime import build_engine
-from dgemma_runtime.grammars import GrammarLimits
-from dgemma_runtime.metrics import ServeMetrics
+from dgemma_runtime.http.grammars import GrammarLimits
+from dgemma_runtime.http.metrics import ServeMetrics
 
 pytest.importorskip("uvicorn")
 
@@ -140,7 +140,7 @@ def test_hostile_grammars_end_with_their_requests(byte_model):
 def test_cli_grammar_flags_reach_the_app(monkeypatch):
     """`dgemma serve --max-grammar-bytes/--grammar-timeout/--grammar-memory/--grammar-workers/--grammar-cache-bytes`
     become the app's `GrammarLimits`; bad values are refused before loading."""
-    import dgemma_runtime.server as server
+    import dgemma_runtime.http.server as server
     from dgemma_compile.cli import _parser, main, serve_command
 
     seen = {}

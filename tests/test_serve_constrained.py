@@ -1,4 +1,4 @@
-"""Structured outputs over HTTP (runtime/structured.py, docs/constrained.md): `response_format` json_schema /
+"""Structured outputs over HTTP (runtime/http/structured.py, docs/constrained.md): `response_format` json_schema /
 json_object and vLLM's `guided_regex` / `guided_choice` / `guided_json` / `structured_outputs` on both routes; the
 answer is the eager oracle's constrained tokens; refusals are 400s naming the field."""
 
@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 import dgemma_compile as dg
-from dgemma_compile.constraint import Constraint
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.inputs.constraint import Constraint
+from dgemma_compile.inputs.text import encode_prompt
 from dgemma_runtime import build_engine
 
 pytest.importorskip("uvicorn")

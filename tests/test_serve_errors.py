@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dgemma_runtime import build_engine
-from dgemma_runtime.http_protocol import bounded_protocol
-from dgemma_runtime.metrics import ServeMetrics
+from dgemma_runtime.http.transport import bounded_protocol
+from dgemma_runtime.http.metrics import ServeMetrics
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -187,7 +187,7 @@ def test_an_unhandled_exception_is_counted_as_a_500():
     from fastapi.testclient import TestClient
     from prometheus_client import CollectorRegistry
 
-    from dgemma_runtime.http_errors import ErrorCounter
+    from dgemma_runtime.http.errors import ErrorCounter
 
     app, registry = FastAPI(), CollectorRegistry()
 
@@ -209,8 +209,8 @@ def test_a_config_error_maps_to_the_400_by_its_fields():
     that merely mentions the context is not; the fields survive a pickle (a rank or a worker may send one)."""
     import pickle
 
-    from dgemma_compile.config import CONTEXT_LENGTH, ConfigError
-    from dgemma_runtime.server import _config_error
+    from dgemma_compile.model.config import CONTEXT_LENGTH, ConfigError
+    from dgemma_runtime.http.server import _config_error
 
     err = _config_error(ConfigError("max_seq_len", "this request needs 9 KV pages, more than 8", code=CONTEXT_LENGTH))
     assert (err.status, err.param, err.code) == (400, "max_tokens", "context_length_exceeded")

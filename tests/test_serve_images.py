@@ -16,10 +16,10 @@ from helpers import hf_model, image_token_ids, write_checkpoint
 from test_serve import SLOTS, ServerThread, _post
 
 import dgemma_compile as dg
-from dgemma_compile.preprocess import ImageSources, num_soft_tokens, preprocess
-from dgemma_compile.text import ImageSlots, encode_chat
+from dgemma_compile.inputs.preprocess import ImageSources, num_soft_tokens, preprocess
+from dgemma_compile.inputs.text import ImageSlots, encode_chat
 from dgemma_runtime import build_engine
-from dgemma_runtime.server import MAX_IMAGES, choice_seed
+from dgemma_runtime.http.server import MAX_IMAGES, choice_seed
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 PIL = pytest.importorskip("PIL.Image")
@@ -68,7 +68,7 @@ def test_image_url_answer_equals_the_eager_generator(mm_server):
     ids = encode_chat(tok, messages, bos_token_id=model.config.bos_token_id, images=slots)
     cfg = srv.engine.config.replace(max_new_tokens=8, max_denoising_steps=3)
     out = dg.generate(model, [ids], cfg, seed=choice_seed(7, 0), images=[imgs], max_seq_len=SLOTS,
-                      moe_impl=srv.engine.bucket.moe_impl)
+                      moe_impl=srv.engine.row_table.moe_impl)
     assert got == tok.decode(out.sequences[0], skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
     assert ids.count(image_token_ids()[0]) == sum(slots.soft_tokens) and 0 < max(slots.soft_tokens) <= 70

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import dgemma_compile as dg
-from dgemma_compile.config import FLOAT32_MAX
-from dgemma_compile.bucket import Bucket
+from dgemma_compile.model.config import FLOAT32_MAX
+from dgemma_compile.step.row_table import RowTable
 from dgemma_runtime import Engine, Request, build_engine
-from dgemma_runtime import protocol as P
+from dgemma_runtime.http import protocol as P
 
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -156,16 +156,16 @@ def test_admission_failure_ends_one_request(demo):
     finish reason "error", its row freed; its batch mates give exactly `dg.generate`'s tokens."""
     model, tok = demo
     cfg = model.generation_config
-    bucket = Bucket(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64)
-    set_row = bucket.inputs.set_row
+    row_table = RowTable(model, (1, 2), max_seq_len=SLOTS, max_denoising_steps=64)
+    set_row = row_table.inputs.set_row
 
     def failing(row, config, seed):
         if seed == 99:
             raise RuntimeError("value cannot be converted to type float without overflow")
         set_row(row, config, seed)
 
-    bucket.inputs.set_row = failing
-    engine = Engine(model, bucket, tokenizer=tok)
+    row_table.inputs.set_row = failing
+    engine = Engine(model, row_table, tokenizer=tok)
     events = []
     reqs = [engine.submit(Request(prompt=_ids(tok, model, text), config=cfg, seed=seed, on_event=events.append))
             for text, seed in ((REV, 0), ("sort 3 1 2=", 99), ("add 123+045=", 1))]
@@ -272,7 +272,7 @@ def test_offload_works_small_bodies_in_place_and_bounds_large_ones():
     the engine's step), a larger one in a worker thread under the time bound."""
     import asyncio
 
-    from dgemma_runtime import limits
+    from dgemma_runtime.http import limits
 
     here = threading.get_ident()
     where = lambda: threading.get_ident()  # noqa: E731

@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dgemma_runtime import Request, build_engine
-from dgemma_compile.text import encode_chat, encode_prompt
+from dgemma_compile.inputs.text import encode_chat, encode_prompt
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from dgemma_runtime.server import choice_seed  # noqa: E402
+from dgemma_runtime.http.server import choice_seed  # noqa: E402
 from test_serve import MODEL, REV, SLOTS, ServerThread, _post  # noqa: E402
 from test_serve_protocol import _stream  # noqa: E402
 

@@ -220,7 +220,7 @@ def test_ignore_eos_runs_to_the_token_budget(server, demo):
     as ordinary tokens, the tokens of `dg.generate` with `GenerationConfig.ignore_eos`; without it, the same request
     ends at its eos."""
     import dgemma_compile as dg
-    from dgemma_compile.text import encode_prompt
+    from dgemma_compile.inputs.text import encode_prompt
 
     model, tok = demo
     body = {"prompt": "add 123+045=", "max_tokens": 40, "seed": 3}

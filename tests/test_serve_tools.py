@@ -1,4 +1,4 @@
-"""Tool calls (issue 26 item 5; runtime/tool_syntax.py, runtime/tool_calls.py, docs/constrained.md "Tool calls"):
+"""Tool calls (issue 26 item 5; runtime/http/tool_syntax.py, runtime/http/tool_calls.py, docs/constrained.md "Tool calls"):
 Gemma4's call syntax parsed into OpenAI `tool_calls` (streamed and not), tools rendered by a Gemma4-shaped chat
 template fixture (tests/fixtures/gemma4_tools), `tool_choice` "required" / named enforced through the constraint
 machinery on a random-weight checkpoint with a byte-level tokenizer (every call parses and its arguments validate
@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 
 import dgemma_compile as dg
-from dgemma_compile.constraint import GrammarLibrary
-from dgemma_compile.text import encode_chat
-from dgemma_runtime.tool_syntax import ToolCall, ToolCallScanner, parse_arguments, split_tool_calls
+from dgemma_compile.inputs.constraint import GrammarLibrary
+from dgemma_compile.inputs.text import encode_chat
+from dgemma_runtime.http.tool_syntax import ToolCall, ToolCallScanner, parse_arguments, split_tool_calls
 from dgemma_runtime import build_engine
 
 pytest.importorskip("uvicorn")
@@ -124,7 +124,7 @@ def test_template_renders_tools_and_turns(tool_tokenizer):
 def test_enforced_grammar_accepts_calls_and_refuses_others(tool_tokenizer):
     """The structural tag of "required" accepts one or more valid calls and nothing else; the named one exactly one
     call of its function (the grammar side the server's guarantee rests on)."""
-    from dgemma_runtime.tool_calls import resolve_tools
+    from dgemma_runtime.http.tool_calls import resolve_tools
 
     tok = tool_tokenizer
     lib = GrammarLibrary(tok, 272, [1])
@@ -164,8 +164,8 @@ def test_enforced_grammar_accepts_calls_and_refuses_others(tool_tokenizer):
      "tools[0].function.parameters.properties.s", "maxLength"),
 ])
 def test_resolve_tools_refusals_name_the_field(tools, choice, param, words):
-    from dgemma_runtime.protocol import APIError
-    from dgemma_runtime.tool_calls import resolve_tools
+    from dgemma_runtime.http.protocol import APIError
+    from dgemma_runtime.http.tool_calls import resolve_tools
 
     with pytest.raises(APIError) as info:
         resolve_tools(tools, choice, None)

@@ -5,9 +5,10 @@ import torch
 
 import dgemma_compile as dg
 from dgemma_compile.demo import DEMO_MODEL, tasks
-from dgemma_compile.generate import plan_requests, run_block_diffusion
-from dgemma_compile.generate import EagerSteps
-from dgemma_compile.stop_check import StopCheck, resolve
+from dgemma_compile.oracle import run_block_diffusion
+from dgemma_compile.step.requests import plan_requests
+from dgemma_compile.oracle import EagerSteps
+from dgemma_compile.step.stop_check import StopCheck, resolve
 
 
 def flags(*values):

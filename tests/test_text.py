@@ -1,4 +1,4 @@
-"""Prompt assembly and incremental detokenization (`dgemma_compile.text`) on tokenizers built offline.
+"""Prompt assembly and incremental detokenization (`dgemma_compile.inputs.text`) on tokenizers built offline.
 
 References are the `tokenizers` objects themselves (raw encode without special tokens, full decode) and the
 templates rendered with jinja2 directly, never hard-coded ids.
@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from dgemma_compile.config import ConfigError
-from dgemma_compile.loader import load_tokenizer
-from dgemma_compile.text import (REPLACEMENT, Detokenizer, StopStrings, chat_template, encode_chat, encode_prompt, user_messages,
+from dgemma_compile.model.config import ConfigError
+from dgemma_compile.model.loader import load_tokenizer
+from dgemma_compile.inputs.text import (REPLACEMENT, Detokenizer, StopStrings, chat_template, encode_chat, encode_prompt, user_messages,
                                  with_one_bos)
 
 SPECIALS = ["<pad>", "<eos>", "<bos>"]  # ids 0, 1, 2 as in Gemma

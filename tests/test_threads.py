@@ -1,4 +1,4 @@
-"""Thread recommendation (`dgemma_compile.threads`): /proc/stat arithmetic, the policy, and a live busy process."""
+"""Thread recommendation (`dgemma_compile.cli.threads`): /proc/stat arithmetic, the policy, and a live busy process."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile import threads
+from dgemma_compile.cli import threads
 from dgemma_compile.demo import DEMO_MODEL
 
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgemma_compile.ops.moe import moe_experts_loop
+from dgemma_compile.kernels.moe.op import moe_experts_loop
 from triton_support import DEVICE, interpreted_triton_language
 
 triton = pytest.importorskip("triton")

@@ -1,4 +1,4 @@
-"""The sample-step Triton kernel and Philox (`templates/sample_step.py`) against `sampler.sample_step` and `rng`, and
+"""The sample-step Triton kernel and Philox (`kernels/sample/triton_kernel.py`) against `sampler.sample_step` and `rng`, and
 dgemma::sample_step's CUDA implementation against its CPU one, run by Triton's interpreter on the CPU
 (`triton_support.py`)."""
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgemma_compile import rng, sampler
+from dgemma_compile.step import rng, sampler
 from triton_support import DEVICE, interpreted_triton_language
 from test_rng import KAT_ROWS
 
@@ -30,11 +30,11 @@ _sample_module = []
 
 
 def sample_kernels():
-    """templates/sample_step.py with kernels that run here: interpreted on the CPU, compiled on a CUDA device.
+    """kernels/sample/triton_kernel.py with kernels that run here: interpreted on the CPU, compiled on a CUDA device.
 
     Triton 3.7.1 reads `triton.knobs.runtime.interpret` (the env var TRITON_INTERPRET, set by triton_support)
     once per kernel, when `@triton.jit` decorates it; launches never read it again. Importing triton earlier is
-    harmless, but if `dgemma_compile.templates.sample_step` itself was imported before this file (e.g. by `ops.sample`
+    harmless, but if `dgemma_compile.kernels.sample.triton_kernel` itself was imported before this file (e.g. by `kernels.sample`
     registering its CUDA kernel), its kernels are compiled-mode JITFunctions that cannot take CPU tensors. Then this
     executes a private copy of the file (its own module object, not in sys.modules) with the knob forced on inside
     `triton.knobs.runtime.scope()`, so the outcome never depends on test order and the process's module is untouched.
@@ -42,9 +42,9 @@ def sample_kernels():
     if not _sample_module:
         from triton.runtime.interpreter import InterpretedFunction
 
-        from dgemma_compile.templates import sample_step as module
+        from dgemma_compile.kernels.sample import triton_kernel as module
         if DEVICE == "cpu" and not isinstance(module._sample_step_kernel, InterpretedFunction):
-            spec = importlib.util.spec_from_file_location("dgemma_compile.templates._sample_step_interpreted",
+            spec = importlib.util.spec_from_file_location("dgemma_compile.kernels.sample._sample_step_interpreted",
                                                           module.__file__)
             module = importlib.util.module_from_spec(spec)
             with triton.knobs.runtime.scope():
@@ -267,7 +267,7 @@ SAMPLE_SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dgemma_compile.templates import sample_step as m
+from dgemma_compile.kernels.sample import sample_step as m
 
 assert not triton.knobs.runtime.interpret
 target = GPUTarget("cuda", 90, 32)
@@ -317,7 +317,7 @@ def test_sample_kernels_compile_for_sm90():
 def test_op_cuda_path_matches_the_cpu_op_in_slices(softcap, dtype, sc_dtype, monkeypatch):
     """What the op runs on CUDA (the kernel; with a softcap, one launch per slice of positions), here interpreted,
     against the op's CPU implementation with the same slicing: argmax identical, the rest as `assert_same`."""
-    from dgemma_compile.ops import sample as op
+    from dgemma_compile.kernels.sample import op
 
     B, C, V = 2, 3, 300
     g = torch.Generator().manual_seed(7)
@@ -340,8 +340,8 @@ def test_masked_op_matches_the_reference(softcap, dtype, monkeypatch):
     """The first-position mask inside the op (per-row bitmask and flag, `sampler.mask_first`): the kernel
     (interpreted; with a softcap one launch per slice) and the CPU op against `sampler.sample_step` with the mask;
     a constrained row's position 0 picks only allowed ids, every other row and position is as without the mask."""
-    from dgemma_compile.constraint import pack_bitmask
-    from dgemma_compile.ops import sample as op
+    from dgemma_compile.inputs.constraint import pack_bitmask
+    from dgemma_compile.kernels.sample import op
 
     B, C, V = 3, 3, 300
     g = torch.Generator().manual_seed(11)

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 import dgemma_compile as dg
-from dgemma_compile.constraint import Constraint
+from dgemma_compile.inputs.constraint import Constraint
 from dgemma_compile.demo import DEMO_MODEL
 from dgemma_compile.demo import tasks as T
-from dgemma_compile.text import encode_prompt
+from dgemma_compile.inputs.text import encode_prompt
 
 FORMATS = {"sort": r"[0-9]( [0-9])*", "rev": r"[0-9]( [0-9])*", "dedup": r"[0-9]( [0-9])*", "add": r"[0-9]{4}"}
 

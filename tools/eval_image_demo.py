@@ -33,8 +33,8 @@ from dgemma_compile.demo import tasks as T
 
 def encode(model, tok, examples):
     """(prompt ids, [images.Image]) per example, through the processor and the prompt assembly."""
-    from dgemma_compile.preprocess import num_soft_tokens, preprocess
-    from dgemma_compile.text import ImageSlots, encode_prompt
+    from dgemma_compile.inputs.preprocess import num_soft_tokens, preprocess
+    from dgemma_compile.inputs.text import ImageSlots, encode_prompt
 
     out = []
     for ex, im in examples:

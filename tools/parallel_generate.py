@@ -26,7 +26,7 @@ import dgemma_compile as dg  # noqa: E402
 from dgemma_compile import parallel  # noqa: E402
 from dgemma_compile.compile import CompileOptions  # noqa: E402
 from dgemma_compile.demo import DEMO_MODEL  # noqa: E402
-from dgemma_compile.text import encode_prompt  # noqa: E402
+from dgemma_compile.inputs.text import encode_prompt  # noqa: E402
 
 PROMPTS = ["sort 3 1 2 9 5=", "add 123+045=", "rev 3 1 2=", "dedup 3 1 3 2="]  # docs/demo.md's formats
 

@@ -41,9 +41,9 @@ __all__ = ["COMPILE_MODES", "DEFAULT_BATCH_SIZE", "DEFAULT_GROUP_TIMEOUT_S", "DT
 
 
 def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> int:
-    """Run generate / serve as one rank of `world` (`parallel.ranks.run`: started here, or joined under torchrun).
+    """Run generate / serve as one rank of `world` (`cli.ranks.run`: started here, or joined under torchrun).
     A collective that fails (a peer died, or stalled past --group-timeout) ends every rank with one error line."""
-    from ..parallel import ranks as R
+    from . import ranks as R
 
     command = generate_command if args.command == "generate" else serve_command
 
@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None, *, owns_process: bool | None = None) -> 
     except SystemExit as e:  # argparse printed the help or the error line; the status is returned, as every other
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if owns_process and args.command in ("generate", "serve"):
-        from ..host_memory import retain_freed_memory
+        from .host_memory import retain_freed_memory
 
         retain_freed_memory()
-    from ..config import ConfigError
-    from ..kv_cache import CacheFullError
-    from ..loader import CheckpointError
-    from ..parallel.ranks import ParallelError
+    from ..model.config import ConfigError
+    from ..model.kv_cache import CacheFullError
+    from ..model.loader import CheckpointError
+    from .ranks import ParallelError
 
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     # AOTAutograd's cache skips graphs holding torchao tensors (Float8Tensor has no stable hash): a known cost of
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None, *, owns_process: bool | None = None) -> 
     logging.getLogger("dgemma_compile").setLevel(logging.INFO)
     try:
         if args.command in ("generate", "serve"):
-            from ..parallel import ranks
+            from . import ranks
 
             world = ranks.world_size_for(args.tensor_parallel_size)
             if world > 1:

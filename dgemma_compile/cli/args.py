@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
                         "eager step, compiling in a background process when the job is larger than one batch "
                         "(docs/cli.md); always: compile (or load) before answering; never: the eager step only")
     g.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="intra-op CPU threads (default: OMP_NUM_THREADS if set, else dgemma_compile.threads."
+                   help="intra-op CPU threads (default: OMP_NUM_THREADS if set, else dgemma_compile.cli.threads."
                         "recommended_threads: 1 for small models, else the CPUs free now)")
     g.add_argument("--live", action="store_true",
                    help="redraw the block in flight at every denoise step (accepted and renoised positions, the step "

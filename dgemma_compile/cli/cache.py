@@ -10,7 +10,7 @@ import time
 def cache_command(args: argparse.Namespace) -> int:
     """`dgemma cache info|clear`: the compile cache's directory and entries (unit, bytes, age), or remove them."""
     from ..compile.artifacts import ArtifactStore, cache_root
-    from ..config import ConfigError
+    from ..model.config import ConfigError
 
     if cache_root() is None:
         print(f"compile cache: off (DGEMMA_CACHE={os.environ.get('DGEMMA_CACHE')})")

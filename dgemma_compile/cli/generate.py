@@ -16,11 +16,11 @@ from .run import _apply_threads, _load, _quantize, _runner, _shared
 
 
 def generate_command(args: argparse.Namespace, ranks=None) -> int:
-    """`dgemma generate`; `ranks` (`parallel.ranks.Ranks`): one rank of a tensor-parallel run, whose inputs (the
+    """`dgemma generate`; `ranks` (`cli.ranks.Ranks`): one rank of a tensor-parallel run, whose inputs (the
     prompts file or stdin, the images) are rank 0's."""
     from .. import load_tokenizer
-    from ..config import ConfigError
-    from ..text import check_stop_strings
+    from ..model.config import ConfigError
+    from ..inputs.text import check_stop_strings
 
     if args.prompt is not None and args.prompts_file is not None:
         raise ConfigError("prompt", "give a prompt or --prompts-file, not both")
@@ -48,7 +48,7 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
     args.model_load_s = time.perf_counter() - start
     tokenizer = load_tokenizer(model_dir)
     if args.constraint is not None:  # compiled against this tokenizer now: a bad one fails before any model work
-        from ..constraint import row_grammars
+        from ..inputs.constraint import row_grammars
 
         row_grammars(model, [args.constraint], [model.generation_config.resolved(model.config)], tokenizer)
     changes = {}
@@ -69,14 +69,14 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
 
 
 def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
-    from ..generate import plan_requests
-    from ..text import StopStrings
+    from ..step.requests import plan_requests
+    from ..inputs.text import StopStrings
 
     matcher = StopStrings(tokenizer, args.stop or ())  # validates --stop before any compile
     images = None
     if args.image:
-        from ..images import prepare
-        from ..preprocess import preprocess
+        from ..inputs.images import prepare
+        from ..inputs.preprocess import preprocess
 
         images = [preprocess(model, args.pil_images, max_soft_tokens=args.max_soft_tokens)]
     ids = _encode(tokenizer, model, args.prompt, args, images[0] if images else None)
@@ -87,7 +87,7 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
         slots = max(slots, len(ids) + config.max_new_tokens - 1)
     canvas = {}
     if args.template is not None:  # validated before any compile
-        from ..canvas import canvas_of
+        from ..step.canvas import canvas_of
 
         canvas = {"canvas": [canvas_of(args.template, config, model.config.vocab_size, tokenizer, name="template")]}
     threads = _apply_threads(args, model)
@@ -131,9 +131,9 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
     config, run each group in batches of --batch-size, write one JSON line per prompt in input order."""
     from tqdm import tqdm
 
-    from ..config import ConfigError
-    from ..generate import STRUCTURAL, plan_requests
-    from ..text import StopStrings, check_stop_strings
+    from ..model.config import ConfigError
+    from ..step.requests import STRUCTURAL, plan_requests
+    from ..inputs.text import StopStrings, check_stop_strings
 
     batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH_SIZE
     slots = 0
@@ -224,8 +224,8 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
 def _constraint(args: argparse.Namespace):
     """The `Constraint` of --regex / --choice / --json-schema FILE / --json-object, or None. Raises ConfigError
     (naming the flag) for an unreadable schema file or a malformed constraint."""
-    from ..config import ConfigError
-    from ..constraint import Constraint
+    from ..model.config import ConfigError
+    from ..inputs.constraint import Constraint
 
     if args.regex is not None:
         return Constraint.regex(args.regex)
@@ -254,6 +254,6 @@ def _live_view(args: argparse.Namespace, tokenizer, config):
         print("dgemma: --live draws only on a terminal; stdout is not one, so the text is printed as usual",
               file=sys.stderr, flush=True)
         return None
-    from ..live import LiveView
+    from .live import LiveView
 
     return LiveView(tokenizer, config.max_denoising_steps)

@@ -16,8 +16,8 @@ LINE_KEYS = ("prompt", "seed", "max_new_tokens", "entropy_bound", "temperature",
 def _encode(tokenizer, model, prompt: str, args: argparse.Namespace, images=None) -> list[int]:
     """Token ids of one prompt: raw, or through the chat template with --chat/--system; `images` (`images.Image`,
     --image) become the prompt's placeholder runs (`text.ImageSlots`). Raises ConfigError."""
-    from ..preprocess import num_soft_tokens
-    from ..text import ImageSlots, encode_chat, encode_prompt, user_messages
+    from ..inputs.preprocess import num_soft_tokens
+    from ..inputs.text import ImageSlots, encode_chat, encode_prompt, user_messages
 
     bos = model.config.bos_token_id
     slots = ImageSlots.for_model(tokenizer, model, [num_soft_tokens(model, im) for im in images]) if images else None
@@ -51,7 +51,7 @@ def read_prompts_file(name: str) -> list[PromptLine]:
     A line whose first non-blank character is `{` is a JSON object; any other line is the prompt itself (without
     its line ending). Raises ConfigError when the file cannot be read or holds no prompt.
     """
-    from ..config import ConfigError
+    from ..model.config import ConfigError
 
     if name == "-":
         data = sys.stdin.buffer.read()
@@ -101,7 +101,7 @@ def _read_inputs(args: argparse.Namespace) -> tuple[list[PromptLine] | None, lis
     lines = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None
     images = None
     if args.image:
-        from ..preprocess import read_image
+        from ..inputs.preprocess import read_image
 
         images = [read_image(p) for p in args.image]
     return lines, images

@@ -21,7 +21,7 @@ def _apply_threads(args: argparse.Namespace, model) -> int:
     (Inductor's CPU kernels are generated for the thread count in force)."""
     import torch
 
-    from ..threads import recommended_threads
+    from .threads import recommended_threads
 
     if args.threads is not None:
         n = args.threads
@@ -65,7 +65,7 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
     loaded now (`compile_s`, `load_s`), or eager while a background process compiles (`compile_s` of that process, if
     it finished); or, with --eager, the eager reference after an untimed run of `first` = (prompts, seeds) with one
     denoise step per block (`warmup_s`)."""
-    from .. import generate
+    from .. import oracle as generate
 
     max_seq_len = -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING  # the same cache, so eager and compiled agree
     if args.eager:
@@ -80,12 +80,12 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
     gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=max_seq_len,
                                       max_denoising_steps=max(256, steps)))
     mode, why = _compile_mode(args, gen, rows, config, jobs)
-    bucket = gen.bucket(config)
-    name = bucket.step_name(rows)
+    row_table = gen.row_table(config)
+    name = row_table.step_name(rows)
     compile_s = step_load_s = 0.0
     if mode == "load":
         start = time.perf_counter()
-        if rows in gen.load_cached(bucket):
+        if rows in gen.load_cached(row_table):
             step_load_s = time.perf_counter() - start
             print(f"dgemma: loaded {name} from the compile cache in {step_load_s:.2f} s", file=sys.stderr, flush=True)
         else:  # a damaged entry (logged, removed): as if it had not been there
@@ -192,14 +192,15 @@ def _load(model_dir, args: argparse.Namespace, ranks):
     import torch
 
     from .. import load
-    from ..config import ConfigError
+    from ..model.config import ConfigError
 
     dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
     if ranks is None:
         return load(model_dir, dtype=dtype)
-    from .. import compute_dtype, parallel
+    from ..model import compute_dtype
+    from .. import parallel
 
-    from ..loader import CheckpointError
+    from ..model.loader import CheckpointError
 
     if dtype is None and ranks.device.type == "cpu":  # one decision for the group (compute_dtype.adopt)
         compute_dtype.adopt(ranks.share(lambda: {d: compute_dtype.probe(d) for d in (torch.bfloat16, torch.float16)}))

@@ -15,7 +15,7 @@ from .run import _apply_threads, _background, _load
 def _api_key(args: argparse.Namespace) -> str | None:
     """`dgemma serve`'s API key: --api-key, else the environment variable DGEMMA_API_KEY, else None (no key).
     Raises ConfigError for an empty or blank key (never showing it)."""
-    from ..config import ConfigError
+    from ..model.config import ConfigError
 
     key = args.api_key if args.api_key is not None else os.environ.get("DGEMMA_API_KEY")
     if key is not None and not key.strip():
@@ -26,16 +26,16 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def serve_command(args: argparse.Namespace, ranks=None) -> int:
     """`dgemma serve`: load the model, build the engine (its steps as --compile says: docs/cli.md), then serve
     until interrupted.
-    `ranks` (`parallel.ranks.Ranks`): one rank of a tensor-parallel run; rank 0 serves HTTP, the others follow its
+    `ranks` (`cli.ranks.Ranks`): one rank of a tensor-parallel run; rank 0 serves HTTP, the others follow its
     schedule (`runtime/parallel.py`) until it stops."""
-    from ..config import ConfigError
+    from ..model.config import ConfigError
 
     try:
         import uvicorn
 
-        from dgemma_runtime.grammars import GrammarLimits
-        from dgemma_runtime.metrics import ServeMetrics
-        from dgemma_runtime.server import create_app
+        from dgemma_runtime.http.grammars import GrammarLimits
+        from dgemma_runtime.http.metrics import ServeMetrics
+        from dgemma_runtime.http.server import create_app
     except ImportError as e:
         raise ConfigError("serve", f"needs the [serve] extra (pip install 'dgemma-compile[serve]'): {e}") from None
     from .. import load_tokenizer
@@ -44,7 +44,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
 
     if args.image_dir is not None and not args.image_dir.is_dir():
         raise ConfigError("image_dir", f"{args.image_dir} is not a directory")
-    from ..preprocess import ImageSources
+    from ..inputs.preprocess import ImageSources
 
     if (args.allow_private_image_urls or args.allowed_media_domains) and not args.allow_image_urls:
         raise ConfigError("allow_image_urls", "--allow-private-image-urls and --allowed-media-domains apply to fetched "
@@ -104,7 +104,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
               f"fuse_commit={'on' if b['fuse_commit'] else 'off'} kv={b['kv']} unit={b['unit']} "
               f"compiled={'eager' if b['compiled'] is None else b['compiled']} step={b['step']}", file=sys.stderr,
               flush=True)
-    from dgemma_runtime.http_protocol import bounded_protocol
+    from dgemma_runtime.http.transport import bounded_protocol
 
     server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                 http=bounded_protocol(args.header_timeout))))
@@ -115,7 +115,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     finally:
         engine.shutdown()
     if fatal:
-        from ..parallel.ranks import ParallelError
+        from .ranks import ParallelError
 
         raise ParallelError(fatal[0])
     return 0
@@ -124,16 +124,16 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
 def _serve_background(args: argparse.Namespace, engine) -> None:
     """`dgemma serve --compile auto`: load every batch size the compile cache holds now; compile the others in a
     background process while the eager step serves them (the engine switches between iterations, logged)."""
-    gen, bucket = engine.generator, engine.bucket
+    gen, row_table = engine.generator, engine.row_table
     start = time.perf_counter()
-    first = bucket.view(bucket.sizes[0])
+    first = row_table.view(row_table.sizes[0])
     if not first.step.cacheable:  # a background compile could not hand its steps over: the eager step serves
         print("dgemma: the compile cache cannot hold this model's steps (DGEMMA_CACHE off, an unusable directory, or "
               "quantized weights): serving with the eager step; --compile always compiles batch 1 before serving",
               file=sys.stderr, flush=True)
         return
-    loaded = gen.load_cached(bucket)
-    missing = [b for b in bucket.sizes if b not in loaded]
+    loaded = gen.load_cached(row_table)
+    missing = [b for b in row_table.sizes if b not in loaded]
     if loaded:
         print(f"dgemma: loaded batch sizes {loaded} from the compile cache in {time.perf_counter() - start:.1f} s",
               file=sys.stderr, flush=True)

@@ -77,8 +77,8 @@ def cache_root() -> Path | None:
 
 UNTRACED = ("cli", "demo")
 """Folders of the package whose code no step traces: the command line (argument parsing, the commands, which call
-`build` and `generate` like any user) and the demo's task suite. No other module imports them, save the rank
-launcher's entry point (tests/test_artifacts.py checks it), so an edit there cannot change a compiled graph, and is
+`build` and `generate` like any user, the rank launcher, the process settings) and the demo's task suite. No other
+module imports them (tests/test_artifacts.py checks it), so an edit there cannot change a compiled graph, and is
 no miss."""
 
 

@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     spec = CompileSpec(**json.loads(argv[0]))
     import torch
 
-    from ..loader import load
+    from ..model.loader import load
     from .generator import build
 
     torch.set_num_threads(spec.threads)
@@ -144,10 +144,10 @@ def main(argv: list[str]) -> int:
         print("background compile: the compile cache is off", file=sys.stderr)
         return 2
     store = gen.units.store
-    bucket = gen.bucket(config, **spec.paging)
+    row_table = gen.row_table(config, **spec.paging)
     keys = []
     for size in spec.sizes:
-        unit = bucket.view(bucket.size_for(gen.bucket_for(size))).step
+        unit = row_table.view(row_table.size_for(gen.bucket_for(size))).step
         keys.append(unit.key)
         with key_lock(store.root, unit.key):  # another process compiling it: wait, then load its entry
             gen.warmup(size, config, **spec.paging)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import GenerationConfig
+from ..model.config import GenerationConfig
 from .options import applied
 from .units import PassMatches
 
@@ -59,8 +59,8 @@ def explain(gen: "CompiledGenerator", batch_size: int = 1, config: GenerationCon
             workload: Callable[["CompiledGenerator"], None] | None = None) -> list[UnitReport]:
     """Per compile unit: `torch._dynamo.explain` of the bucket serving `batch_size`, then the compiles seen while
     `workload(gen)` runs (default: `default_workload`)."""
-    bucket = gen.bucket(config)
-    view = bucket.view(bucket.size_for(gen.bucket_for(batch_size)))
+    row_table = gen.row_table(config)
+    view = row_table.view(row_table.size_for(gen.bucket_for(batch_size)))
     reports = []
     with torch.no_grad(), applied(gen.options):
         view.refresh()  # every row FREE: the step changes no row

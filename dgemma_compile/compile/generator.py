@@ -1,9 +1,9 @@
 """`build(model)`: the compiled block-diffusion generator over one bucket of rows and its batch sizes.
 
-The generator drives the one step (`steps.mixed_step`) over a `bucket.Bucket` through the one driver
+The generator drives the one step (`mixed_step.mixed_step`) over a `row_table.RowTable` through the one driver
 (`driver.Driver`, which the serving engine uses too): it queues the call's requests and admits them into the lowest
 free rows (more requests than rows wait and take rows as earlier ones end), runs each iteration at the smallest batch
-size that holds the live rows (`Bucket.size_for`), reads the step's per-row report (one [b, K] read per iteration,
+size that holds the live rows (`RowTable.size_for`), reads the step's per-row report (one [b, K] read per iteration,
 then the canvases of the rows whose block finished), finalises those blocks on the host (`finish.finalize`,
 `on_block`, `stop`) and retires rows only the host can end (the `stop` hook). Each batch size is one compile unit
 (`units.CompiledUnit`, `torch.compile(fullgraph=True, dynamic=False)` over the bucket's static buffers: prefill
@@ -28,21 +28,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..bucket import Bucket
-from ..config import ConfigError, GenerationConfig
-from ..constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
-from ..driver import Driver, Finished
-from ..generate import (BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, constrained_slots,
-                        plan_requests)
-from ..canvas import Canvas, resolve_canvases
-from ..frames import FrameCallback, frame_callbacks
-from ..images import ImagePrompt
-from ..images import prepare as prepare_images
-from ..model import DiffusionGemma
-from ..observe import STEP, UNIT, Observer, SpanTimer
-from ..ops.moe import resolve_moe_impl
-from ..phases import Phase
-from ..sampler import step_scheme
+from ..step.row_table import RowTable
+from ..model.config import ConfigError, GenerationConfig
+from ..inputs.constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
+from ..step.driver import Driver, Finished
+from ..step.requests import (BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, constrained_slots,
+                             plan_requests)
+from ..step.canvas import Canvas, resolve_canvases
+from ..step.frames import FrameCallback, frame_callbacks
+from ..inputs.images import ImagePrompt
+from ..inputs.images import prepare as prepare_images
+from ..model.backbone import DiffusionGemma
+from ..step.observe import STEP, UNIT, Observer, SpanTimer
+from ..kernels.moe.op import resolve_moe_impl
+from ..step.phases import Phase
+from ..step.sampler import step_scheme
 from .options import CompileOptions, check_batch_invariant
 from .artifacts import ArtifactStore
 
@@ -61,7 +61,7 @@ class CompiledGenerator:
     model: DiffusionGemma
     options: CompileOptions
     graphs: CudaGraphs | None = None  # a CUDA-graph seam for tests; default: real CUDA graphs on CUDA devices
-    _buckets: dict = field(default_factory=dict)
+    _row_tables: dict = field(default_factory=dict)
     deferred: bool = False  # steps run eagerly until released (`defer`)
     background: "BackgroundCompile | None" = None
 
@@ -72,7 +72,7 @@ class CompiledGenerator:
         # what every unit of every bucket assumes of the model; checked once per generate/warmup call
         self.fingerprint = ModelFingerprint.of(self.model)
         cfg = self.model.config
-        # the routed experts' implementation in every compiled unit (`ops.moe.resolve_moe_impl`); the eager generator
+        # the routed experts' implementation in every compiled unit (`kernels.moe.op.resolve_moe_impl`); the eager generator
         # reproduces these numerics with `generate(..., moe_impl=gen.moe_impl)`
         self.moe_impl = resolve_moe_impl(self.options.moe_impl, dtype=self.model.dtype, num_experts=cfg.num_experts,
                                          top_k=cfg.top_k_experts, compiled=True, quant=self.model.expert_quant,
@@ -115,16 +115,16 @@ class CompiledGenerator:
         return self.units.compile_seconds
 
     @property
-    def buckets(self) -> list[Bucket]:
+    def row_tables(self) -> list[RowTable]:
         """The buckets built so far."""
-        return list(self._buckets.values())
+        return list(self._row_tables.values())
 
     def bucket_for(self, requests: int) -> int:
         """The batch size that runs `requests` rows at once (the largest if more: the rest wait for rows)."""
         return next((b for b in self.options.batch_buckets if b >= requests), self.options.batch_buckets[-1])
 
-    def bucket(self, config: GenerationConfig | None = None, *, page_size: int | None = None,
-               kv_pages: int | None = None) -> Bucket:
+    def row_table(self, config: GenerationConfig | None = None, *, page_size: int | None = None,
+               kv_pages: int | None = None) -> RowTable:
         """The bucket (its `CompileOptions.batch_buckets` sizes over one row table, their compiled steps) that serves
         requests under `config` (default: the model's generation config). Buckets are keyed by the structural config
         (the stability history depth, none when early stopping is off; stop_early; eos ids) and by the paging:
@@ -133,7 +133,7 @@ class CompiledGenerator:
         cfg = (config or self.model.generation_config).resolved(self.model.config)
         depth = cfg.stability_threshold if cfg.stop_early else 0
         key = (depth, cfg.stop_early, tuple(sorted(cfg.eos_token_ids)), page_size, kv_pages)
-        if key not in self._buckets:
+        if key not in self._row_tables:
             model = self.model
 
             # what decides a step's graph besides the options and the model: the compile cache's key holds it
@@ -148,17 +148,17 @@ class CompiledGenerator:
                 return made
 
             o = self.options
-            self._buckets[key] = Bucket(model, o.batch_buckets, max_seq_len=o.max_seq_len,
+            self._row_tables[key] = RowTable(model, o.batch_buckets, max_seq_len=o.max_seq_len,
                                         max_denoising_steps=o.max_denoising_steps, config=cfg,
                                         fuse_commit=self.fuse_commit, moe_impl=self.moe_impl, page_size=page_size,
                                         kv_pages=kv_pages, kernel_options=o.attention_kernels(), unit=unit,
                                         max_logprobs=o.max_logprobs,
                                         skip_idle_vocabulary=self.skip_idle_vocabulary)
-        return self._buckets[key]
+        return self._row_tables[key]
 
     def units_made(self) -> list[CompiledUnit]:
         """Every compiled unit of every bucket made so far."""
-        return [v.unit for bk in self._buckets.values() for v in bk.views() if isinstance(v.unit, CompiledUnit)]
+        return [v.unit for bk in self._row_tables.values() for v in bk.views() if isinstance(v.unit, CompiledUnit)]
 
     def cached(self, batch_size: int = 1, config: GenerationConfig | None = None, **paging) -> bool:
         """Whether the compile cache holds the step that serves `batch_size` requests (then `warmup` loads it in about
@@ -175,16 +175,16 @@ class CompiledGenerator:
 
     def _unit_for(self, batch_size: int, config: GenerationConfig | None, **paging):
         """The step (a `CompiledUnit`, or the eager step) that serves `batch_size` requests; makes its bucket and view."""
-        bucket = self.bucket(config, **paging)
-        return bucket.view(bucket.size_for(self.bucket_for(batch_size))).unit
+        row_table = self.row_table(config, **paging)
+        return row_table.view(row_table.size_for(self.bucket_for(batch_size))).unit
 
-    def load_cached(self, bucket: Bucket) -> list[int]:
+    def load_cached(self, row_table: RowTable) -> list[int]:
         """Load (never compile) every size of `bucket` whose step the compile cache holds, now; returns the sizes
         loaded (a damaged entry is logged and removed, and its size left uncompiled). Call with no busy rows (before
         an engine starts): on CUDA each load captures its graph with one idle call (`CompiledUnit.prepare`)."""
         loaded = []
-        for size in bucket.sizes:
-            view = bucket.view(size)
+        for size in row_table.sizes:
+            view = row_table.view(size)
             unit = view.unit
             if not isinstance(unit, CompiledUnit):
                 continue
@@ -201,7 +201,7 @@ class CompiledGenerator:
         return loaded
 
     def defer(self, background: "BackgroundCompile | None" = None) -> None:
-        """Run every step eagerly (the one step, `steps.mixed_step`, uncompiled: the tokens of the compiled step) until
+        """Run every step eagerly (the one step, `mixed_step.mixed_step`, uncompiled: the tokens of the compiled step) until
         `background` (a `background.BackgroundCompile` filling the compile cache with these steps) finishes; `poll`,
         called between iterations by the driver and the engine, then switches each step whose artifact is cached to
         it. None: eager until `release()`."""
@@ -250,7 +250,7 @@ class CompiledGenerator:
 
     def reset(self) -> None:
         """Drop every bucket (after `torch._dynamo.reset()`; the next call recompiles)."""
-        self._buckets.clear()
+        self._row_tables.clear()
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -269,7 +269,7 @@ class CompiledGenerator:
         others' entries empty; `stop`'s verdict applies to those requests only). `observer` also receives per-unit
         timings. `on_frame` too: the driver reads the live canvas frames of the requests that asked in one read per
         iteration and nothing for the others; `on_frame(i, frame)` runs before the `on_block` of the block that step
-        ended. `canvas` too: a request's canvas is data in its row (`Bucket.pin`), never a recompile.
+        ended. `canvas` too: a request's canvas is data in its row (`RowTable.pin`), never a recompile.
 
         Raises:
             ConfigError: as the eager generator; `max_seq_len` when a request needs more committed slots than
@@ -289,10 +289,10 @@ class CompiledGenerator:
         if steps > self.options.max_denoising_steps:
             raise ConfigError("max_denoising_steps", f"{steps} is more than this generator's temperature table holds "
                               f"(CompileOptions.max_denoising_steps={self.options.max_denoising_steps})")
-        bucket = self.bucket(cfgs[0])
-        for view in bucket.views():
+        row_table = self.row_table(cfgs[0])
+        for view in row_table.views():
             view.unit.check_owners()
-        return _Call(self, bucket, prompts, cfgs, seeds, SpanTimer(self.model.device, observer),
+        return _Call(self, row_table, prompts, cfgs, seeds, SpanTimer(self.model.device, observer),
                      grammars, items, frames, canvases).run(on_block, stop)
 
     @torch.no_grad()
@@ -303,10 +303,10 @@ class CompiledGenerator:
         `generate` does; ConfigError when an engine has busy rows in the bucket."""
         self.fingerprint.check(self.model)
         start = time.perf_counter()
-        bucket = self.bucket(config, **paging)
-        view = bucket.view(bucket.size_for(self.bucket_for(batch_size)))
+        row_table = self.row_table(config, **paging)
+        view = row_table.view(row_table.size_for(self.bucket_for(batch_size)))
         if not view.unit.ready:
-            busy = bucket.row_state.phase[:view.rows].ne(int(Phase.FREE)).any()
+            busy = row_table.row_state.phase[:view.rows].ne(int(Phase.FREE)).any()
             if bool(busy):
                 raise ConfigError("warmup", "the bucket has busy rows (an engine is running on it)")
             view.refresh()
@@ -346,7 +346,7 @@ class _Call:
     """One `generate` call over a bucket, as a user of the one driver (`driver.Driver`): queue every request, admit
     into free rows, step until idle, finalise the finished blocks by block index (`on_block`, then `stop`)."""
 
-    def __init__(self, gen: CompiledGenerator, bucket: Bucket, prompts: list[list[int]],
+    def __init__(self, gen: CompiledGenerator, row_table: RowTable, prompts: list[list[int]],
                  cfgs: list[GenerationConfig], seeds: list[int], timer: SpanTimer, grammars: list,
                  images: "list[ImagePrompt | None] | None" = None,
                  frames: "list[FrameCallback | None] | None" = None,
@@ -354,13 +354,13 @@ class _Call:
         self.gen, self.timer = gen, timer
         R = len(prompts)
         self.out = GenerationOutput(sequences=[[] for _ in range(R)], stats=[RequestStats() for _ in range(R)],
-                                    fuse_commit=bucket.fuse_commit, moe_impl=gen.moe_impl,
+                                    fuse_commit=row_table.fuse_commit, moe_impl=gen.moe_impl,
                                     scheme=step_scheme(gen.model))
         images, frames, canvases = images or [None] * R, frames or [None] * R, canvases or [None] * R
         self.queue = deque(_Request(r, prompts[r], cfgs[r], seeds[r], images[r], grammars[r], self.out.sequences[r],
                                     self.out.stats[r], frames[r], canvases[r]) for r in range(R))
         self.R = R
-        self.driver = Driver(bucket, span=self._span)
+        self.driver = Driver(row_table, span=self._span)
 
     def _span(self, name: str):
         spans = contextlib.ExitStack()
@@ -381,7 +381,7 @@ class _Call:
                 break
             blocks = set()  # block indices some row stepped in this iteration
             for rep in it.reports.values():
-                if rep.committed and self.driver.bucket.fuse_commit:
+                if rep.committed and self.driver.row_table.fuse_commit:
                     out.fused_commits += 1
                 elif rep.committed:
                     out.commits += 1

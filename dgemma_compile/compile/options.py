@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import DEFAULT_MAX_SEQ_LEN, FULL, SLIDING, ConfigError
-from ..ops.moe import MOE_IMPLS
-from ..passes.pipeline import check_names
-from ..plan import QUERY_KINDS
+from ..model.config import DEFAULT_MAX_SEQ_LEN, FULL, SLIDING, ConfigError
+from ..kernels.moe.op import MOE_IMPLS
+from .passes import check_names
+from ..model.plan import QUERY_KINDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,20 +66,20 @@ class CompileOptions:
     # `fail_on_recompile` catches, every would-be recompile.
     skip_guards: bool = True
     # Commit fusion: run each block's commit inside the next block's first denoise step, one forward of 2C tokens
-    # (`steps.denoise_step(commit=True)`, a third compile unit per bucket; the cache gets 2C block slots): one
+    # (`mixed_step.denoise_step(commit=True)`, a third compile unit per bucket; the cache gets 2C block slots): one
     # forward and one unit call fewer per block. Tokens equal the unfused run's up to float reduction order. None =
     # on for CUDA, off for CPU: at batch 1 a GPU forward is bound by reading the weights, so a 2C-token forward
     # costs about one C-token forward (not yet measured: no GPU run); on CPU the demo gained no wall time per canvas
     # (0.96-0.99x, bench/results/commit_fusion_cpu_2026-11-30.md) and the extra unit doubled the compile time.
     fuse_commit: bool | None = None
-    # Our graph passes (`passes.PASS_NAMES`, run inside each unit's Inductor compile) to leave out, by name. All run by
+    # Our graph passes (`compile.passes.PASS_NAMES`, run inside each unit's Inductor compile) to leave out, by name. All run by
     # default: each rewrite is value-preserving up to float reduction order and checked token-equal with it off
     # (tests/test_passes.py). `sample_step_fusion` replaces the vocabulary-wide region of the denoise step with
     # `dgemma::sample_step`, whose CPU implementation works in slices of positions (bounded transient memory).
     disabled_passes: tuple[str, ...] = ()
     # A forward in which no row samples (prefill chunks and unfused commits only: on CPU every block of a lone request
     # after the first begins with a commit-only forward) skips the vocabulary region (the lm_head, the sampler, the
-    # self-conditioning product, logprobs): `torch.cond` on "some row steps" inside the one step (`steps.mixed_step`);
+    # self-conditioning product, logprobs): `torch.cond` on "some row steps" inside the one step (`mixed_step.mixed_step`);
     # tokens unchanged (that region's outputs are read only for rows that stepped; bench/results/idle_vocabulary_*).
     # None = on for CPU, off for CUDA: Inductor lowers `torch.cond` to a host read of the predicate
     # (`codegen_conditional`, torch 2.11-2.13), which a CUDA graph cannot capture; and off for a model with
@@ -101,7 +101,7 @@ class CompileOptions:
     # call: the mode checks the rule (`check_batch_invariant`) and costs nothing (on and off compile the same graphs).
     # None = on for CPU; on CUDA unmeasured (cuBLAS picks kernels, split-K included, by M), so off, and True refused.
     batch_invariant: bool | None = None
-    # Log-probabilities each step keeps per canvas position (`steps.logprobs`, temperature 1): None = none computed
+    # Log-probabilities each step keeps per canvas position (`mixed_step.logprobs`, temperature 1): None = none computed
     # (`generate` returns none); 0 = the committed tokens' own; K = also the K most likely alternatives (the
     # server's `top_logprobs` limit; `dgemma serve` uses 20, vLLM's default). Part of the step's shapes; K > 0 adds a
     # top-K over the vocabulary to every step.
@@ -173,7 +173,7 @@ class CompileOptions:
         return out
 
     def pass_settings(self) -> dict:
-        """{pass name: keyword arguments of its `apply`} (`passes.pipeline`)."""
+        """{pass name: keyword arguments of its `apply`} (`compile.passes.pipeline`)."""
         return {"sample_step_fusion": {"min_logits_bytes": self.sample_step_fusion_min_bytes}}
 
     def commit_fusion(self, device_type: str) -> bool:

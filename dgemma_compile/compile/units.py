@@ -1,7 +1,7 @@
 """Compiled units: a zero-argument step over static buffers, `torch.compile`d under `CompileOptions`, optionally
 replayed as a CUDA graph; and `UnitFactory`, which makes them and counts their Inductor compiles.
 
-A unit is the unit of compilation: the step (`steps.mixed_step`) of one batch size of a bucket in the generator
+A unit is the unit of compilation: the step (`mixed_step.mixed_step`) of one batch size of a bucket in the generator
 (`step[B{b}_{tag}]`), the prefill chunk and one-token step in the AR baseline (bench/ar.py). Its function reads and
 writes only static buffers captured by the closure, so every call runs the same graph and a CUDA graph can replay it.
 
@@ -62,7 +62,7 @@ def _is_constant(value) -> bool:
     """A value Dynamo may specialise on and `ModelFingerprint` records: a plain constant (`_CONSTANTS`) or an expert
     projection's `ExpertFormat` (a frozen value object: compared, and keyed by its repr, by value). Not every frozen
     dataclass: some hold a process group (`parallel.TensorParallel`, `VocabShard`), whose repr is an address."""
-    from ..ops.expert_formats import ExpertFormat
+    from ..kernels.moe.formats import ExpertFormat
 
     return isinstance(value, (*_CONSTANTS, ExpertFormat))
 
@@ -129,7 +129,7 @@ class ModelFingerprint:
 
 def static_tensors(*owners) -> list[torch.Tensor]:
     """Every tensor `owners` hold: a tensor itself (the generator's units list their buffers explicitly,
-    `bucket.BucketView.tensors`); an `nn.Module`'s parameters and buffers; for any other object, its tensor
+    `row_table.BucketView.tensors`); an `nn.Module`'s parameters and buffers; for any other object, its tensor
     attributes and the tensors in its list/tuple attributes."""
     out: list[torch.Tensor] = []
     for owner in owners:
@@ -275,7 +275,7 @@ class CompiledUnit:
     @property
     def ready(self) -> bool:
         """Whether the step has compiled or loaded and decided how it is called (`strategy`): a driver picks a
-        ready batch size over one that would compile now (`bucket.Bucket.warm`)."""
+        ready batch size over one that would compile now (`row_table.RowTable.warm`)."""
         return self.strategy is not None
 
     @property
@@ -405,7 +405,7 @@ class CompiledUnit:
         generate call). Otherwise the reason is logged and kept in `direct_refused`, and calls keep going through
         Dynamo. A unit function must have no effect but its tensor writes: a Python side effect (an attribute store of
         a non-tensor, a list append) would run under Dynamo and be skipped by direct calls; the units' step functions
-        (`steps.denoise_step`, `steps.encode_chunk`) have none."""
+        (`mixed_step.denoise_step`, `mixed_step.encode_chunk`) have none."""
         graphs = self.compiled_graphs
         static = static_tensors(*self.owners)
         ids = {id(t) for t in static}
@@ -493,7 +493,7 @@ class ArtifactSlot:
 class PassMatches:
     """The graph passes' matches in one unit's latest compile: `counts` {pass name: matches} (None: unknown), and
     where they come from: "compiled" (the passes ran), "cache record" (the compile caches served the compile; the
-    counts recorded when its entry was made, `passes.records`) or "unknown" (served with no record)."""
+    counts recorded when its entry was made, `compile.passes.records`) or "unknown" (served with no record)."""
 
     counts: dict[str, int] | None
     source: str
@@ -528,7 +528,7 @@ class UnitFactory:
         self.pass_matches: dict[str, PassMatches] = {}  # per unit name, its latest compile
 
     def backend(self, name: str, sink: list[CompiledGraph] | None = None, slot: ArtifactSlot | None = None):
-        """Inductor with our decompositions (`ops.moe.moe_decompositions`: a "grouped", "dense" or "gathered"
+        """Inductor with our decompositions (`kernels.moe.op.moe_decompositions`: a "grouped", "dense" or "gathered"
         `dgemma::moe_experts` is traced into the graph), our graph passes (`passes`, minus
         `CompileOptions.disabled_passes`) and `CompileOptions.inductor_config` for the factory's device, counting
         compiles of unit `name` and their seconds and the passes' matches (`pass_matches`); each compiled graph is
@@ -541,9 +541,9 @@ class UnitFactory:
         def backend(gm: torch.fx.GraphModule, example_inputs):
             from torch._inductor.compile_fx import compile_fx
 
-            from .. import passes
-            from ..ops.moe import moe_cache_key, moe_decompositions
-            from ..passes import records
+            from . import passes
+            from ..kernels.moe.op import moe_cache_key, moe_decompositions
+            from . import pass_records as records
 
             start = time.perf_counter()
             self.compiles[name] += 1

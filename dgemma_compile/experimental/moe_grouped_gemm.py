@@ -3,7 +3,7 @@
 Legend: N tokens, D hidden, E experts, K experts per token, I expert intermediate size, M = N*K assignments,
 T grouped row tiles (an upper bound, static: see `max_row_tiles`).
 
-Same math and contract as the op's implementations in `ops/moe.py` (`moe_experts_loop` is the oracle):
+Same math and contract as the op's implementations in `kernels/moe/op.py` (`moe_experts_loop` is the oracle):
     out[n] = sum_k w[n, k] * down[e] @ (gelu_tanh(gate[e] @ x[n]) * (up[e] @ x[n])),  e = idx[n, k].
 
 The pipeline, with static shapes and no host synchronisation:
@@ -191,7 +191,7 @@ def _wrap_triton(kernel):
 
 def moe_experts_triton(x_ND, w_NK, idx_NK, gate_up_EID, down_EDI, *, block_m: int = 64, block_n: int = 64,
                        block_k: int = 32) -> torch.Tensor:
-    """The routed experts by two grouped-GEMM Triton kernels; same contract as `ops.moe.moe_experts_loop`.
+    """The routed experts by two grouped-GEMM Triton kernels; same contract as `kernels.moe.op.moe_experts_loop`.
 
     Args: x [N, D] bfloat16, float16 or float32; w [N, K] floating routing weights (used in float32); idx [N, K]
     int32/int64 expert ids in [0, E) (an id out of range fails in the routing prep's scatter_add, as in

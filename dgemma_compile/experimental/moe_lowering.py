@@ -24,7 +24,7 @@ The helper op `dgemma::moe_experts_grouped_fallback` exists because `autotune_cu
 the tensor inputs first (positionally) and the non-tensor arguments as keywords, which `dgemma::moe_experts`'s schema
 (a scale after each weight) does not accept; its schema is tensors only.
 
-Wiring: with `ops.moe.moe_decompositions` the "grouped" call is decomposed before lowering and never reaches this
+Wiring: with `kernels.moe.op.moe_decompositions` the "grouped" call is decomposed before lowering and never reaches this
 lowering; a graph must keep the call opaque (compiled without that entry) for the autotuner to see it. Inductor's FX
 graph cache and AOTAutograd's cache do not key on `user_lowerings`: a graph compiled before registering is served
 from the cache unchanged (observed in the CPU test), so the pipeline must tag the cache key (as `moe_cache_key` does)
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.expert_formats import expert_format
-from ..ops.moe import moe_experts_grouped
+from ..kernels.moe.formats import expert_format
+from ..kernels.moe.op import moe_experts_grouped
 
 # (block_m, block_n, block_k): small-M decode-like tiles and larger prefill tiles; tl.dot needs each >= 16
 BLOCK_CONFIGS = ((16, 64, 64), (32, 64, 32), (64, 64, 32), (64, 128, 32), (128, 128, 32))
@@ -95,7 +95,7 @@ def register_moe_lowering(impls: tuple[str, ...] = ("grouped",),
     from torch._inductor.kernel.custom_op import autotune_custom_op
     from torch._inductor.lowering import user_lowerings
 
-    from ..ops.moe import MOE_IMPLS
+    from ..kernels.moe.op import MOE_IMPLS
 
     unknown = set(impls) - set(MOE_IMPLS)
     if unknown:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from ..model import Experts
+from ..model.backbone import Experts
 from .source import ModelWeights
 
 EXPERT_SPLITS = ("tensor", "expert")

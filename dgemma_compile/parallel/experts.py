@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from ..model import Experts
+from ..model.backbone import Experts
 from .linear import split
 from .quantized import cat_projections
 from .source import ModelWeights

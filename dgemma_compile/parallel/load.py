@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..loader import CheckpointError, load
+from ..model.loader import CheckpointError, load
 from .errors import ParallelError
 from .shard import shard
 from .source import FileWeights
 
 if TYPE_CHECKING:
-    from ..model import DiffusionGemma
+    from ..model.backbone import DiffusionGemma
 
 SHARDED = re.compile(r"(embed_tokens|lm_head)\.weight|layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
                      r"|experts\.(gate_up|down)_proj)\.weight")

@@ -30,16 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ModelConfig
+from ..model.config import ModelConfig
 from .expert_parallel import ExpertParallelExperts, check_expert_parallel, check_expert_split
 from .errors import ParallelError
 from .experts import TensorParallelExperts, check_experts
 from .linear import RowParallelLinear, column_parallel, split
-from .sampler import VocabShard
+from ..kernels.sample.vocab_parallel import VocabShard
 from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProduct, local_rows, vocab_range
 
 if TYPE_CHECKING:
-    from ..model import DiffusionGemma
+    from ..model.backbone import DiffusionGemma
     from .load import LoadReport
 
 

@@ -3,7 +3,7 @@
 `CollectiveCounter` (a `TorchFunctionMode`) records every collective a rank issues while it is active: the
 functional collectives (`_c10d_functional.*`, what our modules call: `funcol.all_reduce`) and the in-place c10d ops
 (`c10d.*`), with the tensor's shape and dtype. `measure_steps` runs the eager reference's own step functions
-(`generate.EagerSteps`: `steps.encode_chunk` for a prefill chunk and a commit, `steps.denoise_step` for a denoise
+(`oracle.EagerSteps`: `mixed_step.encode_chunk` for a prefill chunk and a commit, `mixed_step.denoise_step` for a denoise
 step, sampler included) over a sharded model under the counter, so whatever collectives the step holds (since
 2026-12-02 the vocabulary-parallel sampler's reductions, no logits gather) are what it reports.
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..config import ModelConfig
-from ..sampler import SAMPLE_CHUNK
+from ..model.config import ModelConfig
+from ..step.sampler import SAMPLE_CHUNK
 
 FUNCTIONAL = "_c10d_functional"
 INPLACE = "c10d"
@@ -173,9 +173,9 @@ def measure_steps(model, *, batch: int, prompt_len: int, world_size: int, moe_im
                   ) -> dict[str, Traffic]:
     """The collectives of one prefill chunk, one denoise step (the second of the block: self-conditioning on) and
     one commit of `model` (sharded, or not: then nothing is counted), run eagerly through the reference's own steps
-    (`generate.EagerSteps`), each under a `CollectiveCounter`. `batch` rows of `prompt_len` <= C prompt tokens
+    (`oracle.EagerSteps`), each under a `CollectiveCounter`. `batch` rows of `prompt_len` <= C prompt tokens
     each. Returns {"prefill": .., "denoise": .., "commit": ..}. Every rank of the group must call it alike."""
-    from ..generate import EagerSteps, prefill
+    from ..oracle import EagerSteps, prefill
 
     C, V = model.config.canvas_length, model.config.vocab_size
     if not 1 <= prompt_len <= C:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quantized import is_quantized, narrow_tensor
-from .sampler import VocabShard
+from ..kernels.sample.vocab_parallel import VocabShard
 from .source import ModelWeights
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError
-from ..ops.expert_formats import (AMAX_FLOOR, FP8, FP8_WEIGHT_ONLY, NVFP4_BLOCK, NVFP4_W4A16, ExpertFormat,
+from ..model.config import ConfigError
+from ..kernels.moe.formats import (AMAX_FLOOR, FP8, FP8_WEIGHT_ONLY, NVFP4_BLOCK, NVFP4_W4A16, ExpertFormat,
                                    Registered, amax_floor)
 
 NUMERICS = "v3"
@@ -42,14 +42,14 @@ Named in `QuantReport.text()`."""
 @dataclass(frozen=True)
 class Scheme(Registered):
     """A quantization scheme: its `name` (the CLI's `--quant`, what reports print) and the `experts` format its
-    routed experts are stored in (`ops.expert_formats`). Subclasses say how a linear's weight is built."""
+    routed experts are stored in (`kernels.moe.formats`). Subclasses say how a linear's weight is built."""
 
     name: str
     experts: ExpertFormat
 
     dynamic_activations = False
     """Activations quantized per row at run time (fp8 W8A8): under tensor parallel a row-parallel projection then
-    scales each rank's slice of a row by that slice's own amax (`parallel.sampler.VocabShard.scheme`)."""
+    scales each rank's slice of a row by that slice's own amax (`kernels.sample.vocab_parallel.VocabShard.scheme`)."""
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raises ConfigError naming the scheme where it cannot run on `device` for a `dtype` model."""
