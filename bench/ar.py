@@ -27,7 +27,7 @@ import torch
 
 from dgemma_compile.compile import CompileOptions, UnitFactory
 from dgemma_compile.kernels.moe.op import resolve_moe_impl
-from dgemma_compile.step.phases import ENCODER
+from dgemma_compile.model.modes import ENCODER
 from dgemma_compile.model.plan import PlanBuffers, every_row
 
 

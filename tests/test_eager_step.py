@@ -23,7 +23,7 @@ from dgemma_compile.step.requests import RequestStats
 from dgemma_compile.model.masks import block_mask_mod, dense_mask, flex_block_attention, make_block_mask
 from dgemma_compile.model.backbone import RMSNorm, eager_attention, rms_normalize
 from dgemma_compile.kernels.moe import op as ops_moe
-from dgemma_compile.step.phases import DENOISER, ENCODER, IDLE
+from dgemma_compile.model.modes import DENOISER, ENCODER, IDLE
 from dgemma_compile.model.plan import PlanBuffers, build_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")

@@ -2,7 +2,8 @@
 the generators) never imports `dgemma_runtime` (the top-level `runtime/`, serving) except in the CLI's lazy `serve`
 dispatch, inside a function; `dgemma_compile/compile/` imports nothing of serving; `dgemma_runtime` is a user of
 dgemma_compile's public API: no underscore name imported, no private attribute read off its objects. Also: the
-packages pyproject.toml lists are every package directory, so `pip install .` ships them all."""
+packages pyproject.toml lists are every package directory, so `pip install .` ships them all; each folder imports only
+the folders it may (`ALLOWED`, issue 41), and no module imports, at module level, one that imports it back."""
 
 from __future__ import annotations
 
@@ -169,3 +170,102 @@ def test_errors_are_read_by_type_not_by_message():
     # and the pattern does catch what it forbids
     assert _MESSAGE_READS.search('param = str(e).split(":", 1)[0]')
     assert _MESSAGE_READS.search('if message.startswith("tokenizer:"):')
+
+
+# Issue 41: the folders show the path of a request (docs/design.md, "Where things are"). Each room (a folder of a
+# package, or one of dgemma_compile's top-level modules) may import only the rooms listed here, at module level or
+# inside a function alike; everything else is a wrong turn of the path.
+ALLOWED = {
+    "kernels": {"step"},  # the oracle math each kernel replaces (step/sampler.py, step/rng.py)
+    "model": {"kernels", "quant"},  # the ops the forward calls; the loader reads quantized checkpoints
+    "quant": {"kernels", "model"},  # the experts' weight formats; the model's layers it quantizes
+    "inputs": {"model"},  # configs, and the image prefix's own encoder forwards
+    "step": {"inputs", "model"},  # constraints and image prefills of the rows it drives
+    "oracle": {"inputs", "kernels", "model", "step"},
+    "compile": {"inputs", "kernels", "model", "quant", "step"},
+    "parallel": {"kernels", "model", "oracle", "quant", "step"},  # oracle: the traffic count's eager steps
+    "experimental": {"kernels"},
+    "demo": set(),
+    "cli": {"dgemma_compile", "compile", "demo", "inputs", "model", "oracle", "parallel", "quant", "step",
+            "dgemma_runtime", "dgemma_runtime/http"},  # runtime: only `dgemma serve`, lazily (test above)
+    "dgemma_runtime": {"compile", "inputs", "model", "parallel", "step", "dgemma_runtime/kv"},
+    "dgemma_runtime/kv": {"inputs", "model"},
+    "dgemma_runtime/http": {"inputs", "model", "step", "dgemma_runtime"},
+}
+
+
+def _room(module: str) -> str | None:
+    """The room of a module of ours (None for anything else): a folder of dgemma_compile or of dgemma_runtime, a
+    top-level module of dgemma_compile, or the package itself (its public names)."""
+    parts = module.split(".")
+    if parts[0] == "dgemma_runtime":
+        sub = parts[1] if len(parts) > 1 else None
+        return f"dgemma_runtime/{sub}" if sub and (ROOT / "runtime" / sub).is_dir() else "dgemma_runtime"
+    if parts[0] != "dgemma_compile":
+        return None
+    return parts[1] if len(parts) > 1 else "dgemma_compile"
+
+
+def _is_module(package: str, name: str) -> bool:
+    base = ROOT / ("runtime" if package == "dgemma_runtime" else package) / name
+    return base.is_dir() or base.with_suffix(".py").is_file()
+
+
+def test_each_folder_imports_only_the_rooms_it_may():
+    bad, seen = [], set()
+    for path in _py_files("dgemma_compile") + _py_files("runtime"):
+        rel = [p for p in path.relative_to(ROOT).with_suffix("").parts if p != "__init__"]
+        if len(rel) == 1:
+            continue  # a package's own __init__: its public names
+        mine = _room(".".join(["dgemma_runtime" if rel[0] == "runtime" else rel[0], *rel[1:]]))
+        for mod, names, _, _, line in _imports(path):
+            # `from .. import kernels` imports the room of the name, `from ..step import rng` the room of the module
+            targets = [f"{mod}.{n}" if _is_module(mod, n) else mod for n, _ in names] \
+                if mod in ("dgemma_compile", "dgemma_runtime") else [mod]
+            for target in targets:
+                room = _room(target)
+                if room is None or room == mine:
+                    continue
+                seen.add((mine, room))
+                if room not in ALLOWED.get(mine, set()):
+                    bad.append(f"{_rel(path)}:{line}: {mine} imports {target} ({room})")
+    assert not bad, bad
+    # every allowance is used: a rule nothing needs is a rule that hides the next wrong turn
+    unused = {(r, a) for r, allowed in ALLOWED.items() for a in allowed} - seen
+    assert not unused, unused
+
+
+def test_the_module_import_graph_has_no_cycles():
+    """No module of either package imports, at module level, a module that imports it back, directly or through
+    others (an import inside a function, or under TYPE_CHECKING, runs later and is not an edge; a module's own
+    packages are not edges either: Python imports them first)."""
+    modules = {}
+    for base in ("dgemma_compile", "runtime"):
+        for p in _py_files(base):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            parts[0] = "dgemma_runtime" if parts[0] == "runtime" else parts[0]
+            modules[".".join(parts).removesuffix(".__init__")] = p
+    graph = {}
+    for name, p in modules.items():
+        deps = set()
+        for dep in _module_level_imports(p, set(modules) | {d.rsplit(".", 1)[0] for d in modules}, types=False):
+            parts = dep.split(".")
+            deps |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # importing a.b.c imports a.b too
+        graph[name] = {d for d in deps if d in modules and d != name and not name.startswith(d + ".")}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, cycles
+    assert graph["dgemma_compile.step.row_table"] >= {"dgemma_compile.step.mixed_step", "dgemma_compile.model.plan"}

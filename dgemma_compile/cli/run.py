@@ -65,7 +65,7 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
     loaded now (`compile_s`, `load_s`), or eager while a background process compiles (`compile_s` of that process, if
     it finished); or, with --eager, the eager reference after an untimed run of `first` = (prompts, seeds) with one
     denoise step per block (`warmup_s`)."""
-    from .. import oracle as generate
+    from ..oracle import generate
 
     max_seq_len = -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING  # the same cache, so eager and compiled agree
     if args.eager:

@@ -33,8 +33,8 @@ import torch
 
 from ..model.config import CONTEXT_LENGTH, ConfigError
 from ..model.kv_cache import KVCache, PagedKVCache
-from ..model import forwards as uniform
-from ..step.phases import ENCODER
+from ..model import forwards
+from ..model.modes import ENCODER
 from ..model.plan import build_plan, every_row
 
 MAX_GROUP = 1120
@@ -301,6 +301,6 @@ def encode_prompts(model, cache: KVCache, prompts: Sequence[Sequence[int]], item
     ids = torch.zeros(R, T, dtype=torch.long, device=dev)
     for r, x in enumerate(rest):
         ids[r, :len(x)] = torch.tensor(x, dtype=torch.long)
-    hidden = uniform.encode(model, ids, cache, torch.tensor([len(x) for x in rest], device=dev), moe_impl=moe_impl)
+    hidden = forwards.encode(model, ids, cache, torch.tensor([len(x) for x in rest], device=dev), moe_impl=moe_impl)
     return [hidden[r, :len(x)] if heads[r] is None else torch.cat([heads[r], hidden[r, :len(x)]])
             for r, x in enumerate(rest)]

@@ -17,8 +17,7 @@ import torch
 
 from .kv_cache import CacheFullError, KVCache
 from ..kernels import MOE_IMPLS
-from ..step.phases import COMMIT_DENOISER, ENCODER
-from ..step.phases import DENOISER as DENOISE
+from .modes import COMMIT_DENOISER, DENOISER, ENCODER
 from .plan import ForwardPlan, build_plan, every_row
 
 if TYPE_CHECKING:
@@ -49,7 +48,7 @@ def denoise_block(model: "DiffusionGemma", canvas_BC: torch.Tensor, cache: KVCac
     [B, C, D] gives that embedding directly (what the generators carry; pass None as the logits then). `kernel_options`: as `encode_block`'s, for a plan built here. `local`: the rank's vocabulary slice
     under tensor parallel (`DiffusionGemma.logits`)."""
     if plan is None:
-        plan = build_plan(model, cache, canvas_BC.shape[1], mode=every_row(cache, DENOISE), check_values=False,
+        plan = build_plan(model, cache, canvas_BC.shape[1], mode=every_row(cache, DENOISER), check_values=False,
                           kernel_options=(kernel_options or {}).get("canvas"))
     if self_conditioning_embeds is None and self_conditioning_logits is not None:  # the reference's form
         probs = torch.softmax(self_conditioning_logits, dim=-1, dtype=torch.float32)

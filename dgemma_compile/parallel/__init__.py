@@ -3,7 +3,9 @@
 (`shard.py`: attention heads, the dense MLP, the routed experts (`experts.py` by intermediate slice, `expert_parallel.py` by expert) and the vocabulary (`vocab.py`)), read
 from the model or straight from the checkpoint's files (`source.py`, `load.py`: `load_sharded`; quantized weights
 part by part, `quantized.py`), the host channel
-(`channel.py`) and the ranks of a CLI command (`ranks.py`)."""
+(`channel.py`) and the bytes a step's collectives move (`traffic.py`). The ranks of a CLI command are started by the
+command line (`cli/ranks.py`); the vocabulary-parallel sampler is beside the sample kernel
+(`kernels/sample/vocab_parallel.py`)."""
 
 from .errors import ParallelError
 from .group import RendezvousError, backend_for, destroy, init

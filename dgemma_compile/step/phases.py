@@ -1,7 +1,7 @@
-"""The one vocabulary of a bucket's rows: the row lifecycle (`Phase`), the forward modes (`Mode`) and the mapping.
+"""The row lifecycle of a row table (`Phase`) and its mapping to the forward modes (`model.modes.Mode`).
 
 Phases are what a row's request is doing, modes what its forward does (causal ENCODER, bidirectional DENOISER): the
-two vocabularies have distinct names.
+two vocabularies have distinct names, and the model knows only the modes.
 
 A row of a bucket is in one phase, held on the device (`rows.RowState.phase`, int64 [B]); the host never mirrors it:
 it learns what a row did from the step's report (`rows.Report`):
@@ -21,6 +21,8 @@ import enum
 
 import torch
 
+from ..model.modes import COMMIT_DENOISER, DENOISER, ENCODER, IDLE
+
 
 class Phase(enum.IntEnum):
     """Row lifecycle: FREE -> PREFILL -> DENOISE <-> COMMIT -> ... -> FREE."""
@@ -31,18 +33,8 @@ class Phase(enum.IntEnum):
     COMMIT = 3
 
 
-class Mode(enum.IntEnum):
-    """What a row does in one forward (`plan.ForwardPlan.mode`)."""
-
-    IDLE = 0
-    ENCODER = 1
-    DENOISER = 2
-    COMMIT_DENOISER = 3
-
-
 # plain ints for tensor code (compiled graphs see constants, not enum members)
 FREE, PREFILL, DENOISE, COMMIT = (int(p) for p in Phase)
-IDLE, ENCODER, DENOISER, COMMIT_DENOISER = (int(m) for m in Mode)
 
 
 def forward_mode(phase_B: torch.Tensor, *, fused: bool) -> torch.Tensor:
