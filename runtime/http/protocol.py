@@ -119,7 +119,9 @@ class StreamOptions(BaseModel):
                                    "block's own chunk")
 
 
-class _Common(BaseModel):
+class GenerationRequest(BaseModel):
+    """The fields both generation routes share (`CompletionRequest`, `ChatCompletionRequest`)."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -208,7 +210,7 @@ class _Common(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(GenerationRequest):
     """POST /v1/completions. `prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists
     (each prompt of a list its own `n` choices)."""
 
@@ -328,7 +330,7 @@ class ChatMessage(BaseModel):
         return [(j, p.image_url.url) for j, p in enumerate(self.content) if isinstance(p, ImageUrlPart)]
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions; `max_completion_tokens` is `max_tokens`'s newer name."""
 
     messages: list[ChatMessage] = Field(min_length=1)

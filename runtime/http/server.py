@@ -90,7 +90,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -140,102 +140,31 @@ MAX_IMAGES = 8
 """The most image_url parts one chat request may hold."""
 
 
-def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources=None,
-               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S, api_key: str | None = None,
-               grammar_limits: GrammarLimits | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
-    `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
-    `image_sources`: where image_url parts may point and the limits (`preprocess.ImageSources`; default `data:` URLs
-    only, 8 MiB each; at most `MAX_IMAGES` per request; a refusal is a 400 naming the part); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
-    take (400 past it); `api_key`: every /v1 and tokenizer route needs `Authorization: Bearer <api_key>` (401
-    otherwise, `auth.APIKeyAuth`); None: open; `grammar_limits`: the bounds of grammar compiles
-    (`grammars.GrammarLimits`, its defaults without), which run in worker processes the app kills at shutdown.
-    Raises ValueError for an empty `api_key`."""
-    if api_key is not None and not api_key:
-        raise ValueError("api_key: must be a non-empty string (or None: no key)")
-    grammars = GrammarService(lambda: GrammarLibrary.for_model(tokenizer, engine.model, engine.config.eos_token_ids),
-                              grammar_limits or GrammarLimits(), metrics)
+class Server:
+    """What the routes of one app share (`app.state.server`): the engine, the model's name and tokenizer, and the way
+    a request reaches the engine -- its body parsed and tokenized off the event loop (bounded), validated whole into
+    engine requests, its grammar compiled in a worker process, its answer collected or streamed. Built by
+    `create_app` (its arguments are this object's fields)."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        try:
-            yield
-        finally:
-            await grammars.close()
+    def __init__(self, engine: Engine, *, model_name: str, tokenizer, metrics, image_sources, input_timeout_s: float,
+                 grammars: GrammarService):
+        self.engine, self.model_name, self.tokenizer, self.metrics = engine, model_name, tokenizer, metrics
+        self.image_sources, self.input_timeout_s, self.grammars = image_sources, input_timeout_s, grammars
+        self.created = int(time.time())
+        self.bos = engine.model.config.bos_token_id
+        self.vocab = engine.model.config.vocab_size
+        self.strings: dict[int, str] = {}  # id -> its string, decoded alone (at most the vocabulary)
 
-    app = FastAPI(title="dgemma serve", lifespan=lifespan)
-    app.state.grammars = grammars
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
-                       on_refuse=None if metrics is None else lambda: metrics.refused("body_too_large"))
-    if api_key is not None:  # outer: a request without the key is answered before its body is read
-        app.add_middleware(APIKeyAuth, api_key=Secret(api_key))
-    if metrics is not None:  # outermost: counts every error answer, the key's and the body limit's too
-        app.add_middleware(ErrorCounter, registry=metrics.registry)
-    created = int(time.time())
-    bos = engine.model.config.bos_token_id
-    vocab = engine.model.config.vocab_size
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dgemma_compile",
+                "max_model_len": self.engine.max_seq_len}
 
-    @app.exception_handler(P.APIError)
-    async def _api_error(_: Request, e: P.APIError) -> Response:
-        if metrics is not None and e.code is not None:  # every coded refusal: the limit (or rule) that refused it
-            metrics.refused(e.code)
-        # ASCII JSON: an echoed value may hold a lone surrogate, which UTF-8 cannot encode (a 500 before)
-        return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405, ... in OpenAI's shape
-        err = P.APIError(e.status_code, str(e.detail)[:200],
-                         type="not_found_error" if e.status_code == 404 else "invalid_request_error")
-        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_error(_: Request, e: RequestValidationError) -> JSONResponse:  # FastAPI's own 422 -> 400
-        message, param = P.validation_message(e)
-        return JSONResponse(P.APIError(400, message[:500], param=param).body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _server_error(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped, never text/plain
-        err = P.APIError(500, f"internal error: {type(e).__name__}", type="server_error")
-        return JSONResponse(err.body(), status_code=500)
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app, BODIES, vocab=vocab, metrics=metrics is not None,
-                                                  api_key=api_key is not None, model_name=model_name)
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "running": engine.running, "queued": engine.queue_depth,
-                "buckets": engine.bucket_table(), "compile": engine.compile_state()}
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "dgemma_compile",
-                "max_model_len": engine.max_seq_len}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model_id:path}", responses={404: {"model": P.ErrorResponse}})
-    async def model(model_id: str) -> dict:
-        check_model(model_id)
-        return model_card()
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        if metrics is None:
-            raise P.APIError(404, "metrics are off", type="not_found_error")
-        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise P.APIError(404, f"model {P.cut(name)} does not exist; this server serves {model_name!r}",
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise P.APIError(404, f"model {P.cut(name)} does not exist; this server serves {self.model_name!r}",
                              param="model", type="not_found_error", code="model_not_found")
 
+    @staticmethod
     def validate(raw: bytes, model: type):
         body = parse_json(raw)
         try:
@@ -244,35 +173,36 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             message, param = P.validation_message(e)
             raise P.APIError(400, message, param=param) from None
 
-    async def parse(request: Request, model: type):
+    async def parse(self, request: Request, model: type):
         raw = await request.body()
         request.state.body_bytes = len(raw)
-        req = await offload(validate, raw, model, timeout=input_timeout_s, what="parsing the body", size=len(raw))
-        check_model(req.model)
+        req = await offload(self.validate, raw, model, timeout=self.input_timeout_s, what="parsing the body",
+                            size=len(raw))
+        self.check_model(req.model)
         return req
 
-    async def tokenize(request: Request | None, fn, *args):
+    async def tokenize(self, request: Request | None, fn, *args):
         """`fn(*args)` (tokenization, template rendering, image reading) off the event loop, bounded; in place for a
         small body (`limits.INLINE_BYTES`) of `request`; None: work the body's size does not bound (images: a short
         URL can name a large one), always in a worker thread. ConfigError -> 400."""
         try:
-            return await offload(fn, *args, timeout=input_timeout_s, what="tokenizing", param="prompt",
+            return await offload(fn, *args, timeout=self.input_timeout_s, what="tokenizing", param="prompt",
                                  size=None if request is None else request.state.body_bytes)
         except ConfigError as e:
             raise _config_error(e) from None
 
-    def config_of(req: P._Common) -> GenerationConfig:
+    def config_of(self, req: P.GenerationRequest) -> GenerationConfig:
         changes = {"max_new_tokens": req.max_tokens, "max_denoising_steps": req.max_denoising_steps,
                    "entropy_bound": req.entropy_bound, "ignore_eos": req.ignore_eos}
         try:
-            cfg = engine.config.replace(**{k: v for k, v in changes.items() if v is not None})
+            cfg = self.engine.config.replace(**{k: v for k, v in changes.items() if v is not None})
             return cfg.with_temperature(req.temperature) if req.temperature is not None else cfg
         except ConfigError as e:
             raise _config_error(e, req.budget_param) from None
 
-    def logprobs_of(req: P._Common, chat: bool) -> int | None:
+    def logprobs_of(self, req: P.GenerationRequest, chat: bool) -> int | None:
         """The k of the request's logprobs (None: none asked), at most `engine.max_logprobs` (else a 400)."""
-        limit = engine.max_logprobs
+        limit = self.engine.max_logprobs
         if chat:
             if not req.logprobs:
                 return None
@@ -284,7 +214,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                                   f"{limit})", param=name)
         return k
 
-    def constraint_of(req: P._Common, tool: ToolRequest | None):
+    def constraint_of(self, req: P.GenerationRequest, tool: ToolRequest | None):
         """(the request's constraint, the field it came from): a structured-output field's, or the enforced tool
         choice's (field "tool_choice"); both at once is a 400."""
         constraint, field = request_constraint({name: getattr(req, name) for name in STRUCTURED_FIELDS})
@@ -295,13 +225,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             return tool.constraint, "tool_choice"
         return constraint, field
 
-    def canvas_of_request(req: P._Common, cfg: GenerationConfig):
+    def canvas_of_request(self, req: P.GenerationRequest, cfg: GenerationConfig):
         """The request's seeded / pinned canvas (`dgemma_compile.step.canvas`) from `diffusion_seed_canvas` and
         `diffusion_pinned`, or None; a bad one is a 400 naming the field."""
         if req.diffusion_seed_canvas is None:
             return None
         try:
-            return canvas_of(req.diffusion_seed_canvas, cfg, engine.model.config.vocab_size, tokenizer,
+            return canvas_of(req.diffusion_seed_canvas, cfg, self.engine.model.config.vocab_size, self.tokenizer,
                              pinned=req.diffusion_pinned is not False, name="diffusion_seed_canvas")
         except ConfigError as e:
             message = str(e).replace("max_new_tokens=", f"{req.budget_param}=")  # the request's name of the budget
@@ -309,14 +239,14 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                 message = "diffusion_seed_canvas: a text canvas needs the server's tokenizer; give token ids"
             raise P.APIError(400, message, param="diffusion_seed_canvas") from None
 
-    def submit(prompts: list[list[int]], req: P._Common, on_event, logprobs: int | None,
+    def submit(self, prompts: list[list[int]], req: P.GenerationRequest, on_event, logprobs: int | None,
                images=None, tool: ToolRequest | None = None, compiled=None) -> list[EngineRequest]:
         """Validate every choice, then queue them all (or none: 429; a constraint the grammar library cannot
         compile: 400 naming the field it came from). `images`: the prompt's `images.ImagePrompt` (one prompt),
         shared by its choices."""
-        cfg = config_of(req)
-        constraint, field = constraint_of(req, tool)
-        canvas = canvas_of_request(req, cfg)
+        cfg = self.config_of(req)
+        constraint, field = self.constraint_of(req, tool)
+        canvas = self.canvas_of_request(req, cfg)
         seed = req.seed if req.seed is not None else secrets.randbits(64)
         choices = [EngineRequest(prompt=p, config=cfg, seed=choice_seed(seed, i), stops=req.stops(),
                                  on_event=on_event, draft_every=req.draft_every or 0, logprobs=logprobs,
@@ -325,13 +255,13 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                    for p in prompts for i in range(req.n)]
         try:
             for c in choices:
-                c.config = engine.check_request(c.prompt, c.config, c.seed, c.images)
+                c.config = self.engine.check_request(c.prompt, c.config, c.seed, c.images)
         except ConfigError as e:
             prompt_param = "messages" if getattr(req, "messages", None) is not None else "prompt"
-            raise _context_error(e, engine, len(c.prompt), cfg.max_new_tokens, prompt_param,
+            raise _context_error(e, self.engine, len(c.prompt), cfg.max_new_tokens, prompt_param,
                                  req.budget_param) from None
         try:
-            engine.submit_all(choices)  # all of them or none
+            self.engine.submit_all(choices)  # all of them or none
         except QueueFullError as e:
             raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
         except ConfigError as e:  # the constraint's (a matcher made at submit)
@@ -340,10 +270,10 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             raise _config_error(e, req.budget_param) from None
         return choices
 
-    async def compile_grammar(request: Request, constraint, field: str):
+    async def compile_grammar(self, request: Request, constraint, field: str):
         """The request's compiled grammar (`grammars.GrammarService`: a worker process, bounded), or None when the
         client went away first (the compile's process is killed)."""
-        task = asyncio.ensure_future(grammars.compile(constraint, field, input_timeout_s))
+        task = asyncio.ensure_future(self.grammars.compile(constraint, field, self.input_timeout_s))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -355,38 +285,38 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
             with contextlib.suppress(asyncio.CancelledError, P.APIError):
                 await task
 
-    async def run(request: Request, prompts: list[list[int]], req: P._Common, chat: bool, images=None,
+    async def run(self, request: Request, prompts: list[list[int]], req: P.GenerationRequest, chat: bool, images=None,
                   tool: ToolRequest | None = None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[BlockEvent] = asyncio.Queue()
-        k = logprobs_of(req, chat)
-        constraint, field = constraint_of(req, tool)
+        k = self.logprobs_of(req, chat)
+        constraint, field = self.constraint_of(req, tool)
         count = len(prompts) * req.n
-        if count > engine.max_queue:  # could never be queued whole: a 400, not a 429 a client would retry
+        if count > self.engine.max_queue:  # could never be queued whole: a 400, not a 429 a client would retry
             param = "n" if req.n > 1 else "prompt"
             raise P.APIError(400, f"{param}: {len(prompts)} prompt(s) x n={req.n} = {count} choices, more than this "
-                                  f"server's queue can ever hold ({engine.max_queue}, dgemma serve --max-queue)",
+                                  f"server's queue can ever hold ({self.engine.max_queue}, dgemma serve --max-queue)",
                              param=param, code="too_many_choices")
         compiled = None
         if constraint is not None:
-            compiled = await compile_grammar(request, constraint, "tools" if field == "tool_choice" else field)
+            compiled = await self.compile_grammar(request, constraint, "tools" if field == "tool_choice" else field)
             if compiled is None:
                 return Response(status_code=499)
-        choices = submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images, tool,
+        choices = self.submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images, tool,
                          compiled)
         index = {id(c): i for i, c in enumerate(choices)}
-        lps = [None if k is None else _ChoiceLogprobs(tokenizer, token_string, chat) for _ in choices]
-        answers = [ToolAnswer(tokenizer, tool, frozenset(c.config.eos_token_ids)) if tool is not None and tool.parse
-                   else None for c in choices]
+        lps = [None if k is None else _ChoiceLogprobs(self.tokenizer, self.token_string, chat) for _ in choices]
+        answers = [ToolAnswer(self.tokenizer, tool, frozenset(c.config.eos_token_ids))
+                   if tool is not None and tool.parse else None for c in choices]
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if req.stream:
-            return EventSourceResponse(_stream(engine, choices, index, events, req, rid, now, model_name, chat,
-                                               prompt_tokens, lps, answers), ping=15, sep="\n")
+            return EventSourceResponse(_stream(self.engine, choices, index, events, req, rid, now, self.model_name,
+                                               chat, prompt_tokens, lps, answers), ping=15, sep="\n")
         texts, reasons, tokens = [""] * len(choices), [None] * len(choices), [0] * len(choices)
         gone = asyncio.create_task(_disconnected(request))
-        gone.add_done_callback(lambda t: t.cancelled() or [engine.cancel(c) for c in choices])
+        gone.add_done_callback(lambda t: t.cancelled() or [self.engine.cancel(c) for c in choices])
         try:
             while any(r is None for r in reasons):
                 e = await events.get()
@@ -403,7 +333,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
         finally:
             if not gone.done():
                 gone.cancel()
-            _cancel_unfinished(engine, choices, reasons)
+            _cancel_unfinished(self.engine, choices, reasons)
         if gone.done() and not gone.cancelled():
             return Response(status_code=499)
         if "error" in reasons:
@@ -420,116 +350,235 @@ def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
                     messages[i] = P.AssistantMessage(content=content, tool_calls=calls)
                     finish[i] = a.finish_reason(reasons[i])
             body = P.ChatCompletionResponse(
-                id=rid, created=now, model=model_name, usage=usage,
+                id=rid, created=now, model=self.model_name, usage=usage,
                 choices=[P.ChatChoice(index=i, message=m, finish_reason=f, logprobs=lp)
                          for i, (m, f, lp) in enumerate(zip(messages, finish, logprobs))])
         else:
             body = P.CompletionResponse(
-                id=rid, created=now, model=model_name, usage=usage,
+                id=rid, created=now, model=self.model_name, usage=usage,
                 choices=[P.CompletionChoice(index=i, text=t, finish_reason=f, logprobs=lp)
                          for i, (t, f, lp) in enumerate(zip(texts, finish, logprobs))])
         return JSONResponse(body.model_dump())
 
-    strings: dict[int, str] = {}  # id -> its string, decoded alone (at most the vocabulary)
-
-    def token_string(token: int) -> str:
-        s = strings.get(token)
+    def token_string(self, token: int) -> str:
+        s = self.strings.get(token)
         if s is None:
-            s = strings[token] = tokenizer.decode([token], skip_special_tokens=False,
+            s = self.strings[token] = self.tokenizer.decode([token], skip_special_tokens=False,
                                                   clean_up_tokenization_spaces=False)
         return s
 
-    def encode_completion(prompts: list) -> list[list[int]]:
-        return [encode_prompt(tokenizer, p, bos_token_id=bos) if isinstance(p, str) else list(p) for p in prompts]
+    def encode_completion(self, prompts: list) -> list[list[int]]:
+        return [encode_prompt(self.tokenizer, p, bos_token_id=self.bos) if isinstance(p, str) else list(p)
+                for p in prompts]
 
-    @app.post("/v1/completions", openapi_extra=_body("/v1/completions"),
-              responses=_responses(P.CompletionResponse, 400, 404, 413, 429, 500))
-    async def completions(request: Request):
-        req = await parse(request, P.CompletionRequest)
-        prompts = await tokenize(request, encode_completion, req.prompts())
-        return await run(request, prompts, req, chat=False)
-
-    @app.post("/v1/chat/completions", openapi_extra=_body("/v1/chat/completions"),
-              responses=_responses(P.ChatCompletionResponse, 400, 404, 413, 429, 500))
-    async def chat_completions(request: Request):
-        req = await parse(request, P.ChatCompletionRequest)
-        tool = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-        if tool.parse:
-            for name in ("stop", "logprobs"):
-                if getattr(req, name):
-                    raise P.APIError(400, f"{name}: not supported together with parsed tool calls (tool_choice "
-                                          f"{tool.choice!r}); send it without tools or with tool_choice \"none\"",
-                                     param=name)
-        messages = template_messages([m.template_dict() for m in req.messages])
-        parts = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
-        images, slots = await tokenize(None, read_images, parts) if parts else (None, None)
-        prompt = await tokenize(request, lambda: chat_ids(messages, images=slots, tools=tool.tools))
-        item = (await tokenize(None, lambda: prepare_images(engine.model, [prompt], [images])))[0] if parts else None
-        return await run(request, [prompt], req, chat=True, images=item, tool=tool)
-
-    def read_images(parts: list[tuple[str, str]]) -> tuple[list, ImageSlots]:
+    def read_images(self, parts: list[tuple[str, str]]) -> tuple[list, ImageSlots]:
         """The images of a chat's image_url parts (`preprocess.open_image_url` under `image_sources`), preprocessed,
         and their placeholders; ConfigError naming the part: a model without a vision encoder, too many images, a URL
         not allowed, a bad image."""
         from dgemma_compile.inputs.preprocess import ImageSources, num_soft_tokens, open_image_url, preprocess
 
-        model = engine.model
+        model = self.engine.model
         first = parts[0][0]
         if model.vision is None:
             raise ConfigError(first, "image_url parts need a model with a vision encoder; this one has none")
         if len(parts) > MAX_IMAGES:
             raise ConfigError(parts[MAX_IMAGES][0], f"more than the {MAX_IMAGES} images a request may hold")
-        sources = image_sources or ImageSources()
+        sources = self.image_sources or ImageSources()
         pil = [open_image_url(url, name, sources) for name, url in parts]
         images = preprocess(model, pil)
-        return images, ImageSlots.for_model(tokenizer, model, [num_soft_tokens(model, im) for im in images])
+        return images, ImageSlots.for_model(self.tokenizer, model, [num_soft_tokens(model, im) for im in images])
 
-    def chat_ids(messages: list[dict], **kw) -> list[int]:
+    def chat_ids(self, messages: list[dict], **kw) -> list[int]:
         """`text.encode_chat`, a message text it refuses (empty, or characters the tokenizer cannot encode) named
         as the request names it, `messages[i].content`."""
-        return encode_chat(tokenizer, messages, bos_token_id=bos, name_of=lambda i, _: f"messages[{i}].content", **kw)
+        return encode_chat(self.tokenizer, messages, bos_token_id=self.bos,
+                           name_of=lambda i, _: f"messages[{i}].content", **kw)
 
-    def tokenize_request(req: P.TokenizeRequest) -> list[int]:
+    def tokenize_request(self, req: P.TokenizeRequest) -> list[int]:
         if req.messages is not None:
-            return chat_ids([m.template_dict() for m in req.messages],
+            return self.chat_ids([m.template_dict() for m in req.messages],
                             add_generation_prompt=req.add_generation_prompt)
         if req.add_special_tokens:
-            return encode_prompt(tokenizer, req.prompt, bos_token_id=bos)
-        return [int(t) for t in tokenizer(req.prompt, add_special_tokens=False)["input_ids"]]
+            return encode_prompt(self.tokenizer, req.prompt, bos_token_id=self.bos)
+        return [int(t) for t in self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]]
 
-    @app.post("/tokenize", openapi_extra=_body("/tokenize"), responses=_responses(P.TokenizeResponse, 400, 404, 413))
-    async def tokenize_route(request: Request):
-        """vLLM's /tokenize: `prompt` with the BOS (add_special_tokens, default) or without; or `messages` through
-        the chat template. `count` = len(tokens), as `usage.prompt_tokens` counts them."""
-        req = await parse(request, P.TokenizeRequest)
-        ids = await tokenize(request, tokenize_request, req)
-        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return P.TokenizeResponse(count=len(ids), max_model_len=engine.max_seq_len, tokens=ids,
-                                  token_strs=strs).model_dump()
 
-    @app.post("/detokenize", openapi_extra=_body("/detokenize"),
-              responses=_responses(P.DetokenizeResponse, 400, 404, 413))
-    async def detokenize_route(request: Request):
-        """vLLM's /detokenize: `tokens` -> `prompt`, the text with special tokens as they decode."""
-        req = await parse(request, P.DetokenizeRequest)
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise P.APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        text = await tokenize(request, lambda: tokenizer.decode(req.tokens, skip_special_tokens=False,
-                                                       clean_up_tokenization_spaces=False))
-        return P.DetokenizeResponse(prompt=text).model_dump()
+router = APIRouter()
+"""The routes; each reads its app's `Server` from `request.app.state.server`."""
 
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
-        """vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it): special tokens, chat template, length."""
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    server: Server = request.app.state.server
+    return {"status": "ok", "running": server.engine.running, "queued": server.engine.queue_depth,
+            "buckets": server.engine.bucket_table(), "compile": server.engine.compile_state()}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    server: Server = request.app.state.server
+    return {"object": "list", "data": [server.model_card()]}
+
+
+@router.get("/v1/models/{model_id:path}", responses={404: {"model": P.ErrorResponse}})
+async def model(request: Request, model_id: str) -> dict:
+    server: Server = request.app.state.server
+    server.check_model(model_id)
+    return server.model_card()
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    server: Server = request.app.state.server
+    if server.metrics is None:
+        raise P.APIError(404, "metrics are off", type="not_found_error")
+    return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/completions", openapi_extra=_body("/v1/completions"),
+          responses=_responses(P.CompletionResponse, 400, 404, 413, 429, 500))
+async def completions(request: Request):
+    server: Server = request.app.state.server
+    req = await server.parse(request, P.CompletionRequest)
+    prompts = await server.tokenize(request, server.encode_completion, req.prompts())
+    return await server.run(request, prompts, req, chat=False)
+
+
+@router.post("/v1/chat/completions", openapi_extra=_body("/v1/chat/completions"),
+          responses=_responses(P.ChatCompletionResponse, 400, 404, 413, 429, 500))
+async def chat_completions(request: Request):
+    server: Server = request.app.state.server
+    req = await server.parse(request, P.ChatCompletionRequest)
+    tool = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if tool.parse:
+        for name in ("stop", "logprobs"):
+            if getattr(req, name):
+                raise P.APIError(400, f"{name}: not supported together with parsed tool calls (tool_choice "
+                                      f"{tool.choice!r}); send it without tools or with tool_choice \"none\"",
+                                 param=name)
+    messages = template_messages([m.template_dict() for m in req.messages])
+    parts = [(f"messages[{i}].content[{j}]", url) for i, m in enumerate(req.messages) for j, url in m.image_urls()]
+    images, slots = await server.tokenize(None, server.read_images, parts) if parts else (None, None)
+    prompt = await server.tokenize(request, lambda: server.chat_ids(messages, images=slots, tools=tool.tools))
+    item = (await server.tokenize(None, lambda: prepare_images(server.engine.model, [prompt], [images])))[0] \
+        if parts else None
+    return await server.run(request, [prompt], req, chat=True, images=item, tool=tool)
+
+
+@router.post("/tokenize", openapi_extra=_body("/tokenize"), responses=_responses(P.TokenizeResponse, 400, 404, 413))
+async def tokenize_route(request: Request):
+    """vLLM's /tokenize: `prompt` with the BOS (add_special_tokens, default) or without; or `messages` through
+    the chat template. `count` = len(tokens), as `usage.prompt_tokens` counts them."""
+    server: Server = request.app.state.server
+    req = await server.parse(request, P.TokenizeRequest)
+    ids = await server.tokenize(request, server.tokenize_request, req)
+    strs = server.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return P.TokenizeResponse(count=len(ids), max_model_len=server.engine.max_seq_len, tokens=ids,
+                              token_strs=strs).model_dump()
+
+
+@router.post("/detokenize", openapi_extra=_body("/detokenize"),
+          responses=_responses(P.DetokenizeResponse, 400, 404, 413))
+async def detokenize_route(request: Request):
+    """vLLM's /detokenize: `tokens` -> `prompt`, the text with special tokens as they decode."""
+    server: Server = request.app.state.server
+    req = await server.parse(request, P.DetokenizeRequest)
+    bad = next((t for t in req.tokens if not 0 <= t < server.vocab), None)
+    if bad is not None:
+        raise P.APIError(400, f"tokens: {bad} is outside the vocabulary [0, {server.vocab})", param="tokens")
+    text = await server.tokenize(request, lambda: server.tokenizer.decode(req.tokens, skip_special_tokens=False,
+                                                   clean_up_tokenization_spaces=False))
+    return P.DetokenizeResponse(prompt=text).model_dump()
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict:
+    """vLLM's /tokenizer_info (lm-eval's remote tokenizer reads it): special tokens, chat template, length."""
+    server: Server = request.app.state.server
+    try:
+        template = chat_template(server.tokenizer)
+    except ConfigError:
+        template = None
+    return {"tokenizer_class": type(server.tokenizer).__name__, "bos_token": server.tokenizer.bos_token,
+            "eos_token": server.tokenizer.eos_token, "pad_token": server.tokenizer.pad_token,
+            "unk_token": server.tokenizer.unk_token,
+            "chat_template": template, "model_max_length": server.engine.max_seq_len}
+
+
+# exception handlers: every error in OpenAI's shape
+
+async def _api_error(request: Request, e: P.APIError) -> Response:
+    metrics = request.app.state.server.metrics
+    if metrics is not None and e.code is not None:  # every coded refusal: the limit (or rule) that refused it
+        metrics.refused(e.code)
+    # ASCII JSON: an echoed value may hold a lone surrogate, which UTF-8 cannot encode (a 500 before)
+    return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
+
+
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405, ... in OpenAI's shape
+    err = P.APIError(e.status_code, str(e.detail)[:200],
+                     type="not_found_error" if e.status_code == 404 else "invalid_request_error")
+    return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+
+async def _request_error(_: Request, e: RequestValidationError) -> JSONResponse:  # FastAPI's own 422 -> 400
+    message, param = P.validation_message(e)
+    return JSONResponse(P.APIError(400, message[:500], param=param).body(), status_code=400)
+
+
+async def _server_error(_: Request, e: Exception) -> JSONResponse:  # OpenAI-shaped, never text/plain
+    err = P.APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+    return JSONResponse(err.body(), status_code=500)
+
+
+def create_app(engine: Engine, *, model_name: str, tokenizer, metrics=None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, image_sources=None,
+               input_timeout_s: float = DEFAULT_INPUT_TIMEOUT_S, api_key: str | None = None,
+               grammar_limits: GrammarLimits | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` (started by the caller) as model `model_name`; `metrics`: the engine's
+    `ServeMetrics` for /metrics (404 without). `max_body_bytes`: larger bodies get 413 (`limits.BodyLimit`);
+    `image_sources`: where image_url parts may point and the limits (`preprocess.ImageSources`; default `data:` URLs
+    only, 8 MiB each; at most `MAX_IMAGES` per request; a refusal is a 400 naming the part); `input_timeout_s`: seconds one request's parsing, image decoding and tokenization may
+    take (400 past it); `api_key`: every /v1 and tokenizer route needs `Authorization: Bearer <api_key>` (401
+    otherwise, `auth.APIKeyAuth`); None: open; `grammar_limits`: the bounds of grammar compiles
+    (`grammars.GrammarLimits`, its defaults without), which run in worker processes the app kills at shutdown.
+    The routes (`router`) read what they share from `app.state.server` (a `Server`).
+    Raises ValueError for an empty `api_key`."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key: must be a non-empty string (or None: no key)")
+    grammars = GrammarService(lambda: GrammarLibrary.for_model(tokenizer, engine.model, engine.config.eos_token_ids),
+                              grammar_limits or GrammarLimits(), metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
         try:
-            template = chat_template(tokenizer)
-        except ConfigError:
-            template = None
-        return {"tokenizer_class": type(tokenizer).__name__, "bos_token": tokenizer.bos_token,
-                "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
-                "chat_template": template, "model_max_length": engine.max_seq_len}
+            yield
+        finally:
+            await grammars.close()
 
+    app = FastAPI(title="dgemma serve", lifespan=lifespan)
+    app.state.server = Server(engine, model_name=model_name, tokenizer=tokenizer, metrics=metrics,
+                              image_sources=image_sources, input_timeout_s=input_timeout_s, grammars=grammars)
+    app.state.grammars = grammars
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes,
+                       on_refuse=None if metrics is None else lambda: metrics.refused("body_too_large"))
+    if api_key is not None:  # outer: a request without the key is answered before its body is read
+        app.add_middleware(APIKeyAuth, api_key=Secret(api_key))
+    if metrics is not None:  # outermost: counts every error answer, the key's and the body limit's too
+        app.add_middleware(ErrorCounter, registry=metrics.registry)
+    for exc, handler in ((P.APIError, _api_error), (StarletteHTTPException, _http_error),
+                         (RequestValidationError, _request_error), (Exception, _server_error)):
+        app.add_exception_handler(exc, handler)
+    app.include_router(router)
+    vocab = engine.model.config.vocab_size
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, BODIES, vocab=vocab, metrics=metrics is not None,
+                                                  api_key=api_key is not None, model_name=model_name)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
@@ -662,8 +711,8 @@ def _config_error(e: ConfigError, budget: str = "max_tokens") -> P.APIError:
     return P.APIError(400, str(e), param=param, code=e.code)
 
 
-async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, events: asyncio.Queue, req: P._Common,
-                  rid: str, now: int, model_name: str, chat: bool, prompt_tokens: int,
+async def _stream(engine: Engine, choices: list[EngineRequest], index: dict, events: asyncio.Queue,
+                  req: P.GenerationRequest, rid: str, now: int, model_name: str, chat: bool, prompt_tokens: int,
                   lps: list[_ChoiceLogprobs | None], answers: list[ToolAnswer | None]) -> AsyncIterator[dict]:
     """The SSE events of one streamed request (see the module docstring); cancels unfinished choices when the
     client goes away (sse-starlette cancels this generator on a disconnect)."""
