@@ -213,6 +213,36 @@ def test_cache_key_tag():
         with ops.moe_cache_key():
             assert torch.compiler.config.cache_key_tag.startswith("user|dgemma-moe-")
         assert torch.compiler.config.cache_key_tag == "user"
+    # a graph that does not trace the op (none in it, or calls that stay opaque) gets no tag: editing the MoE folder
+    # leaves its cache entries warm
+    with torch.compiler.config.patch(cache_key_tag="user"), ops.moe_cache_key(decomposed=False):
+        assert torch.compiler.config.cache_key_tag == "user"
+
+
+@pytest.mark.slow
+def test_only_a_graph_that_traces_the_experts_is_tagged(monkeypatch):
+    """Through the units' backend, a compile carries the MoE folder's tag only when its graph traces a
+    `dgemma::moe_experts` call ("dense"): a graph without one, and one whose call stays opaque ("loop"), compile
+    without it, so an edit of `kernels/moe/` leaves their Inductor cache entries warm."""
+    from dgemma_compile.kernels.moe import op as moe_op
+
+    seen = []
+    real = moe_op.moe_cache_key
+
+    def recording(decomposed: bool = True):
+        seen.append(decomposed)
+        return real(decomposed)
+
+    monkeypatch.setattr(moe_op, "moe_cache_key", recording)
+    args = experts(16, 8, 2)
+    backend = UnitFactory(CompileOptions(), "cpu").backend
+    plain = torch.compile(lambda x, w: (x @ w.T).relu(), backend=backend("plain"), fullgraph=True)
+    x = torch.randn(16, 8)
+    assert torch.equal(plain(x, x), (x @ x.T).relu())
+    for impl in ("dense", "loop"):
+        fn = torch.compile(lambda *a, impl=impl: call(impl, *a), backend=backend(impl), fullgraph=True)
+        assert_matches_loop(fn(*args), call("loop", *args))
+    assert seen == [False, True, False]
 
 
 # ----- the rule and refused inputs --------------------------------------------------------------------------------

@@ -542,7 +542,7 @@ class UnitFactory:
             from torch._inductor.compile_fx import compile_fx
 
             from . import passes
-            from ..kernels.moe.op import moe_cache_key, moe_decompositions
+            from ..kernels.moe.op import graph_moe_calls, moe_cache_key, moe_decompositions
             from . import pass_records as records
 
             start = time.perf_counter()
@@ -552,15 +552,17 @@ class UnitFactory:
             # every compile's C++ through the cache's C++ store, also the steps the cache cannot hold (quantized
             # weights, `artifact_cache=False`): their Inductor graph cache hits in a new venv, and then its g++ builds
             store = self.store.cpp_builds(self.device) if self.store is not None else contextlib.nullcontext()
-            with moe_cache_key(), passes.cache_key(pass_config), torch._inductor.config.patch(config), \
-                    passes.recording() as counts, store:
+            decompositions = moe_decompositions(gm)
+            traced_moe = decompositions.decompose_moe and bool(graph_moe_calls(gm))  # the op traced into gm
+            with moe_cache_key(traced_moe), passes.cache_key(pass_config), \
+                    torch._inductor.config.patch(config), passes.recording() as counts, store:
                 key = records.record_key(gm, example_inputs, pass_config)  # before compile_fx changes gm
                 if slot is None:
-                    out = compile_fx(gm, example_inputs, decompositions=moe_decompositions(gm))
+                    out = compile_fx(gm, example_inputs, decompositions=decompositions)
                 else:
                     out = torch._inductor.standalone_compile(
                         gm, example_inputs, dynamic_shapes="from_example_inputs", aot=True,
-                        options={"decompositions": moe_decompositions(gm)})
+                        options={"decompositions": decompositions})
             if not pass_config:
                 self.pass_matches[name] = PassMatches({}, "no pass enabled")
             elif counts:  # the passes ran: Inductor compiled this graph

@@ -365,12 +365,18 @@ class DecompositionTable(dict):
 
 
 @contextlib.contextmanager
-def moe_cache_key():
-    """Around a compile with `moe_decompositions`: appends a hash of this file to `torch.compiler.config
-    .cache_key_tag` (and of `expert_formats.py`, whose dequantization the decompositions trace). AOTAutograd's cache
-    key covers the Dynamo graph (where the op still stands) but not the decomposition table, so without the tag a graph compiled without our decompositions, or with an older version of
-    them, is served from the on-disk cache (observed: a plain Inductor compile of a "dense" graph, then ours, ran
-    the opaque op)."""
+def moe_cache_key(decomposed: bool = True):
+    """Around a compile with `moe_decompositions`: where the graph's `dgemma::moe_experts` is `decomposed` (traced
+    into it), appends a hash of this folder's op and formats (`op.py`, `formats.py`, whose dequantization the
+    decompositions trace) to `torch.compiler.config.cache_key_tag`. AOTAutograd's cache key covers the Dynamo graph
+    (where the op still stands) but not the decomposition table, so without the tag a graph compiled without our
+    decompositions, or with an older version of them, is served from the on-disk cache (observed: a plain Inductor
+    compile of a "dense" graph, then ours, ran the opaque op). A graph without a decomposed op (none, or one that
+    stays an opaque call, which runs this file's code at call time) gets no tag: an edit here leaves its cache
+    entries warm (issue 41: a kernel folder keys only the compiles that trace it)."""
+    if not decomposed:
+        yield
+        return
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     tag = torch.compiler.config.cache_key_tag
