@@ -311,6 +311,45 @@ def test_prompts_file_errors_come_before_anything_runs(args, message):
     assert len(errors) == 1 and errors[0] == f"dgemma: error: {message}", res.stderr
 
 
+@pytest.mark.parametrize("argv", [["generate", "x"], ["serve"], ["explain"], ["cache", "info"]])
+def test_each_command_reads_a_frozen_record_of_every_flag(argv):
+    """Issue 41: each command gets one frozen arguments record (`cli.args.COMMANDS`), made once from argparse's
+    namespace: its fields are exactly the command's flags (parser and record cannot drift apart), the values are the
+    parsed ones (repeatable flags as tuples), and nothing can change it afterwards."""
+    import argparse
+    import dataclasses
+
+    from dgemma_compile.cli import COMMANDS, _parser
+
+    parser = _parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[argv[0]]
+    flags = {a.dest for a in sub._actions if a.dest != "help"}
+    record_type = COMMANDS[argv[0]]
+    assert {f.name for f in dataclasses.fields(record_type)} == flags
+    ns = parser.parse_args(argv + (["--stop", "a", "--stop", "b"] if argv[0] == "generate" else []))
+    record = record_type.from_namespace(ns)
+    assert {k: v for k, v in vars(ns).items() if k != "command" and not isinstance(v, list)} == \
+        {k: v for k, v in dataclasses.asdict(record).items() if not isinstance(v, tuple)}
+    if argv[0] == "generate":
+        assert record.stop == ("a", "b")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(record, next(iter(flags)), None)
+
+
+def test_the_rules_between_flags_are_checked_when_the_record_is_made(tmp_path):
+    from dgemma_compile.cli import GenerateArgs, ServeArgs
+    from dgemma_compile.model.config import ConfigError
+
+    with pytest.raises(ConfigError, match="live: --live draws one prompt"):
+        GenerateArgs(prompts_file="-", live=True)
+    with pytest.raises(ConfigError, match="max_soft_tokens: --max-soft-tokens applies to --image only"):
+        GenerateArgs(prompt="x", max_soft_tokens=70)
+    with pytest.raises(ConfigError, match="allow_image_urls: --allow-private-image-urls"):
+        ServeArgs(allow_private_image_urls=True)
+    with pytest.raises(ConfigError, match="image_dir: .* is not a directory"):
+        ServeArgs(image_dir=tmp_path / "missing")
+    assert GenerateArgs(prompt="x").seed == 0 and ServeArgs().port == 8000
+
 def test_prompts_file_without_prompts(tiny_dir, tmp_path):
     f = tmp_path / "empty.txt"
     f.write_text("\n  \n")

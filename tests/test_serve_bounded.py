@@ -141,7 +141,7 @@ def test_cli_grammar_flags_reach_the_app(monkeypatch):
     """`dgemma serve --max-grammar-bytes/--grammar-timeout/--grammar-memory/--grammar-workers/--grammar-cache-bytes`
     become the app's `GrammarLimits`; bad values are refused before loading."""
     import dgemma_runtime.http.server as server
-    from dgemma_compile.cli import _parser, main, serve_command
+    from dgemma_compile.cli import ServeArgs, _parser, main, serve_command
 
     seen = {}
 
@@ -154,9 +154,9 @@ def test_cli_grammar_flags_reach_the_app(monkeypatch):
 
     monkeypatch.setattr(server, "create_app", fake_create_app)
     with pytest.raises(Stop):
-        serve_command(_parser().parse_args(["serve", "--eager", "--max-grammar-bytes", "100", "--grammar-timeout",
-                                            "1.5", "--grammar-memory", "1000", "--grammar-workers", "3",
-                                            "--grammar-cache-bytes", "0"]))
+        serve_command(ServeArgs.from_namespace(_parser().parse_args(
+            ["serve", "--eager", "--max-grammar-bytes", "100", "--grammar-timeout", "1.5", "--grammar-memory", "1000",
+             "--grammar-workers", "3", "--grammar-cache-bytes", "0"])))
     assert seen["grammar_limits"] == GrammarLimits(max_bytes=100, timeout_s=1.5, memory_bytes=1000, workers=3,
                                                    cache_bytes=0)
     assert main(["serve", "--grammar-timeout", "0"]) == 2

@@ -321,7 +321,7 @@ def test_ignore_eos_special_tokens_as_strings(server, demo):
 def test_cli_max_logprobs_reaches_build_engine(monkeypatch):
     """`dgemma serve --max-logprobs K` passes K to build_engine; out of [0, 64] it is refused before loading."""
     import dgemma_runtime as runtime
-    from dgemma_compile.cli import _parser, main, serve_command
+    from dgemma_compile.cli import ServeArgs, _parser, main, serve_command
 
     seen = {}
 
@@ -335,7 +335,7 @@ def test_cli_max_logprobs_reaches_build_engine(monkeypatch):
     monkeypatch.setattr(runtime, "build_engine", fake_build_engine)
     assert _parser().parse_args(["serve"]).max_logprobs == 20
     with pytest.raises(Stop):
-        serve_command(_parser().parse_args(["serve", "--eager", "--max-logprobs", "3"]))
+        serve_command(ServeArgs.from_namespace(_parser().parse_args(["serve", "--eager", "--max-logprobs", "3"])))
     assert seen["max_logprobs"] == 3
     assert main(["serve", "--max-logprobs", "-1"]) == 2
     assert main(["serve", "--max-logprobs", "65"]) == 2

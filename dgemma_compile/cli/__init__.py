@@ -12,7 +12,8 @@ come first and are reported apart: `compile_s` (compiled path: every compile uni
 (`--eager`: an untimed run of the same request with one denoise step per block, so that the shape-specialised
 traces eager FlexAttention makes on first use of each shape are done before the clock starts).
 
-The package, one module per command (`generate.py`, `explain.py`, `serve.py`, `cache.py`) over the parser (`args.py`),
+The package, one module per command (`generate.py`, `explain.py`, `serve.py`, `cache.py`) over the parser and each
+command's frozen, validated arguments record (`args.py`: `GenerateArgs`, `ServeArgs`, ...),
 the prompts file (`prompts.py`) and what generate and serve share (`run.py`); `main` here dispatches, and runs
 generate / serve as ranks of a tensor-parallel group (`parallel.ranks`). `dgemma --help` imports no torch
 (tests/test_imports.py): torch and every module that imports it are imported inside the commands.
@@ -20,14 +21,13 @@ generate / serve as ranks of a tensor-parallel group (`parallel.ranks`). `dgemma
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 import warnings
 
-from .args import (COMPILE_MODES, DEFAULT_BATCH_SIZE, DEFAULT_GROUP_TIMEOUT_S, DTYPES, FLOAT32_MAX, QUANT_SCHEMES,
-                   _parser)
+from .args import (COMMANDS, COMPILE_MODES, DEFAULT_BATCH_SIZE, DEFAULT_GROUP_TIMEOUT_S, DTYPES, FLOAT32_MAX,
+                   QUANT_SCHEMES, CacheArgs, ExplainArgs, GenerateArgs, ServeArgs, _parser)
 from .cache import cache_command
 from .explain import MOE_RULE, explain_command
 from .generate import generate_command
@@ -35,17 +35,17 @@ from .prompts import LINE_KEYS, PromptLine, parse_prompt_line, read_prompts_file
 from .run import SLOT_ROUNDING
 from .serve import serve_command
 
-__all__ = ["COMPILE_MODES", "DEFAULT_BATCH_SIZE", "DEFAULT_GROUP_TIMEOUT_S", "DTYPES", "FLOAT32_MAX", "LINE_KEYS",
+__all__ = ["COMMANDS", "COMPILE_MODES", "CacheArgs", "DEFAULT_BATCH_SIZE", "ExplainArgs", "GenerateArgs", "ServeArgs", "DEFAULT_GROUP_TIMEOUT_S", "DTYPES", "FLOAT32_MAX", "LINE_KEYS",
            "MOE_RULE", "PromptLine", "QUANT_SCHEMES", "SLOT_ROUNDING", "cache_command", "explain_command",
            "generate_command", "main", "parse_prompt_line", "read_prompts_file", "serve_command"]
 
 
-def _tensor_parallel(args: argparse.Namespace, argv: list[str], world: int) -> int:
+def _tensor_parallel(command_name: str, args: GenerateArgs | ServeArgs, argv: list[str], world: int) -> int:
     """Run generate / serve as one rank of `world` (`cli.ranks.run`: started here, or joined under torchrun).
     A collective that fails (a peer died, or stalled past --group-timeout) ends every rank with one error line."""
     from . import ranks as R
 
-    command = generate_command if args.command == "generate" else serve_command
+    command = generate_command if command_name == "generate" else serve_command
 
     def body(ranks: "R.Ranks") -> int:
         R.quiet(ranks.rank)
@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None, *, owns_process: bool | None = None) -> 
     owns_process = argv is None if owns_process is None else owns_process
     argv = sys.argv[1:] if argv is None else list(argv)
     try:  # --help and usage errors (a flag's value refused by its type too) end here, before anything imports torch
-        args = _parser().parse_args(argv)
+        ns = _parser().parse_args(argv)
     except SystemExit as e:  # argparse printed the help or the error line; the status is returned, as every other
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    if owns_process and args.command in ("generate", "serve"):
+    if owns_process and ns.command in ("generate", "serve"):
         from .host_memory import retain_freed_memory
 
         retain_freed_memory()
@@ -95,19 +95,20 @@ def main(argv: list[str] | None = None, *, owns_process: bool | None = None) -> 
     logging.basicConfig(level=logging.INFO, format="dgemma: %(message)s")
     logging.getLogger("dgemma_compile").setLevel(logging.INFO)
     try:
-        if args.command in ("generate", "serve"):
+        args = COMMANDS[ns.command].from_namespace(ns)  # the rules between flags, checked once (ConfigError)
+        if ns.command in ("generate", "serve"):
             from . import ranks
 
             world = ranks.world_size_for(args.tensor_parallel_size)
             if world > 1:
-                return _tensor_parallel(args, argv, world)
-        if args.command == "generate":
+                return _tensor_parallel(ns.command, args, argv, world)
+        if ns.command == "generate":
             return generate_command(args)
-        if args.command == "explain":
+        if ns.command == "explain":
             return explain_command(args)
-        if args.command == "serve":
+        if ns.command == "serve":
             return serve_command(args)
-        if args.command == "cache":
+        if ns.command == "cache":
             return cache_command(args)
     except (CheckpointError, ConfigError, CacheFullError) as e:
         print(f"dgemma: error: {e}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 
@@ -217,3 +218,161 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-timeout", type=seconds, default=DEFAULT_GROUP_TIMEOUT_S, metavar="S",
                    help="seconds a rank waits for its peers in a collective before the run ends with an error (a rank "
                         f"that crashes ends it at once; default {DEFAULT_GROUP_TIMEOUT_S:.0f})")
+
+
+# ----- each command's arguments, validated once: a frozen record the command reads and never changes -------------
+def _tuple(value):
+    """A repeatable flag's list as a tuple (a frozen record holds no list), None kept."""
+    return None if value is None else tuple(value)
+
+
+def _fields_of(cls, ns: argparse.Namespace) -> dict:
+    values = {f.name: getattr(ns, f.name) for f in fields(cls)}
+    return {k: _tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """The tensor-parallel flags generate and serve share (`_parallel_flags`)."""
+
+    tensor_parallel_size: int | None = None
+    experts_split: str = "tensor"
+    group_timeout: float = DEFAULT_GROUP_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class GenerateArgs(ParallelArgs):
+    """`dgemma generate`'s arguments (the flags of `_parser`'s generate command, same names), validated once when
+    made (`from_namespace`; argparse's value types checked each flag before): the rules between flags below raise
+    `ConfigError` naming the flag. The command reads it and never changes it; what it derives (the model, its
+    quantization, the constraint) travels beside it (`run.Loaded`)."""
+
+    prompt: str | None = None
+    model: Path | None = None
+    chat: bool = False
+    image: tuple[str, ...] | None = None
+    max_soft_tokens: int | None = None
+    system: str | None = None
+    max_new_tokens: int | None = None
+    max_denoising_steps: int | None = None
+    temperature: float | None = None
+    entropy_bound: float | None = None
+    stop: tuple[str, ...] | None = None
+    seed: int = 0
+    dtype: str | None = None
+    quant: str | None = None
+    eager: bool = False
+    compile: str = "auto"
+    threads: int | None = None
+    live: bool = False
+    template: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    json_schema: str | None = None
+    json_object: bool = False
+    prompts_file: str | None = None
+    batch_size: int | None = None
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "GenerateArgs":
+        return cls(**_fields_of(cls, ns))
+
+    def __post_init__(self) -> None:
+        from ..model.config import ConfigError
+        from ..inputs.text import check_stop_strings
+
+        if self.prompt is not None and self.prompts_file is not None:
+            raise ConfigError("prompt", "give a prompt or --prompts-file, not both")
+        if self.prompt is None and self.prompts_file is None:
+            raise ConfigError("prompt", "give a prompt, or --prompts-file FILE")
+        if self.batch_size is not None and self.prompts_file is None:
+            raise ConfigError("batch_size", "--batch-size applies to --prompts-file only")
+        if self.image and self.prompts_file is not None:
+            raise ConfigError("image", "--image applies to one prompt, not to --prompts-file")
+        if self.template is not None and self.prompts_file is not None:
+            raise ConfigError("template", "--template applies to one prompt, not to --prompts-file")
+        if self.live and self.prompts_file is not None:
+            raise ConfigError("live", "--live draws one prompt's canvas, not --prompts-file's")
+        if self.max_soft_tokens is not None and not self.image:
+            raise ConfigError("max_soft_tokens", "--max-soft-tokens applies to --image only")
+        check_stop_strings(self.stop, "--stop")
+
+
+@dataclass(frozen=True)
+class ServeArgs(ParallelArgs):
+    """`dgemma serve`'s arguments (the flags of `_parser`'s serve command, same names), validated once when made:
+    `image_dir` must be a directory, and the image-URL policies need --allow-image-urls (`ConfigError`)."""
+
+    model: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    max_queue: int = 256
+    max_seq_len: int | None = None
+    kv_page_size: int | None = None
+    kv_pages: int | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    input_timeout: float = 30.0
+    header_timeout: float = 10.0
+    max_grammar_bytes: int = 64 * 2**10
+    grammar_timeout: float = 10.0
+    grammar_memory: int = 2**30
+    grammar_workers: int = 2
+    grammar_cache_bytes: int = 256 * 2**20
+    image_dir: Path | None = None
+    allow_image_urls: bool = False
+    allow_private_image_urls: bool = False
+    allowed_media_domains: tuple[str, ...] | None = None
+    max_image_bytes: int = 8 * 2**20
+    max_image_pixels: int = 32 * 2**20
+    api_key: str | None = None
+    max_logprobs: int = 20
+    eager: bool = False
+    compile: str = "auto"
+    batch_invariant: str = "auto"
+    fuse_commit: str = "auto"
+    threads: int | None = None
+    log_level: str = "warning"
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "ServeArgs":
+        return cls(**_fields_of(cls, ns))
+
+    def __post_init__(self) -> None:
+        from ..model.config import ConfigError
+
+        if self.image_dir is not None and not self.image_dir.is_dir():
+            raise ConfigError("image_dir", f"{self.image_dir} is not a directory")
+        if (self.allow_private_image_urls or self.allowed_media_domains) and not self.allow_image_urls:
+            raise ConfigError("allow_image_urls", "--allow-private-image-urls and --allowed-media-domains apply to "
+                              "fetched image URLs: add --allow-image-urls")
+
+
+@dataclass(frozen=True)
+class ExplainArgs:
+    """`dgemma explain`'s arguments."""
+
+    model: Path | None = None
+    batch_size: int = 1
+    quant: str | None = None
+    json: bool = False
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "ExplainArgs":
+        return cls(**_fields_of(cls, ns))
+
+
+@dataclass(frozen=True)
+class CacheArgs:
+    """`dgemma cache`'s arguments."""
+
+    action: str = "info"
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "CacheArgs":
+        return cls(**_fields_of(cls, ns))
+
+
+COMMANDS = {"generate": GenerateArgs, "serve": ServeArgs, "explain": ExplainArgs, "cache": CacheArgs}
+"""Each command's arguments record; `main` makes it once from argparse's namespace."""

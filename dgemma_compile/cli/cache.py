@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
+from .args import CacheArgs
 
-def cache_command(args: argparse.Namespace) -> int:
+
+def cache_command(args: CacheArgs) -> int:
     """`dgemma cache info|clear`: the compile cache's directory and entries (unit, bytes, age), or remove them."""
     from ..compile.artifacts import ArtifactStore, cache_root
     from ..model.config import ConfigError

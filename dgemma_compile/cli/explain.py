@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from ..demo import DEMO_MODEL
+from .args import ExplainArgs
 from .run import SLOT_ROUNDING, _quantize
 
 
@@ -15,7 +15,7 @@ MOE_RULE = ("loop = transformers' summation order (eager default, parity tests);
             "else); dense = every expert on every token (explicit only)")
 
 
-def explain_command(args: argparse.Namespace) -> int:
+def explain_command(args: ExplainArgs) -> int:
     import dataclasses
 
     from .. import CompileOptions, build, load
@@ -30,5 +30,5 @@ def explain_command(args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
     else:
         print("\n".join(r.text() for r in reports))
-        print(f"moe_impl rule (ops.moe.resolve_moe_impl): {MOE_RULE}")
+        print(f"moe_impl rule (kernels.moe.op.resolve_moe_impl): {MOE_RULE}")
     return 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -10,47 +9,29 @@ import time
 from pathlib import Path
 
 from ..demo import DEMO_MODEL
-from .args import DEFAULT_BATCH_SIZE
+from .args import DEFAULT_BATCH_SIZE, GenerateArgs
 from .prompts import PromptLine, _encode, _read_inputs
-from .run import _apply_threads, _load, _quantize, _runner, _shared
+from .run import Loaded, _apply_threads, _load, _quantize, _runner, _shared
 
 
-def generate_command(args: argparse.Namespace, ranks=None) -> int:
+def generate_command(args: GenerateArgs, ranks=None) -> int:
     """`dgemma generate`; `ranks` (`cli.ranks.Ranks`): one rank of a tensor-parallel run, whose inputs (the
     prompts file or stdin, the images) are rank 0's."""
     from .. import load_tokenizer
-    from ..model.config import ConfigError
-    from ..inputs.text import check_stop_strings
 
-    if args.prompt is not None and args.prompts_file is not None:
-        raise ConfigError("prompt", "give a prompt or --prompts-file, not both")
-    if args.prompt is None and args.prompts_file is None:
-        raise ConfigError("prompt", "give a prompt, or --prompts-file FILE")
-    if args.batch_size is not None and args.prompts_file is None:
-        raise ConfigError("batch_size", "--batch-size applies to --prompts-file only")
-    if args.image and args.prompts_file is not None:
-        raise ConfigError("image", "--image applies to one prompt, not to --prompts-file")
-    if args.template is not None and args.prompts_file is not None:
-        raise ConfigError("template", "--template applies to one prompt, not to --prompts-file")
-    if args.live and args.prompts_file is not None:
-        raise ConfigError("live", "--live draws one prompt's canvas, not --prompts-file's")
-    if args.max_soft_tokens is not None and not args.image:
-        raise ConfigError("max_soft_tokens", "--max-soft-tokens applies to --image only")
-    check_stop_strings(args.stop, "--stop")
-    args.tensor_parallel = ranks is not None
-    lines, args.pil_images = _shared(ranks, lambda: _read_inputs(args))  # before any loading
-    args.constraint = _constraint(args)
+    lines, pil_images = _shared(ranks, lambda: _read_inputs(args))  # before any loading
+    constraint = _constraint(args)
 
     model_dir = args.model if args.model is not None else DEMO_MODEL
     start = time.perf_counter()
-    model = _load(model_dir, args, ranks)
-    args.quant = _quantize(model, args.quant if ranks is None else None)  # ranks: quantized before sharding (_load)
-    args.model_load_s = time.perf_counter() - start
+    model = _load(model_dir, ranks, dtype=args.dtype, quant=args.quant, experts_split=args.experts_split)
+    quant = _quantize(model, args.quant if ranks is None else None)  # ranks: quantized before sharding (_load)
+    loaded = Loaded(model, quant, time.perf_counter() - start, tensor_parallel=ranks is not None)
     tokenizer = load_tokenizer(model_dir)
-    if args.constraint is not None:  # compiled against this tokenizer now: a bad one fails before any model work
+    if constraint is not None:  # compiled against this tokenizer now: a bad one fails before any model work
         from ..inputs.constraint import row_grammars
 
-        row_grammars(model, [args.constraint], [model.generation_config.resolved(model.config)], tokenizer)
+        row_grammars(model, [constraint], [model.generation_config.resolved(model.config)], tokenizer)
     changes = {}
     if args.max_new_tokens is not None:
         changes["max_new_tokens"] = args.max_new_tokens
@@ -62,28 +43,29 @@ def generate_command(args: argparse.Namespace, ranks=None) -> int:
     if args.temperature is not None:
         config.with_temperature(args.temperature)  # validated now; each request applies its own temperature once
     if lines is not None:
-        return _generate_batch(args, model, tokenizer, config, lines)
+        return _generate_batch(args, loaded, tokenizer, config, lines, constraint)
     if args.temperature is not None:
         config = config.with_temperature(args.temperature)
-    return _generate_one(args, model, tokenizer, config)
+    return _generate_one(args, loaded, tokenizer, config, constraint, pil_images)
 
 
-def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
+def _generate_one(args: GenerateArgs, loaded: Loaded, tokenizer, config, constraint, pil_images) -> int:
     from ..step.requests import plan_requests
     from ..inputs.text import StopStrings
 
+    model = loaded.model
     matcher = StopStrings(tokenizer, args.stop or ())  # validates --stop before any compile
     images = None
     if args.image:
         from ..inputs.images import prepare
         from ..inputs.preprocess import preprocess
 
-        images = [preprocess(model, args.pil_images, max_soft_tokens=args.max_soft_tokens)]
+        images = [preprocess(model, pil_images, max_soft_tokens=args.max_soft_tokens)]
     ids = _encode(tokenizer, model, args.prompt, args, images[0] if images else None)
     slots = plan_requests(model, [ids], config, args.seed)[3]  # validate prompt, config and seed before any compile
     if images:
         prepare(model, [ids], images)  # the images against their placeholders, before any compile
-    if args.constraint is not None:  # its commits are the kept prefixes, not whole canvases
+    if constraint is not None:  # its commits are the kept prefixes, not whole canvases
         slots = max(slots, len(ids) + config.max_new_tokens - 1)
     canvas = {}
     if args.template is not None:  # validated before any compile
@@ -91,7 +73,7 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
 
         canvas = {"canvas": [canvas_of(args.template, config, model.config.vocab_size, tokenizer, name="template")]}
     threads = _apply_threads(args, model)
-    run, costs = _runner(model, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
+    run, costs = _runner(loaded, args, 1, slots, config, ([ids], args.seed), config.max_denoising_steps, images)
 
     first_block: list[float] = []
     view = _live_view(args, tokenizer, config)
@@ -109,7 +91,7 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     start = time.perf_counter()
     with view if view is not None else contextlib.nullcontext():
         out = run([ids], config, seed=args.seed, on_block=on_block, stop=lambda *_: [0] if matcher.stopped else [],
-                  constraint=args.constraint, tokenizer=tokenizer, **({"images": images} if images else {}),
+                  constraint=constraint, tokenizer=tokenizer, **({"images": images} if images else {}),
                   **({"on_frame": view.frame} if view is not None else {}), **canvas)
     elapsed = time.perf_counter() - start
     if view is not None:
@@ -121,12 +103,13 @@ def _generate_one(args: argparse.Namespace, model, tokenizer, config) -> int:
     print(f"tokens={st.num_tokens} blocks={st.blocks} mean_steps_per_block={st.decoder_passes / max(st.blocks, 1):.2f} "
           f"tokens_per_forward={st.tokens_per_forward:.2f} tok/s={st.num_tokens / elapsed:.1f} "
           f"finish={st.finish_reason}{costs()} ttfb_s={ttfb:.3f} threads={threads} scheme={out.scheme} "
-          f"moe={out.moe_impl} commit={'fused' if out.fuse_commit else 'separate'} quant={args.quant or 'none'}",
+          f"moe={out.moe_impl} commit={'fused' if out.fuse_commit else 'separate'} quant={loaded.quant or 'none'}",
           file=sys.stderr)
     return 0
 
 
-def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: list[PromptLine]) -> int:
+def _generate_batch(args: GenerateArgs, loaded: Loaded, tokenizer, config, lines: list[PromptLine],
+                    constraint) -> int:
     """--prompts-file: validate every line first (a bad one is reported in its place), group the good ones by
     config, run each group in batches of --batch-size, write one JSON line per prompt in input order."""
     from tqdm import tqdm
@@ -135,6 +118,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
     from ..step.requests import STRUCTURAL, plan_requests
     from ..inputs.text import StopStrings, check_stop_strings
 
+    model = loaded.model
     batch = args.batch_size if args.batch_size is not None else DEFAULT_BATCH_SIZE
     slots = 0
     for ln in lines:
@@ -150,7 +134,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
             ln.stops = check_stop_strings(args.stop if ln.stop is None else ln.stop)
             ln.seed = args.seed if ln.seed is None else ln.seed
             slots = max(slots, plan_requests(model, [ln.ids], ln.config, ln.seed)[3])  # validates; slots needed
-            if args.constraint is not None:
+            if constraint is not None:
                 slots = max(slots, len(ln.ids) + ln.config.max_new_tokens - 1)
         except ConfigError as e:
             ln.error = str(e)
@@ -180,7 +164,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
         threads = _apply_threads(args, model)
         rows = min(batch, max(len(c) for c in chunks))
         first = chunks[0]
-        run, costs = _runner(model, args, rows, slots, first[0].config,
+        run, costs = _runner(loaded, args, rows, slots, first[0].config,
                              ([ln.ids for ln in first], [ln.seed for ln in first]),
                              max(ln.config.max_denoising_steps for ln in good), jobs=len(good))
         first_block: list[float] = []
@@ -201,7 +185,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
             for chunk in chunks:
                 matchers[:] = [StopStrings(tokenizer, ln.stops) for ln in chunk]
                 out = run([ln.ids for ln in chunk], [ln.config for ln in chunk], seed=[ln.seed for ln in chunk],
-                          on_block=on_block, stop=stop, constraint=args.constraint, tokenizer=tokenizer)
+                          on_block=on_block, stop=stop, constraint=constraint, tokenizer=tokenizer)
                 for ln, m, st in zip(chunk, matchers, out.stats):
                     m.finish()
                     results[ln.line] = {"line": ln.line, "text": m.text,
@@ -221,7 +205,7 @@ def _generate_batch(args: argparse.Namespace, model, tokenizer, config, lines: l
     return 2 if errors else 0
 
 
-def _constraint(args: argparse.Namespace):
+def _constraint(args: GenerateArgs):
     """The `Constraint` of --regex / --choice / --json-schema FILE / --json-object, or None. Raises ConfigError
     (naming the flag) for an unreadable schema file or a malformed constraint."""
     from ..model.config import ConfigError
@@ -230,7 +214,7 @@ def _constraint(args: argparse.Namespace):
     if args.regex is not None:
         return Constraint.regex(args.regex)
     if args.choice is not None:
-        return Constraint.choice(args.choice)
+        return Constraint.choice(list(args.choice))
     if args.json_object:
         return Constraint.json_object()
     if args.json_schema is None:
@@ -245,7 +229,7 @@ def _constraint(args: argparse.Namespace):
         raise ConfigError("--json-schema", f"{args.json_schema}: {e}") from None
 
 
-def _live_view(args: argparse.Namespace, tokenizer, config):
+def _live_view(args: GenerateArgs, tokenizer, config):
     """--live's `live.LiveView` when stdout is a terminal; else None (with a note on stderr when --live was given:
     the text is printed as without it, and no frame is read)."""
     if not args.live:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .args import GenerateArgs
 
 
 # --prompts-file JSONL keys: the keys a line may set
 LINE_KEYS = ("prompt", "seed", "max_new_tokens", "entropy_bound", "temperature", "stop")
 
 
-def _encode(tokenizer, model, prompt: str, args: argparse.Namespace, images=None) -> list[int]:
+def _encode(tokenizer, model, prompt: str, args: "GenerateArgs", images=None) -> list[int]:
     """Token ids of one prompt: raw, or through the chat template with --chat/--system; `images` (`images.Image`,
     --image) become the prompt's placeholder runs (`text.ImageSlots`). Raises ConfigError."""
     from ..inputs.preprocess import num_soft_tokens
@@ -96,7 +99,7 @@ def parse_prompt_line(number: int, raw: bytes) -> PromptLine:
     return PromptLine(number, prompt=obj["prompt"], changes=changes, seed=obj.get("seed"), stop=obj.get("stop"))
 
 
-def _read_inputs(args: argparse.Namespace) -> tuple[list[PromptLine] | None, list | None]:
+def _read_inputs(args: "GenerateArgs") -> tuple[list[PromptLine] | None, list | None]:
     """The prompts file's lines (or None) and the --image files (or None). Raises ConfigError."""
     lines = read_prompts_file(args.prompts_file) if args.prompts_file is not None else None
     images = None

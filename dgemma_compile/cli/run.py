@@ -4,19 +4,32 @@ background compile with its progress line."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..demo import DEMO_MODEL
+from .args import GenerateArgs, ServeArgs
 
 
 SLOT_ROUNDING = 256  # static cache sizes are rounded up so that nearby requests share compiled graphs
 
 
-def _apply_threads(args: argparse.Namespace, model) -> int:
+@dataclass(frozen=True)
+class Loaded:
+    """The model of one invocation and what its load decided: the quantization scheme the model holds (None: not
+    quantized; `--quant`, or a quantized checkpoint's), the seconds the load took, and whether the model is one rank's
+    shard of a tensor-parallel run."""
+
+    model: object
+    quant: str | None
+    load_s: float
+    tensor_parallel: bool = False
+
+
+def _apply_threads(args: GenerateArgs | ServeArgs, model) -> int:
     """--threads N, else OMP_NUM_THREADS when set, else `recommended_threads(model)`; applied before any compile
     (Inductor's CPU kernels are generated for the thread count in force)."""
     import torch
@@ -36,7 +49,8 @@ def _apply_threads(args: argparse.Namespace, model) -> int:
 Run = Callable[..., object]  # (prompts, config, seed=..., on_block=...) -> GenerationOutput
 
 
-def _compile_mode(args: argparse.Namespace, gen, rows: int, config, jobs: int) -> tuple[str, str]:
+def _compile_mode(args: GenerateArgs, gen, rows: int, config, jobs: int, tensor_parallel: bool = False
+                  ) -> tuple[str, str]:
     """--compile resolved, with the reason: "always" (compile, or load, before answering), "load" (from the compile
     cache, never compiling), "never" (the eager step), or "background" (the eager step answers while a background
     process compiles). auto (docs/cli.md): "load" when the compile cache holds the step; "never" where the cache
@@ -45,7 +59,7 @@ def _compile_mode(args: argparse.Namespace, gen, rows: int, config, jobs: int) -
     before a compile would; else "background"."""
     if args.compile != "auto":
         return args.compile, f"--compile {args.compile}"
-    if getattr(args, "tensor_parallel", False):  # every rank must take the same path: compile or load now
+    if tensor_parallel:  # every rank must take the same path: compile or load now
         return "always", "tensor parallel: every rank compiles or loads before answering"
     if gen.cached(rows, config):
         return "load", "in the compile cache"
@@ -57,7 +71,7 @@ def _compile_mode(args: argparse.Namespace, gen, rows: int, config, jobs: int) -
     return "background", "not in the compile cache yet"
 
 
-def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, first: tuple[list, int],
+def _runner(loaded: Loaded, args: GenerateArgs, rows: int, slots: int, config, first: tuple[list, int],
             steps: int, images: list | None = None, jobs: int = 1) -> tuple[Run, Callable[[], str]]:
     """The generate function for this invocation and a function giving its one-time cost and step source as stats
     fields: the compiled generator (one bucket of `rows`, a static cache of `slots` committed slots, a temperature
@@ -67,19 +81,20 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
     denoise step per block (`warmup_s`)."""
     from ..oracle import generate
 
+    model = loaded.model
     max_seq_len = -(-slots // SLOT_ROUNDING) * SLOT_ROUNDING  # the same cache, so eager and compiled agree
     if args.eager:
         start = time.perf_counter()
         generate(model, first[0], config.replace(max_denoising_steps=1), seed=first[1], max_seq_len=max_seq_len,
                  images=images)
-        warmup = (f" model_load_s={args.model_load_s:.2f} warmup_s={time.perf_counter() - start:.2f} step=oracle"
+        warmup = (f" model_load_s={loaded.load_s:.2f} warmup_s={time.perf_counter() - start:.2f} step=oracle"
                   f" dtype={str(model.dtype).removeprefix('torch.')}")
         return (lambda *a, **kw: generate(model, *a, max_seq_len=max_seq_len, **kw)), lambda: warmup
     from .. import CompileOptions, build
 
     gen = build(model, CompileOptions(batch_buckets=(rows,), max_seq_len=max_seq_len,
                                       max_denoising_steps=max(256, steps)))
-    mode, why = _compile_mode(args, gen, rows, config, jobs)
+    mode, why = _compile_mode(args, gen, rows, config, jobs, loaded.tensor_parallel)
     row_table = gen.row_table(config)
     name = row_table.step_name(rows)
     compile_s = step_load_s = 0.0
@@ -95,7 +110,7 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
         gen.defer(None)
         print(f"dgemma: answering with the eager step ({why})", file=sys.stderr, flush=True)
     elif mode == "background":
-        gen.defer(_background(args, gen, config, [rows]))
+        gen.defer(_background(args, gen, config, [rows], dtype=args.dtype, quant=loaded.quant))
         print(f"dgemma: compiling {name} in a background process ({why}: {gen.units.store.root}); answering with "
               "the eager step meanwhile", file=sys.stderr, flush=True)
     elif mode == "always":
@@ -113,24 +128,26 @@ def _runner(model, args: argparse.Namespace, rows: int, slots: int, config, firs
         seconds = compile_s if bg is None else bg.seconds if bg.seconds is not None else \
             time.perf_counter() - bg.started  # still running: its seconds so far
         where = "" if bg is None else f" compile={bg.state} in background"
-        return (f" model_load_s={args.model_load_s:.2f} compile_s={seconds:.1f} step_load_s={step_load_s:.2f} "
+        return (f" model_load_s={loaded.load_s:.2f} compile_s={seconds:.1f} step_load_s={step_load_s:.2f} "
                 f"step={gen.step_source}{where} dtype={str(model.dtype).removeprefix('torch.')}")
 
     return gen.generate, stats
 
 
-def _background(args: argparse.Namespace, gen, config, sizes: list[int], paging: dict | None = None):
-    """A `compile.background.BackgroundCompile` of `gen`'s steps of `sizes` for this invocation's checkpoint, dtype,
-    quantization, thread count and structural `config`, started now."""
+def _background(args: GenerateArgs | ServeArgs, gen, config, sizes: list[int], paging: dict | None = None, *,
+                dtype: str | None = None, quant: str | None = None):
+    """A `compile.background.BackgroundCompile` of `gen`'s steps of `sizes` for this invocation's checkpoint, dtype
+    (`dtype`, --dtype; default the model's), quantization (`quant`: the scheme the model holds), thread count and
+    structural `config`, started now."""
     import torch
 
     from ..compile.background import BackgroundCompile, CompileSpec, options_fields
 
     # the dtype the foreground's model has (the loader may have upcast it on this CPU: compute_dtype), so that the
     # background process compiles the step the foreground looks up
-    dtype = getattr(args, "dtype", None) or str(gen.model.dtype).removeprefix("torch.")
+    dtype = dtype or str(gen.model.dtype).removeprefix("torch.")
     spec = CompileSpec(model=str(args.model if args.model is not None else DEMO_MODEL), dtype=dtype,
-                       quant=getattr(args, "quant", None), options=options_fields(gen.options),
+                       quant=quant, options=options_fields(gen.options),
                        config={"stop_early": config.stop_early, "stability_threshold": config.stability_threshold,
                                "eos_token_ids": config.eos_token_ids},
                        sizes=list(sizes), threads=torch.get_num_threads(), cache_dir=str(gen.units.store.root),
@@ -184,8 +201,8 @@ def _shared(ranks, make):
     return make() if ranks is None else ranks.share(make)
 
 
-def _load(model_dir, args: argparse.Namespace, ranks):
-    """The model (--dtype); in a tensor-parallel run this rank's shard of it, read slice by slice from the files
+def _load(model_dir, ranks, *, dtype: str | None = None, quant: str | None = None, experts_split: str = "tensor"):
+    """The model (`dtype`: --dtype, None: the checkpoint's); in a tensor-parallel run this rank's shard of it, read slice by slice from the files
     (`parallel.load_sharded`, on the rank's device; a compressed-tensors checkpoint too), or with --quant loaded
     whole, quantized as one process would and then sharded (`model.checkpoint.quant_report` set), so that every rank holds the
     one-process quantized weights' slices. Raises ConfigError for a split the model's shapes refuse."""
@@ -194,7 +211,7 @@ def _load(model_dir, args: argparse.Namespace, ranks):
     from .. import load
     from ..model.config import ConfigError
 
-    dtype = getattr(torch, args.dtype) if getattr(args, "dtype", None) else None
+    dtype = getattr(torch, dtype) if dtype else None
     if ranks is None:
         return load(model_dir, dtype=dtype)
     from ..model import compute_dtype
@@ -206,8 +223,8 @@ def _load(model_dir, args: argparse.Namespace, ranks):
         compute_dtype.adopt(ranks.share(lambda: {d: compute_dtype.probe(d) for d in (torch.bfloat16, torch.float16)}))
 
     try:  # each rank reads only its slices; with --quant it quantizes the whole model first, then shards it
-        return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device, quant=getattr(args, "quant", None),
-                                     experts=getattr(args, "experts_split", "tensor"))
+        return parallel.load_sharded(model_dir, dtype=dtype, device=ranks.device, quant=quant,
+                                     experts=experts_split)
     except (CheckpointError, ConfigError):  # the checkpoint's or the scheme's own error, as without ranks
         raise
     except ValueError as e:  # a split the shapes refuse (`parallel.shard`)

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from pathlib import Path
 
 from ..demo import DEMO_MODEL
+from .args import ServeArgs
 from .run import _apply_threads, _background, _load
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
+def _api_key(args: ServeArgs) -> str | None:
     """`dgemma serve`'s API key: --api-key, else the environment variable DGEMMA_API_KEY, else None (no key).
     Raises ConfigError for an empty or blank key (never showing it)."""
     from ..model.config import ConfigError
@@ -23,7 +23,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-def serve_command(args: argparse.Namespace, ranks=None) -> int:
+def serve_command(args: ServeArgs, ranks=None) -> int:
     """`dgemma serve`: load the model, build the engine (its steps as --compile says: docs/cli.md), then serve
     until interrupted.
     `ranks` (`cli.ranks.Ranks`): one rank of a tensor-parallel run; rank 0 serves HTTP, the others follow its
@@ -42,13 +42,8 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     from dgemma_runtime import build_engine
     from dgemma_runtime.parallel import ParallelSchedule
 
-    if args.image_dir is not None and not args.image_dir.is_dir():
-        raise ConfigError("image_dir", f"{args.image_dir} is not a directory")
     from ..inputs.preprocess import ImageSources
 
-    if (args.allow_private_image_urls or args.allowed_media_domains) and not args.allow_image_urls:
-        raise ConfigError("allow_image_urls", "--allow-private-image-urls and --allowed-media-domains apply to fetched "
-                          "image URLs: add --allow-image-urls")
     domains = (None if args.allowed_media_domains is None else
                frozenset(d.lower().rstrip(".") for d in args.allowed_media_domains))
     sources = ImageSources(directory=args.image_dir, fetch=args.allow_image_urls, max_bytes=args.max_image_bytes,
@@ -57,7 +52,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
                            max_pixels=args.max_image_pixels)
     api_key = _api_key(args)
     model_dir = args.model if args.model is not None else DEMO_MODEL
-    model = _load(model_dir, args, ranks)
+    model = _load(model_dir, ranks, experts_split=args.experts_split)
     tokenizer = load_tokenizer(model_dir)
     threads = _apply_threads(args, model)
     metrics = ServeMetrics()
@@ -121,7 +116,7 @@ def serve_command(args: argparse.Namespace, ranks=None) -> int:
     return 0
 
 
-def _serve_background(args: argparse.Namespace, engine) -> None:
+def _serve_background(args: ServeArgs, engine) -> None:
     """`dgemma serve --compile auto`: load every batch size the compile cache holds now; compile the others in a
     background process while the eager step serves them (the engine switches between iterations, logged)."""
     gen, row_table = engine.generator, engine.row_table
