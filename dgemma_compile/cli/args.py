@@ -226,13 +226,19 @@ def _tuple(value):
     return None if value is None else tuple(value)
 
 
-def _fields_of(cls, ns: argparse.Namespace) -> dict:
-    values = {f.name: getattr(ns, f.name) for f in fields(cls)}
-    return {k: _tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+@dataclass(frozen=True)
+class CommandArgs:
+    """A command's arguments record: `from_namespace` takes its fields from argparse's namespace (the flags' own
+    names), repeatable flags as tuples; a subclass's `__post_init__` checks the rules between its flags."""
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace):
+        values = {f.name: getattr(ns, f.name) for f in fields(cls)}
+        return cls(**{k: _tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 @dataclass(frozen=True)
-class ParallelArgs:
+class ParallelArgs(CommandArgs):
     """The tensor-parallel flags generate and serve share (`_parallel_flags`)."""
 
     tensor_parallel_size: int | None = None
@@ -273,9 +279,6 @@ class GenerateArgs(ParallelArgs):
     prompts_file: str | None = None
     batch_size: int | None = None
 
-    @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "GenerateArgs":
-        return cls(**_fields_of(cls, ns))
 
     def __post_init__(self) -> None:
         from ..model.config import ConfigError
@@ -335,9 +338,6 @@ class ServeArgs(ParallelArgs):
     threads: int | None = None
     log_level: str = "warning"
 
-    @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "ServeArgs":
-        return cls(**_fields_of(cls, ns))
 
     def __post_init__(self) -> None:
         from ..model.config import ConfigError
@@ -350,7 +350,7 @@ class ServeArgs(ParallelArgs):
 
 
 @dataclass(frozen=True)
-class ExplainArgs:
+class ExplainArgs(CommandArgs):
     """`dgemma explain`'s arguments."""
 
     model: Path | None = None
@@ -358,20 +358,12 @@ class ExplainArgs:
     quant: str | None = None
     json: bool = False
 
-    @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "ExplainArgs":
-        return cls(**_fields_of(cls, ns))
-
 
 @dataclass(frozen=True)
-class CacheArgs:
+class CacheArgs(CommandArgs):
     """`dgemma cache`'s arguments."""
 
     action: str = "info"
-
-    @classmethod
-    def from_namespace(cls, ns: argparse.Namespace) -> "CacheArgs":
-        return cls(**_fields_of(cls, ns))
 
 
 COMMANDS = {"generate": GenerateArgs, "serve": ServeArgs, "explain": ExplainArgs, "cache": CacheArgs}

@@ -28,27 +28,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..step.row_table import RowTable
-from ..model.config import ConfigError, GenerationConfig
 from ..inputs.constraint import Constraint, RowGrammar, resolve_constraints, row_grammars
-from ..step.driver import Driver, Finished
-from ..step.requests import (BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, constrained_slots,
-                             plan_requests)
-from ..step.canvas import Canvas, resolve_canvases
-from ..step.frames import FrameCallback, frame_callbacks
 from ..inputs.images import ImagePrompt
 from ..inputs.images import prepare as prepare_images
-from ..model.backbone import DiffusionGemma
-from ..step.observe import STEP, UNIT, Observer, SpanTimer
 from ..kernels.moe.op import resolve_moe_impl
+from ..model.backbone import DiffusionGemma
+from ..model.config import ConfigError, GenerationConfig
+from ..step.canvas import Canvas, resolve_canvases
+from ..step.driver import Driver, Finished
+from ..step.frames import FrameCallback, frame_callbacks
+from ..step.observe import STEP, UNIT, Observer, SpanTimer
 from ..step.phases import Phase
+from ..step.requests import (BlockCallback, GenerationOutput, RequestStats, StopHook, check_slots, constrained_slots,
+                             plan_requests)
+from ..step.row_table import RowTable
 from ..step.sampler import step_scheme
-from .options import CompileOptions, check_batch_invariant
 from .artifacts import ArtifactStore
+from .options import CompileOptions, check_batch_invariant
+from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 if TYPE_CHECKING:
     from .background import BackgroundCompile
-from .units import CompiledUnit, CudaGraphs, ModelFingerprint, UnitFactory
 
 log = logging.getLogger("dgemma_compile")
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.config import DEFAULT_MAX_SEQ_LEN, FULL, SLIDING, ConfigError
 from ..kernels.moe.op import MOE_IMPLS
-from .passes import check_names
+from ..model.config import DEFAULT_MAX_SEQ_LEN, FULL, SLIDING, ConfigError
 from ..model.plan import QUERY_KINDS
+from .passes import check_names
 
 
 @dataclass(frozen=True, kw_only=True)

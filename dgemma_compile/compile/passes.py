@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ..model.config import ConfigError
 from ..kernels.sample import fusion as sample_step_fusion
+from ..model.config import ConfigError
 
 PASSES = ((sample_step_fusion.NAME, sample_step_fusion),)
 """The pipeline, in order."""

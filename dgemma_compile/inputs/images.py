@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model import forwards
 from ..model.config import CONTEXT_LENGTH, ConfigError
 from ..model.kv_cache import KVCache, PagedKVCache
-from ..model import forwards
 from ..model.modes import ENCODER
 from ..model.plan import build_plan, every_row
 

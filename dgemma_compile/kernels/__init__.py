@@ -15,9 +15,9 @@ registers the ops (not the Triton kernels: triton is only in the `test` extra).
 """
 
 from .moe import op as moe  # noqa: F401  (registers torch.ops.dgemma.moe_experts and the materialize barriers)
-from .sample import op as sample  # noqa: F401  (registers torch.ops.dgemma.sample_step)
 from .moe.op import (MOE_IMPLS, moe_cache_key, moe_decompositions, moe_experts, moe_experts_dense, moe_experts_grouped,
                      moe_experts_loop, resolve_moe_impl)
+from .sample import op as sample  # noqa: F401  (registers torch.ops.dgemma.sample_step)
 
 __all__ = ["MOE_IMPLS", "moe_cache_key", "moe_decompositions", "moe_experts", "moe_experts_dense",
            "moe_experts_grouped", "moe_experts_loop", "resolve_moe_impl"]

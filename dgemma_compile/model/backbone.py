@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels as ops  # noqa: F401  (registers torch.ops.dgemma.*)
+from ..kernels import MOE_IMPLS
+from ..kernels.moe.formats import NONE, ExpertFormat
+from ..kernels.moe.op import run_eager
 from .checkpoint_info import CheckpointInfo
 from .config import SLIDING, GenerationConfig, ModelConfig, RopeConfig
 from .kv_cache import KVCache, new_cache
 from .masks import flex_block_attention
-from ..kernels import MOE_IMPLS
-from ..kernels.moe.formats import NONE, ExpertFormat
-from ..kernels.moe.op import run_eager
 from .plan import ForwardPlan
 from .vision import VisionConfig, VisionEncoder
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .kv_cache import CacheFullError, KVCache
 from ..kernels import MOE_IMPLS
+from .kv_cache import CacheFullError, KVCache
 from .modes import COMMIT_DENOISER, DENOISER, ENCODER
 from .plan import ForwardPlan, build_plan, every_row
 

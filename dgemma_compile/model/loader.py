@@ -30,14 +30,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from . import compute_dtype
-from .checkpoint_info import CheckpointInfo, LazyWeights
-from .config import ConfigError, GenerationConfig, ModelConfig, read_json
-from .backbone import DiffusionGemma
-from .vision import VisionConfig
 from ..quant import checkpoint
 from ..quant.quantize import quiet_torchao
 from ..quant.schemes import check_scheme
+from . import compute_dtype
+from .backbone import DiffusionGemma
+from .checkpoint_info import CheckpointInfo, LazyWeights
+from .config import ConfigError, GenerationConfig, ModelConfig, read_json
+from .vision import VisionConfig
 
 log = logging.getLogger("dgemma_compile")
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from ..kernels.moe.op import materialize_many
 from .config import SLIDING
 from .kv_cache import KVCache, commit_slots
 from .masks import (block_mask_mod, commit_denoise_mask_mod, dense_block_mask, dense_commit_denoise_mask,
                     dense_mask, make_block_mask, select_mask_mod, block_sparsity, sparsity_of)
-from ..kernels.moe.op import materialize_many
 from .modes import COMMIT_DENOISER, DENOISER, ENCODER, IDLE
 
 

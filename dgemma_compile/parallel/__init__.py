@@ -8,13 +8,13 @@ command line (`cli/ranks.py`); the vocabulary-parallel sampler is beside the sam
 (`kernels/sample/vocab_parallel.py`)."""
 
 from .errors import ParallelError
+from .expert_parallel import DEFAULT_EXPERT_SPLIT, EXPERT_SPLITS, ExpertParallelExperts
+from .experts import TensorParallelExperts
 from .group import RendezvousError, backend_for, destroy, init
 from .launch import RankFailed, spawn
 from .linear import RowParallelLinear, split
-from .experts import TensorParallelExperts
-from .expert_parallel import DEFAULT_EXPERT_SPLIT, EXPERT_SPLITS, ExpertParallelExperts
-from .shard import TensorParallel, attention_heads, shard
 from .load import LoadReport, load_sharded
+from .shard import TensorParallel, attention_heads, shard
 from .source import FileWeights, ModelWeights
 from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProduct, vocab_range
 

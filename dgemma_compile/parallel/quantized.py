@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model.backbone import ExpertProjection
 from ..kernels.moe.formats import NVFP4_BLOCK, ExpertFormat
+from ..model.backbone import ExpertProjection
 
 
 def part_group(size: int, extent: int, start: int, length: int, name: str) -> int | None:

@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels.sample.vocab_parallel import VocabShard
 from ..model.config import ModelConfig
-from .expert_parallel import ExpertParallelExperts, check_expert_parallel, check_expert_split
 from .errors import ParallelError
+from .expert_parallel import ExpertParallelExperts, check_expert_parallel, check_expert_split
 from .experts import TensorParallelExperts, check_experts
 from .linear import RowParallelLinear, column_parallel, split
-from ..kernels.sample.vocab_parallel import VocabShard
 from .vocab import VocabParallelEmbedding, VocabParallelHead, VocabParallelProduct, local_rows, vocab_range
 
 if TYPE_CHECKING:

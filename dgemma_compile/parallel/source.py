@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from ..model.backbone import ExpertProjection
 from ..kernels.moe.formats import NONE
+from ..model.backbone import ExpertProjection
 from .errors import ParallelError
 from .quantized import check_nvfp4_columns, is_quantized, narrow_projection, narrow_tensor, part_group, projection
 

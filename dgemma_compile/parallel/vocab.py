@@ -19,8 +19,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from .quantized import is_quantized, narrow_tensor
 from ..kernels.sample.vocab_parallel import VocabShard
+from .quantized import is_quantized, narrow_tensor
 from .source import ModelWeights
 
 

@@ -38,8 +38,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..model.backbone import ExpertProjection
 from ..kernels.moe.formats import NVFP4_BLOCK as BLOCK
+from ..model.backbone import ExpertProjection
 from .quantize import QuantReport, quiet_torchao, weight_bytes
 from .schemes import Scheme, scheme as scheme_named
 

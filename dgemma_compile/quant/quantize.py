@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..model.config import ConfigError
 from ..model.backbone import ExpertProjection
+from ..model.config import ConfigError
 from .schemes import NUMERICS, Scheme, check_scheme
 
 log = logging.getLogger("dgemma_compile")

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.config import ConfigError
 from ..kernels.moe.formats import (AMAX_FLOOR, FP8, FP8_WEIGHT_ONLY, NVFP4_BLOCK, NVFP4_W4A16, ExpertFormat,
                                    Registered, amax_floor)
+from ..model.config import ConfigError
 
 NUMERICS = "v3"
 """What the schemes cover and how, versioned like `sampler.SCHEME` (a change can change tokens): v1 (2026-11-30) the

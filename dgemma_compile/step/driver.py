@@ -27,13 +27,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .row_table import RowTable
-from .canvas import Canvas
-from ..model.config import GenerationConfig
 from ..inputs.constraint import RowGrammar
+from ..inputs.images import ImagePrompt, prefill_images
+from ..model.config import GenerationConfig
+from .canvas import Canvas
 from .finish import finalize
 from .frames import CanvasFrame
-from ..inputs.images import ImagePrompt, prefill_images
+from .row_table import RowTable
 from .rows import RowReport
 
 log = logging.getLogger("dgemma_compile")

@@ -28,17 +28,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import rng
-from ..model.config import GenerationConfig
 from ..inputs.constraint import bitmask_words
-from .finish import request_done
-from ..model.kv_cache import KVCache
 from ..model.backbone import DiffusionGemma
-from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
+from ..model.config import GenerationConfig
+from ..model.forwards import commit_denoise_block, denoise_block, encode_block
+from ..model.kv_cache import KVCache
 from ..model.plan import PlanBuffers
+from . import rng
+from .finish import request_done
+from .phases import COMMIT, DENOISE, FREE, PREFILL, forward_mode, stepping as stepping_rows
 from .rows import RowState
 from .sampler import StepNoise, denoise_update, push_history, temperature_table
-from ..model.forwards import commit_denoise_block, denoise_block, encode_block
 
 
 def _rows_view(obj, rows: int, dims: dict[str, int] | None = None):

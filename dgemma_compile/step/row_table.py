@@ -33,14 +33,14 @@ from typing import Protocol
 
 import torch
 
-from ..model.config import ConfigError, GenerationConfig
-from .frames import frame_rows
-from ..model.kv_cache import KVCache, PagedKVCache, paged_cache
 from ..model.backbone import DiffusionGemma
-from .phases import FREE
+from ..model.config import ConfigError, GenerationConfig
+from ..model.kv_cache import KVCache, PagedKVCache, paged_cache
 from ..model.plan import PlanBuffers
-from .rows import RowReport, RowState
+from .frames import frame_rows
 from .mixed_step import DenoiseState, StepInputs, mixed_step, refresh_plan
+from .phases import FREE
+from .rows import RowReport, RowState
 
 log = logging.getLogger("dgemma_compile")
 
