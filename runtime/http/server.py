@@ -97,16 +97,16 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dgemma_compile.step.canvas import canvas_of
-from dgemma_compile.model.config import CONTEXT_LENGTH, ConfigError, GenerationConfig
 from dgemma_compile.inputs.constraint import GrammarLibrary
 from dgemma_compile.inputs.images import prepare as prepare_images
 from dgemma_compile.inputs.text import ImageSlots, chat_template, encode_chat, encode_prompt
+from dgemma_compile.model.config import CONTEXT_LENGTH, ConfigError, GenerationConfig
+from dgemma_compile.step.canvas import canvas_of
+from ..engine import BlockEvent, Engine, QueueFullError
+from ..engine import Request as EngineRequest
 from . import protocol as P
 from .auth import APIKeyAuth, Secret
-from ..engine import BlockEvent, Engine, QueueFullError
 from .errors import ErrorCounter
-from ..engine import Request as EngineRequest
 from .grammars import GrammarLimits, GrammarService
 from .limits import DEFAULT_INPUT_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, BodyLimit, offload, parse_json
 from .metrics import CONTENT_TYPE_LATEST
