@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import dgemma_compile as dg
+from dgemma_compile.model.config import DEFAULT_MAX_SEQ_LEN
 from dgemma_compile.oracle import EagerSteps, run_block_diffusion
 from dgemma_compile.step.requests import plan_requests
 
@@ -99,7 +100,7 @@ def test_eager_rows_are_bitwise_batch_invariant(demo):
 
     def run(prompts, seeds):
         cfgs, prompts, seeds, _ = plan_requests(model, prompts, cfg, seeds)
-        runner = EagerSteps(model, cfgs, seeds, dg.config.DEFAULT_MAX_SEQ_LEN, "dense")
+        runner = EagerSteps(model, cfgs, seeds, DEFAULT_MAX_SEQ_LEN, "dense")
         trace = _recorded(runner)
         return run_block_diffusion(model, runner, prompts, cfgs), trace
 

@@ -267,7 +267,7 @@ SAMPLE_SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dgemma_compile.kernels.sample import sample_step as m
+from dgemma_compile.kernels.sample import triton_kernel as m
 
 assert not triton.knobs.runtime.interpret
 target = GPUTarget("cuda", 90, 32)
