@@ -13,7 +13,7 @@ the CUDA kernel against the CPU op).
 3. The public `Observer` hook on CUDA (CUDA-event spans): eager, one `on_step` per denoise step and block ends
    0, 1, ... in order; compiled, one `on_step` per iteration of the driver (prefill chunks and commits included, so
    at least one per decoder pass) and one "step[B{b}_...]" unit span per `on_step`; positive durations
-   (`check_observer`, which also runs on a CPU: tests/test_bench.py).
+   (`check_observer`, which also runs on a CPU: tests/bench/test_bench.py).
 4. Per-step latency (median of CUDA-event timings) of a denoise step at context 512, eager (`denoise_block` over the
    same buffers) vs compiled (`Bucket.step` of size 1 with one request in row 0 denoising), for the demo model
    and for a random-weight bf16 model with DiffusionGemma-like proportions.

@@ -64,7 +64,7 @@ run() {  # run NAME CAP CMD...
 }
 note "versions: $(grep -E '^(torch|  (triton|transformers|tokenizers|safetensors|torchao|xgrammar)) ' "$OUTDIR/install.log" | tr -s ' \n' ' ')"
 run fast_tier 1200 "$VENV/bin/python" -m pytest -q -n 2 -m "not slow" -p no:cacheprovider \
-    --deselect tests/test_bench.py::test_startup_dry_run_plans_every_command_with_its_caches
+    --deselect tests/bench/test_bench.py::test_startup_dry_run_plans_every_command_with_its_caches
 run generate 600 "$VENV/bin/python" -m dgemma_compile.cli generate --compile always "sort 3 1 2 9 5="
 grep -qx "1 2 3 5 9" "$OUTDIR/generate.log" || { note "generate: answer is not '1 2 3 5 9'"; STATUS=1; }
 rm -rf "$OUTDIR/results"

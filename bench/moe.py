@@ -35,7 +35,7 @@ SHAPES = (
     ("scaled, one canvas", 256, 512, 64, 4, 128, torch.float32),
     ("scaled, one canvas", 256, 512, 64, 4, 128, torch.bfloat16),
 )
-BF16_BOUND = 6 * torch.finfo(torch.bfloat16).eps  # tests/test_ops.py
+BF16_BOUND = 6 * torch.finfo(torch.bfloat16).eps  # tests/kernels/test_ops.py
 
 
 def _inputs(N, D, E, K, I, dtype, seed=0):

@@ -219,7 +219,7 @@ def run_ar(model, tokenizer, examples, prompts: list[list[int]], max_new_tokens:
            compiled: bool = False) -> Result:
     """The AR baseline of bench/ar.py (greedy) over every prompt at once: one token per forward, its forwards counted
     as generated tokens (its prefill, like ours, is not a decoder pass). Eager by default: only its tokens count
-    here (compiled, the same two functions give the same argmax up to float reduction order; tests/test_bench_ar.py),
+    here (compiled, the same two functions give the same argmax up to float reduction order; tests/bench/test_bench_ar.py),
     and the eager run spares the sweep two compiles."""
     from .ar import ARBaseline
 

@@ -143,7 +143,7 @@ class RecorderObserver(Observer):
 @contextlib.contextmanager
 def patched(obj, name: str, value):
     """Temporarily replace attribute `name` of `obj` (a class or an instance). Only for transformers' model: our
-    library is observed through its public `Observer` hook, never patched (tests/test_bench.py checks)."""
+    library is observed through its public `Observer` hook, never patched (tests/bench/test_bench.py checks)."""
     had = name in vars(obj)
     old = vars(obj).get(name)
     setattr(obj, name, value)

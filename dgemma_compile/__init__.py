@@ -7,7 +7,7 @@ Low-level API: `load(path)` -> model; `model.new_cache(B, S)`; `encode(model, id
 
 Imports cost only what is used: each public name is imported from its submodule on first use (PEP 562), so
 `import dgemma_compile` and `dgemma --help` import no torch, and `load` / `build` import no Dynamo or Inductor until
-something compiles (`tests/test_imports.py`).
+something compiles (`tests/cli/test_imports.py`).
 """
 
 from __future__ import annotations

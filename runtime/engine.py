@@ -45,7 +45,7 @@ prefill after the cached full pages its prompt starts with (`EngineStats.prefix_
 Shared pages: full prompt pages, and the full pages of committed blocks of a request whose prompt length is a
 multiple of the canvas C (then its commit passes are the prefill chunks a later prompt over the same tokens runs;
 otherwise their chunking differs, and so would that request's numerics: `prefix_cache.py`), so the next turn of a
-chat maps the previous answer. The tokens are those of the request's solo run either way (tests/test_kv_paged.py).
+chat maps the previous answer. The tokens are those of the request's solo run either way (tests/runtime/test_kv_paged.py).
 A request with images encodes its image prefix at admission after the pages its hit mapped (image pages are keyed
 by the images' content, `image_pages.py`: the same image in a later request runs no vision encoder).
 

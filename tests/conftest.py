@@ -5,7 +5,13 @@ import pytest
 import torch
 from hypothesis import settings
 
-sys.path.insert(0, str(Path(__file__).parent))
+# tests/ mirrors the package's folders (tests/model/, tests/step/, ...); the shared helpers (helpers.py,
+# triton_support.py) and the test modules other tests import from (test_serve's server thread, test_text's byte BPE)
+# are importable by name from any of them, whichever worker collected what
+TESTS = Path(__file__).resolve().parent
+ROOMS = sorted(d for d in TESTS.iterdir() if d.is_dir() and d.name not in ("fixtures", "__pycache__")
+               and not d.name.startswith("."))
+sys.path[:0] = [str(TESTS)] + [str(d) for d in ROOMS]
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.load_profile("ci")
 # Tiny models gain nothing from intra-op threads, and spinning OpenMP workers cost 10-100x under contention.

@@ -30,7 +30,7 @@ TIME_CAP_S = 300
 EXCEPTIONS = [
     ("python3 -m venv", "an install into a fresh virtual environment (.ci/run runs the test command)"),
     ("pip install", "an install"),
-    ("dgemma serve --model", "a server that runs until interrupted (tests/test_serve.py starts one on loopback)"),
+    ("dgemma serve --model", "a server that runs until interrupted (tests/runtime/test_serve.py starts one on loopback)"),
     ("curl ", "needs a running server"),
     ("bash bench/h200.sh", "needs a GPU"),
     ("bash bench/gpu_prepare.sh", "downloads wheels from PyPI"),

@@ -269,3 +269,17 @@ def test_the_module_import_graph_has_no_cycles():
             visit(name, [name])
     assert not cycles, cycles
     assert graph["dgemma_compile.step.row_table"] >= {"dgemma_compile.step.mixed_step", "dgemma_compile.model.plan"}
+
+
+def test_the_tests_mirror_the_folders():
+    """tests/ has one folder per room of the path (tests/model/ for dgemma_compile/model/, ..., tests/runtime/,
+    tests/bench/), plus the tests of the repository as a whole at its top; test modules are imported by name
+    (conftest puts every folder on sys.path), so no two share one."""
+    tests = ROOT / "tests"
+    rooms = {d.name for d in tests.iterdir() if d.is_dir() and d.name not in ("fixtures", "__pycache__")
+             and not d.name.startswith(".")}
+    package = {d.name for d in (ROOT / "dgemma_compile").iterdir() if (d / "__init__.py").is_file()}
+    assert rooms <= package | {"runtime", "bench"}, rooms - package
+    assert {"model", "step", "inputs", "compile", "kernels", "cli", "runtime"} <= rooms
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

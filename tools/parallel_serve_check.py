@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dgemma_compile.demo import tasks as T  # noqa: E402
 from dgemma_compile.parallel.launch import free_port  # noqa: E402
 
-LOGPROB_ATOL = 1e-3  # float32 reduction order through the sharded layers: logits within 1e-4 (tests/test_parallel.py)
+LOGPROB_ATOL = 1e-3  # float32 reduction order through the sharded layers: logits within 1e-4 (tests/parallel/test_parallel.py)
 
 
 def _requests(n: int) -> list[dict]:

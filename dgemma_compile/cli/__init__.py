@@ -16,7 +16,7 @@ The package, one module per command (`generate.py`, `explain.py`, `serve.py`, `c
 command's frozen, validated arguments record (`args.py`: `GenerateArgs`, `ServeArgs`, ...),
 the prompts file (`prompts.py`) and what generate and serve share (`run.py`); `main` here dispatches, and runs
 generate / serve as ranks of a tensor-parallel group (`parallel.ranks`). `dgemma --help` imports no torch
-(tests/test_imports.py): torch and every module that imports it are imported inside the commands.
+(tests/cli/test_imports.py): torch and every module that imports it are imported inside the commands.
 """
 
 from __future__ import annotations

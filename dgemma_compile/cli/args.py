@@ -1,6 +1,6 @@
 """The command line's parser: every command's flags, their choices and defaults. Plain names, so that `dgemma --help`
 imports no torch; the ones with a torch-side source (`DTYPES`, `QUANT_SCHEMES`, `DEFAULT_GROUP_TIMEOUT_S`) are checked
-equal to it by tests/test_imports.py."""
+equal to it by tests/cli/test_imports.py."""
 
 from __future__ import annotations
 

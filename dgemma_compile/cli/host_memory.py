@@ -11,7 +11,7 @@ performance guide and vLLM's CPU backend recommend preloading tcmalloc or jemall
 gets the same effect from the C library every Linux install has, with no preload.
 
 What it costs: the process keeps the blocks it has freed (up to `MMAP_THRESHOLD_MAX` each) for reuse, so its
-resident memory stays near the high-water mark of the run (tests/test_real_size.py's peak: +0.2 GB of ~6 GB). Who
+resident memory stays near the high-water mark of the run (tests/model/test_real_size.py's peak: +0.2 GB of ~6 GB). Who
 calls it: the CLI's generate and serve when they run as the program (`cli.main`'s `owns_process`), once, before the
 model loads; a library user calls it in their own process if they want it (it changes a process-wide setting, so the
 library never does so on its own).

@@ -19,7 +19,7 @@ parameter and buffer its name, dtype, device, shape and stride; the plain consta
 which are inputs); the unit's name and structural config and its buffers' dtypes, shapes and strides; and the
 sha256 of every source file of the `dgemma_compile` package that a step can trace (our passes and decompositions
 included; not `cli/` and `demo/`: `UNTRACED`). A changed source or option is therefore a miss, never a stale load
-(tests/test_artifacts.py changes each and checks).
+(tests/compile/test_artifacts.py changes each and checks).
 
 A miss is logged with its reason (no entry, or the differing parts of the nearest entry of the same unit); an entry
 is written under a temporary name and renamed into place (two processes filling one entry keep one whole entry); an
@@ -78,7 +78,7 @@ def cache_root() -> Path | None:
 UNTRACED = ("cli", "demo")
 """Folders of the package whose code no step traces: the command line (argument parsing, the commands, which call
 `build` and `generate` like any user, the rank launcher, the process settings) and the demo's task suite. No other
-module imports them (tests/test_artifacts.py checks it), so an edit there cannot change a compiled graph, and is
+module imports them (tests/compile/test_artifacts.py checks it), so an edit there cannot change a compiled graph, and is
 no miss."""
 
 

@@ -13,7 +13,7 @@ prompts of other lengths, other block counts and other requests reuse the same g
 
 Numerics: a request's tokens equal its eager `generate(..., moe_impl=gen.moe_impl, fuse_commit=...)` run, whatever
 its batch mates, row and batch size, where rows are batch-invariant (`CompileOptions.batch_invariant`, the CPU
-default; tests/test_compile.py).
+default; tests/compile/test_compile.py).
 """
 
 from __future__ import annotations
@@ -423,7 +423,7 @@ class _Call:
                 r = driver.rows[f.row].index
                 if r in stopped:
                     out.stats[r].finish_reason = "stop"
-                if done or f.report.done or r in stopped:  # the device's done implies done (tests/test_finish.py)
+                if done or f.report.done or r in stopped:  # the device's done implies done (tests/step/test_finish.py)
                     driver.retire(f.row, device_done=f.report.done)
 
 

@@ -74,7 +74,7 @@ class CompileOptions:
     fuse_commit: bool | None = None
     # Our graph passes (`compile.passes.PASS_NAMES`, run inside each unit's Inductor compile) to leave out, by name. All run by
     # default: each rewrite is value-preserving up to float reduction order and checked token-equal with it off
-    # (tests/test_passes.py). `sample_step_fusion` replaces the vocabulary-wide region of the denoise step with
+    # (tests/compile/test_passes.py). `sample_step_fusion` replaces the vocabulary-wide region of the denoise step with
     # `dgemma::sample_step`, whose CPU implementation works in slices of positions (bounded transient memory).
     disabled_passes: tuple[str, ...] = ()
     # A forward in which no row samples (prefill chunks and unfused commits only: on CPU every block of a lone request
@@ -92,7 +92,7 @@ class CompileOptions:
     # 262,144) at every batch size; the demo and the scaled bench model stay with Inductor's loops. 0: always.
     sample_step_fusion_min_bytes: int = 256 * 2**20
     # Batch-invariant rows: each row's logits bitwise equal to its solo run's whatever the bucket and its batch mates
-    # (tests/test_batch_invariance.py; issue 15). What it takes: fixed shapes (every bucket's cache holds
+    # (tests/step/test_batch_invariance.py; issue 15). What it takes: fixed shapes (every bucket's cache holds
     # `max_seq_len` slots; prefill runs in fixed chunks), an experts implementation whose per-token result does not
     # depend on how many tokens an expert receives ("gathered", "dense", "grouped"; never "loop", one GEMM per expert
     # over its tokens), and GEMMs whose row count M stays where the CPU kernels give each row the same result. Measured
@@ -214,7 +214,7 @@ class CompileOptions:
             # cache and AOTAutograd's would bypass the step, and `standalone_compile` could not save it for the
             # compile cache (`artifacts.ArtifactStore`). Sound here: the branches are submodules of the step's graph,
             # and our cache's key hashes the sources that define them (`artifacts.step_key`: a changed branch is a
-            # miss, tests/test_artifacts.py).
+            # miss, tests/compile/test_artifacts.py).
             out["unsafe_marked_cacheable_functions"] = [COND]
         return out
 

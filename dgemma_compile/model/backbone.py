@@ -42,7 +42,7 @@ ATTENTION_BACKENDS = ("flex", "dense")
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * (mean(x^2) + eps)^-0.5 in float32: an RMSNorm before its weight and its cast back (`RMSNorm.scale`), so
     that norms of one input share it. Eagerly in float32, torch's `rms_norm` kernel: the same bits (checked over
-    shapes, tests/test_eager_step.py) in one call instead of five ops."""
+    shapes, tests/step/test_eager_step.py) in one call instead of five ops."""
     if x.dtype == torch.float32 and not torch.compiler.is_compiling():
         return F.rms_norm(x, (x.shape[-1],), None, eps)
     xf = x.float()
@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and not torch.compiler.is_compiling():
-            # eagerly, torch's own kernel: the same bits in float32 (tests/test_eager_step.py) in one call
+            # eagerly, torch's own kernel: the same bits in float32 (tests/step/test_eager_step.py) in one call
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.scale(rms_normalize(x, self.eps), x)
 

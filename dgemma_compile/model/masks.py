@@ -359,7 +359,7 @@ def block_sparsity(mask_mod, B: int, q_len: int, kv_len: int, block_size: tuple[
     Returns:
         (kv_num_blocks int32 [B, 1, Qb], kv_indices int32 [B, 1, Qb, Kb], full_kv_num_blocks int32 [B, 1, Qb],
         full_kv_indices int32 [B, 1, Qb, Kb]) with Qb = ceil(q_len / block_size[0]), Kb = ceil(kv_len /
-        block_size[1]); tests/test_masks.py checks them equal to create_block_mask's.
+        block_size[1]); tests/model/test_masks.py checks them equal to create_block_mask's.
     """
     return sparsity_of(_evaluate(mask_mod, B, q_len, kv_len, device), block_size)
 

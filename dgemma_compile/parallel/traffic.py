@@ -15,7 +15,7 @@ Bytes, per rank and step (docs/parallel.md, "Bytes per step"):
   all_to_all (N-1)/N x input, broadcast the payload (its root).
 
 `analytic_bytes` is the count from the sharding's design (shard.py, vocab.py, the two experts splits), per forward
-kind; `tests/test_parallel_traffic.py` checks that it equals the measured count.
+kind; `tests/parallel/test_parallel_traffic.py` checks that it equals the measured count.
 
 Legend: B rows, T tokens per row of the forward, C canvas, D hidden, Vp padded vocabulary, L layers, N ranks.
 """

@@ -6,7 +6,7 @@ budget is reached ("length"); transformers' loop ends on eos and counts whole ca
 (transformers' `generation_diffusion_gemma.py`). The host appends the tokens and decides the finish reason; the
 device decides the same "done" inside the compiled step (so a row the device ends is FREE before the host reads it)
 from what it holds: the argmax canvas, the tokens the request gained so far (C per earlier block: only a request
-that is not done gains a block, and such a block is kept whole) and the budget. tests/test_finish.py checks with
+that is not done gains a block, and such a block is kept whole) and the budget. tests/step/test_finish.py checks with
 Hypothesis that the two agree over budgets and eos positions. A request with `GenerationConfig.ignore_eos` (vLLM's
 extension) ends on its budget only, its eos ids kept as ordinary tokens, on both sides. Ends only the host can
 decide (a stop string, a cancellation, the `stop` hook) are the host's: it retires the row (FREE) before the next

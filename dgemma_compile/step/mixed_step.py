@@ -384,7 +384,7 @@ def mixed_step(model: DiffusionGemma, cache: KVCache, state: DenoiseState, input
         # be the input unchanged, hence the copy); the history, a view of the argmax when P = 1, is pushed after the
         # branch (Inductor's C++ wrapper moves a branch output before taking a view of it: a crash); the accepted
         # mask crosses as float32 (a vectorized bool [B, C] output of a branch was stored as int32 lanes, past its
-        # end: tests/test_frames.py caught it)
+        # end: tests/step/test_frames.py caught it)
         return (new.canvas, new.argmax, new.finished.clone(), _self_conditioning(model, new, inputs),
                 new.accepted.float(), new.entropy.mean(dim=-1),
                 *_logprobs_of(state, logits, new.argmax, model.vocab_shard))

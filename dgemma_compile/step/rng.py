@@ -257,7 +257,7 @@ def _step_streams_numpy(seeds_B: torch.Tensor, block_B11: torch.Tensor, step_B11
     """`step_streams` on CPU, uncompiled: the same words from NumPy's uint64 arithmetic, where a 32 x 32-bit product
     is exact and unsigned wrap-around is defined, so each round is five array operations (the int64 tensor version
     needs a dozen tensor ops a round: ~0.4 ms of an eager step at the demo's sizes, ~0.1 ms here). Checked bit for
-    bit against the tensor version (tests/test_eager_step.py)."""
+    bit against the tensor version (tests/step/test_eager_step.py)."""
     import numpy as np
 
     u64, mask = np.uint64, np.uint64(_MASK32)

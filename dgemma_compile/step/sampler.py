@@ -227,7 +227,7 @@ def sample_step(logits_BCV: torch.Tensor, temperature_B: torch.Tensor, greedy_B:
     # (the max entry of `shifted` is x - x, and 0 / T = 0), so exp(scaled) is what each of them computes after
     # subtracting its own max, and `total` is logsumexp's sum: Inductor made three vocabulary-wide exp passes of it
     # (and two more max passes) where one does. The same bits eagerly, and compiled where V is whole vectors; an id
-    # in a vector loop's tail may round its exp differently (tests/test_sampler.py; bench/vocabulary_region.py)
+    # in a vector loop's tail may round its exp differently (tests/step/test_sampler.py; bench/vocabulary_region.py)
     exp_scaled = torch.exp(scaled)
     total = exp_scaled.sum(dim=-1, keepdim=True)
     sampled = torch.where(greedy_B[:, None], argmax, sample_chunked_icdf_exp(exp_scaled, uniform_BC))

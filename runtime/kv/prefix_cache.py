@@ -25,7 +25,7 @@ solo run's only if it was computed in chunks on those boundaries:
   (then, P being a multiple of T, a full page is whole chunks); otherwise each block straddles two of that
   prefill's chunks (different numerics) and is not registered.
 A hit leaves at least one prompt token to encode (the pass that fills the next block's plan). Bitwise equality holds
-for batch-invariant rows (`tests/test_batch_invariance.py`), as every same-tokens claim of the engine.
+for batch-invariant rows (`tests/step/test_batch_invariance.py`), as every same-tokens claim of the engine.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ CPU implementation and the op saves no memory worth having.
 Why the rewrite is legal: the op computes `sampler.sample_step` itself (`kernels.sample`), position by position, and a
 match requires that no node inside the region is read outside it (the pattern matcher's rule for multi-output
 patterns), so nothing else depended on an intermediate. Values are equal up to float reduction order and the
-last bits of exp/tanh (Inductor's fused loops vs the op's ATen kernels); tokens are checked equal with the pass on and off (tests/test_passes.py, the
+last bits of exp/tanh (Inductor's fused loops vs the op's ATen kernels); tokens are checked equal with the pass on and off (tests/compile/test_passes.py, the
 demo test set).
 
 Then, per inserted op, two folds that keep the vocabulary-wide tensors out of the step (what bounds its transient

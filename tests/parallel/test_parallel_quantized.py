@@ -3,7 +3,7 @@ the rule that slices each part (codes, per-row, per-block and per-tensor scales)
 expert projections sliced to exactly the slice of the dequantized weight, padded with zeros, refused by name where
 a slice would cut an NVFP4 block; and the compressed-tensors fixtures read slice by slice from their files
 (`FileWeights`) equal to the slices of the whole loaded model, per-expert and fused layouts alike, reading fewer
-bytes. The ranks themselves (gloo, logits against one process) are in tests/test_parallel.py."""
+bytes. The ranks themselves (gloo, logits against one process) are in tests/parallel/test_parallel.py."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from dgemma_compile.quant.quantize import quiet_torchao  # noqa: E402
 from dgemma_compile.kernels.moe.formats import NONE  # noqa: E402
 from dgemma_compile.quant.schemes import scheme as scheme_named  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "quant"
 
 
 @given(extent_groups=st.integers(1, 12), group=st.sampled_from([1, 2, 16]), data=st.data())

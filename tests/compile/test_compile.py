@@ -256,7 +256,7 @@ def test_explain_reports_one_graph_and_no_breaks(tiny_dir):
         assert r.recompiles_in_workload == 0
         assert "graph_breaks=0" in r.text()
         # our passes ran (or their record was read) during the workload; the tiny model's sampler region is below
-        # `sample_step_fusion_min_bytes`, so it stays with Inductor's loops (rewrites: tests/test_passes.py)
+        # `sample_step_fusion_min_bytes`, so it stays with Inductor's loops (rewrites: tests/compile/test_passes.py)
         assert r.pass_matches == {"sample_step_fusion": 0, "sample_step_fusion.softcap_folded": 0,
                                   "sample_step_fusion.sc_dtype_folded": 0}, r.text()
         assert "passes=sample_step_fusion:0," in r.text()

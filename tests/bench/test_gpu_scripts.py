@@ -12,7 +12,7 @@ import pytest
 packaging = pytest.importorskip("packaging")
 from packaging.requirements import Requirement  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["gpu_prepare.sh", "gpu_install.sh", "gpu_run.sh", "gpu_versions_check.sh", "gpu_rehearse.sh"]
 IMAGE = {"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "tokenizers": "0.23.2",
          "safetensors": "0.8.0"}

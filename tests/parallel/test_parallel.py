@@ -199,7 +199,7 @@ def _rank_forwards(rank: int, world: int, out_dir: str) -> None:
     parallel.destroy()
 
 
-QUANT_FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+QUANT_FIXTURES = Path(__file__).parents[1] / "fixtures" / "quant"
 FP8_SQNR_FLOOR = 25.0
 """fp8 (dynamic activations) on 2 ranks against the float demo, dB over each forward's logits: a row-parallel
 projection scales each rank's slice of an activation row by its own amax, so its logits are another draw of fp8's

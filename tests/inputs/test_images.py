@@ -22,7 +22,7 @@ from dgemma_compile.model.loader import CheckpointError
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 
 IMG, BOI, EOI = 60, 61, 62
-TOL = 1e-4  # the text path's parity bound (tests/test_model_parity.py)
+TOL = 1e-4  # the text path's parity bound (tests/model/test_model_parity.py)
 
 
 def multimodal(**kw):

@@ -245,7 +245,7 @@ def test_fusion_on_bf16_units_with_softcap_and_commit_fusion(tmp_path):
     assert sum(gen.compiles.values()) == compiles  # another grammar: data in the same buffers, no recompile
     assert out.sequences[1] == gen.generate(prompts[1:], ccfg, seed=6).sequences[0]  # the free row: its solo run
     # the constrained row is valid (a bf16 compile and the eager loop round differently, pass on or off, so tokens
-    # are compared with the oracle in float32: tests/test_constrained.py)
+    # are compared with the oracle in float32: tests/inputs/test_constrained.py)
     lib = GrammarLibrary.for_model(tok, model, ccfg.eos_token_ids)
     assert out.sequences[0] and lib.matcher(cons[0]).accept(out.sequences[0]) == len(out.sequences[0])
 

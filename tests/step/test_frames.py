@@ -30,7 +30,7 @@ from dgemma_compile.compile import CompileOptions, build
 from dgemma_compile.step.frames import CanvasFrame
 from dgemma_compile.inputs.text import encode_prompt
 
-FIXTURES = Path(__file__).parent / "fixtures" / "frames"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "frames"
 SORT = "sort 5 3 9 1 2="
 REV = "rev 1 2 3 4 5 6 7 8 9 0 1="  # two blocks: "1 0 9 8 7 6 5 4 " and "3 2 1"
 SLOTS = 256

@@ -9,7 +9,7 @@
   row for the next request.
 
 The generator (`compile/generator.py`) and the engine (`runtime/engine.py`) are thin users of the driver, tested
-through their own behaviour (tests/test_compile.py, test_serve*.py, test_kv_paged.py, test_parallel_serve.py).
+through their own behaviour (tests/compile/test_compile.py, test_serve*.py, test_kv_paged.py, test_parallel_serve.py).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives beside the package, not inside it
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ lives beside the package, not inside it
 
 from bench import models, report, roofline, runner, workloads  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 SYSTEMS = ["ours-compiled", "ours-eager", "hf-eager"]
 POSITIVE = ["step_min_ms", "step_ms", "step_p90_ms", "pass_min_ms", "pass_ms", "pass_p90_ms", "canvas_ms", "ttfb_ms",
             "request_ms", "tok_s", "tok_per_fwd", "forwards", "tokens", "peak_mem_mb", "floor_ms", "floor_fraction"]

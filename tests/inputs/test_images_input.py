@@ -85,7 +85,7 @@ def test_placeholders_expand_with_one_bos(ck):
         prepare(model, [raw], None)
 
 
-@pytest.mark.slow  # CLI runs (tests/test_cli.py's tier)
+@pytest.mark.slow  # CLI runs (tests/cli/test_cli.py's tier)
 def test_generate_with_image_flag(ck, tmp_path, capsys):
     d, _, _ = ck
     a, b = png(tmp_path / "a.png", 96, 96, 1), png(tmp_path / "b.png", 48, 96, 2)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ lives beside the package, not inside it
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench/ lives beside the package, not inside it
 
 import dgemma_compile as dg  # noqa: E402
 from bench import parallelism as P  # noqa: E402

@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 
 from test_serve import MODEL, REV, SLOTS, _post, eager_demo_server  # noqa: E402
 
-FIXTURES = sorted((Path(__file__).parent / "fixtures" / "clients").glob("*.json"))
+FIXTURES = sorted((Path(__file__).parents[1] / "fixtures" / "clients").glob("*.json"))
 USER = [{"role": "user", "content": "add 1+2="}]
 
 
@@ -114,7 +114,7 @@ def test_vllm_bench_counts_success(server, demo, name):
     """vLLM's bench requests (the custom dataset's prompt is chat-templated, so it starts with a literal "<bos>")
     succeed by its own parser, with the known answer, its token count, and the prompt counted with one BOS."""
     _, tok = demo
-    case = json.loads((Path(__file__).parent / "fixtures" / "clients" / f"{name}.json").read_text())
+    case = json.loads((Path(__file__).parents[1] / "fixtures" / "clients" / f"{name}.json").read_text())
     chat = "messages" in case["body"]
     got = _vllm_bench(_stream(server, case["path"], {**case["body"], "seed": 0}), chat)
     prompt = (case["body"]["messages"][0]["content"][0]["text"] if chat else case["body"]["prompt"])

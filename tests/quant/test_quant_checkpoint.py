@@ -22,7 +22,7 @@ from dgemma_compile.model.loader import CheckpointError  # noqa: E402
 from dgemma_compile.model.backbone import ExpertProjection  # noqa: E402
 from dgemma_compile.quant import quantize  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures" / "quant"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "quant"
 SCHEME = {"demo-fp8-dynamic": "fp8", "demo-nvfp4a16": "nvfp4-w4a16", "tiny-untied-fp8-dynamic": "fp8",
           "tiny-untied-nvfp4a16": "nvfp4-w4a16", "tiny-untied-fp8-dynamic-fused": "fp8",
           "tiny-untied-nvfp4a16-fused": "nvfp4-w4a16"}

@@ -269,7 +269,7 @@ def test_compiled_paged_engine(demo):
     """A compiled bucket of 2 rows over a paged cache, stepping at batch sizes 1 and 2 (the page table is a graph
     input, so admission, page changes and size changes never recompile), gives, with prefix hits and NaN-filled free
     pages, the tokens of each request alone under the eager generator with the compiled experts' implementation
-    (`tests/test_compile.py` ties those to the compiled generator's)."""
+    (`tests/compile/test_compile.py` ties those to the compiled generator's)."""
     from dgemma_compile.compile import CompileOptions, build
 
     model, tok = demo

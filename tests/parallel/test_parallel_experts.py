@@ -1,7 +1,7 @@
 """Expert parallel (`parallel/expert_parallel.py`, docs/parallel.md "Experts: which split"), fast and in one process:
 the ranks' partial sums of a layer's routed experts, each over its E/N whole experts, add up to the single-process
 op for every `moe_impl`; the split refuses an expert count it cannot divide and an unknown split, naming them; the
-CLI takes `--experts-split`. The 2- and 4-rank gloo runs of the sharded model are in tests/test_parallel.py (slow)."""
+CLI takes `--experts-split`. The 2- and 4-rank gloo runs of the sharded model are in tests/parallel/test_parallel.py (slow)."""
 
 from __future__ import annotations
 

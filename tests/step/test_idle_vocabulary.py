@@ -5,7 +5,7 @@ The observable: the region writes every row's `DenoiseState.entropy` (the mean e
 frozen rows included); a forward that skips it leaves the previous step's values. Checked on a lone request's
 commit-only forward (unfused commits: every block after the first begins with one), in the eager step (where the
 lm_head's calls are also counted) and in the compiled step of the demo generator (where the region sits in a
-`torch.cond`); the tokens are the oracle's either way (the compiled step's parity tests, tests/test_compile.py, run
+`torch.cond`); the tokens are the oracle's either way (the compiled step's parity tests, tests/compile/test_compile.py, run
 with the option on, the CPU default).
 """
 
@@ -107,7 +107,7 @@ def test_the_option_resolves_per_device_and_refuses_cuda_graphs():
     with pytest.raises(ConfigError) as e:
         CompileOptions(skip_idle_vocabulary="yes")
     assert e.value.param == "skip_idle_vocabulary"
-    # tensor-subclass weights (torchao's quantized ones): torch.cond has no rule for them (tests/test_quant.py and
+    # tensor-subclass weights (torchao's quantized ones): torch.cond has no rule for them (tests/quant/test_quant.py and
     # the quantized explain and bench rows run the compiled step that results)
     assert CompileOptions().idle_vocabulary_skip("cpu", subclass_weights=True) is False
     with pytest.raises(ConfigError) as e:

@@ -1,6 +1,6 @@
 """`kernels.sample.vocab_parallel.VocabShard` against the single-process sampler: N ranks simulated by N threads whose
 collectives meet at a barrier (no process group; the same reduction ops the gloo group runs, element for element),
-so every property runs in the fast tier. The real 2-rank gloo run is tests/test_parallel.py's."""
+so every property runs in the fast tier. The real 2-rank gloo run is tests/parallel/test_parallel.py's."""
 
 import threading
 from dataclasses import dataclass
