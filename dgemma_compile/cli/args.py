@@ -13,7 +13,7 @@ from pathlib import Path
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype: names of torch dtypes
 COMPILE_MODES = ("auto", "always", "never")  # --compile (`run._compile_mode`)
 QUANT_SCHEMES = ("fp8", "fp8-weight-only", "nvfp4-w4a16", "nvfp4")  # = quant.schemes.SCHEMES
-DEFAULT_GROUP_TIMEOUT_S = 300.0  # = parallel.ranks.DEFAULT_GROUP_TIMEOUT_S
+DEFAULT_GROUP_TIMEOUT_S = 300.0  # = parallel.group.DEFAULT_TIMEOUT_S
 DEFAULT_BATCH_SIZE = 8
 FLOAT32_MAX = 3.4028234663852886e38  # = config.FLOAT32_MAX: per-row parameters live in float32 tensors
 

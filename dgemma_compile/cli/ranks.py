@@ -9,8 +9,8 @@ that disagrees is refused). `run(command, argv, world, timeout_s)` then either
   leaves the group; ranks other than 0 write nothing to stdout and only their own fatal error to stderr, so the
   output is rank 0's alone; or
 - starts the ranks on this machine: this process becomes rank 0 (it keeps stdin, the terminal and the exit status)
-  and starts ranks 1..N-1 as fresh processes (multiprocessing's spawn) running the same command line, all on a free
-  local port; when rank 0's command ends it waits for them (at most the group timeout) and fails when one failed.
+  and starts ranks 1..N-1 as fresh processes (`parallel.launch.start`, the one launcher) running the same command
+  line, all on a free local port; when rank 0's command ends it waits for them (at most the group timeout) and fails when one failed.
 
 Each rank runs the command's whole body on the same inputs (the CLI shares rank 0's stdin and image files through
 the channel: `share`), so every host decision it makes is the same (docs/parallel.md, "Serving").
@@ -18,7 +18,6 @@ the channel: `share`), so every host decision it makes is the same (docs/paralle
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -29,11 +28,8 @@ import torch
 from ..parallel import group
 from ..parallel.channel import HostChannel
 from ..parallel.errors import ParallelError
-from ..parallel.launch import free_port
-
-DEFAULT_GROUP_TIMEOUT_S = 300.0
-"""Seconds a rank waits in a collective for its peers: long enough for the ranks' compiles of a new batch size to
-drift apart on a shared CPU, short enough that a stalled rank ends the run (a crashed one ends it at once)."""
+from ..parallel import launch
+from ..parallel.group import DEFAULT_TIMEOUT_S as DEFAULT_GROUP_TIMEOUT_S
 
 
 def torchrun_env() -> bool:
@@ -92,13 +88,9 @@ def run(command: Callable[[Ranks], int], argv: list[str], world: int, timeout_s:
     """
     if torchrun_env():
         return _join(command, timeout_s)
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    followers = [ctx.Process(target=_follower, args=(argv, r, world, port), daemon=True) for r in range(1, world)]
-    for p in followers:
-        p.start()
-    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    port = launch.free_port()
+    followers = launch.start(_follower, range(1, world), world, port, (argv,), threads=None)  # they set their own
+    os.environ.update(launch.rank_env(0, world, port))
     try:
         code = _join(command, timeout_s)
     finally:
@@ -131,13 +123,11 @@ def _join(command: Callable[[Ranks], int], timeout_s: float) -> int:
         group.destroy()
 
 
-def _follower(argv: list[str], rank: int, world: int, port: int) -> None:
-    """A started rank: torchrun's variables, then the CLI's own main on the same command line."""
+def _follower(rank: int, world: int, argv: list[str]) -> None:
+    """A started rank (`launch.start` set torchrun's variables): the CLI's own main on the same command line."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, whose stop (or exit) ends this rank
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
     from . import main
 
     code = main(argv, owns_process=True)  # a rank is a process of its own

@@ -18,7 +18,10 @@ import torch.distributed as dist
 from .errors import ParallelError
 
 ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 300.0
+"""Seconds a rank waits in a collective for its peers, and a launcher for its ranks, unless told otherwise (the CLI's
+--group-timeout default too): long enough for the ranks' compiles of a new batch size to drift apart on a shared CPU,
+short enough that a stalled rank ends the run (a crashed one ends it at once)."""
 
 
 class RendezvousError(ParallelError):

@@ -14,7 +14,10 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any, Callable
+
+from .group import DEFAULT_TIMEOUT_S
 
 
 class RankFailed(RuntimeError):
@@ -33,12 +36,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, threads: int, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    import torch
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's variables for rank `rank` of `world` on this machine, meeting at 127.0.0.1:`port`."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))
 
-    torch.set_num_threads(threads)
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, threads: int | None, args: tuple) -> None:
+    os.environ.update(rank_env(rank, world, port))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -47,7 +56,20 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, threads: in
         os._exit(1)
 
 
-def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 300.0,
+def start(fn: Callable[..., Any], ranks: Sequence[int], world: int, port: int, args: tuple = (), *,
+          threads: int | None = 1) -> list[mp.process.BaseProcess]:
+    """Start `fn(rank, world, *args)` for each rank of `ranks` in a fresh process (multiprocessing's "spawn" start
+    method, daemonic), with torchrun's variables (`rank_env`) for `port`; a rank that raises prints its traceback on
+    stderr and exits 1. `threads`: intra-op threads per rank (None: the rank sets its own). Returns the processes,
+    started; the caller waits for them."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, threads, args), daemon=True) for r in ranks]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = DEFAULT_TIMEOUT_S,
           threads: int = 1) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` fresh processes and wait for all of them.
 
@@ -62,12 +84,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads, args), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+    procs = start(fn, range(world_size), world_size, free_port(), args, threads=threads)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
         if any(p.exitcode not in (None, 0) for p in procs):
