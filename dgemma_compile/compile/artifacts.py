@@ -16,12 +16,13 @@ kernels are generated for it); every `CompileOptions` field that reaches the gra
 AOTAutograd settings a caller changed from their defaults, and the `TORCHINDUCTOR_*` / `TORCHDYNAMO_*` environment
 variables (what torch's own caches hash too); the model's structure (per
 parameter and buffer its name, dtype, device, shape and stride; the plain constants of its modules; not its values,
-which are inputs); the unit's name and structural config and its buffers' dtypes, shapes and strides; and the
-sha256 of every source file of the `dgemma_compile` package that a step can trace (our passes and decompositions
-included; not `cli/` and `demo/`: `UNTRACED`). A changed source or option is therefore a miss, never a stale load
+which are inputs); the unit's name and structural config and its buffers' dtypes, shapes and strides; and, per
+folder (`source_room`), the sha256 of the source files of the `dgemma_compile` package that a step can trace (our
+passes and decompositions included; not `cli/` and `demo/`: `UNTRACED`). A changed source or option is therefore a miss, never a stale load
 (tests/compile/test_artifacts.py changes each and checks).
 
-A miss is logged with its reason (no entry, or the differing parts of the nearest entry of the same unit); an entry
+A miss is logged with its reason (no entry, or the differing parts of the nearest entry of the same unit, the
+folders whose sources changed named); an entry
 is written under a temporary name and renamed into place (two processes filling one entry keep one whole entry); an
 entry whose files do not match their recorded sha256, whose inputs do not resolve to tensors of the recorded dtypes
 and shapes, or that fails to load, is logged, removed and rebuilt.
@@ -82,18 +83,29 @@ module imports them (tests/compile/test_artifacts.py checks it), so an edit ther
 no miss."""
 
 
+def source_room(rel: Path) -> str:
+    """The room a package file belongs to in the sources digest: its folder (`model`, `step`, ...), a kernel's own
+    folder (`kernels/moe`, `kernels/sample`), or a top-level module's file name (`oracle.py`)."""
+    if len(rel.parts) == 1:
+        return rel.name
+    if rel.parts[0] == "kernels" and len(rel.parts) > 2:
+        return "/".join(rel.parts[:2])
+    return rel.parts[0]
+
+
 @functools.cache
-def sources_digest(package_dir: str | None = None) -> str:
-    """sha256 over every `.py` file of the dgemma_compile package that a step can trace (all but `UNTRACED`'s):
-    relative path and bytes, sorted."""
+def sources_digest(package_dir: str | None = None) -> dict[str, str]:
+    """Per room (`source_room`), sha256 over its `.py` files that a step can trace (all but `UNTRACED`'s): relative
+    path and bytes, sorted. Every room is in every step's key (a step may trace any of them); a miss names the rooms
+    that changed."""
     root = Path(package_dir) if package_dir else Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
+    hashes: dict = {}  # room -> its running sha256
     for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
         if rel.parts[0] in UNTRACED:
             continue
-        h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
+        hashes.setdefault(source_room(rel), hashlib.sha256()).update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
+    return {room: h.hexdigest() for room, h in sorted(hashes.items())}
 
 
 def _plain(value):
@@ -341,6 +353,10 @@ class ArtifactStore:
         near = self._nearest(parts)
         if near is not None:
             diff = sorted(k for k in parts.keys() | near.keys() if parts.get(k) != near.get(k))
+            if "sources" in diff and isinstance(near.get("sources"), dict):  # name the rooms whose sources changed
+                ours, theirs = parts["sources"], near["sources"]
+                rooms = sorted(r for r in ours.keys() | theirs.keys() if ours.get(r) != theirs.get(r))
+                diff[diff.index("sources")] = f"sources ({', '.join(rooms)})"
             reason = "differs from a cached entry of the same unit in: " + ", ".join(diff)
         self.miss_reasons.append((parts.get("unit"), reason))
         log.info("compile cache: miss for %s (%s)", parts.get("unit"), reason)

@@ -87,14 +87,19 @@ def _sources_only(folder: str, names: list[str]) -> list[str]:
 
 
 def test_a_changed_source_file_is_a_miss(tmp_path):
-    """The sources digest covers every .py file of the package: one changed byte in a copy changes it (mutation)."""
+    """The sources digest covers every .py file of the package a step can trace, per room: one changed byte in a copy
+    changes its room's hash and no other (mutation)."""
     digest = A.sources_digest.__wrapped__  # uncached: the copy is read again after the edit
     copy = tmp_path / "pkg"
     shutil.copytree(PACKAGE, copy, ignore=_sources_only)
     assert digest(str(copy)) == digest(str(PACKAGE))
     target = copy / "compile" / "passes.py"
     target.write_text(target.read_text() + "\n# edited\n")
-    assert digest(str(copy)) != digest(str(PACKAGE))
+    edited, base = digest(str(copy)), digest(str(PACKAGE))
+    assert edited != base
+    # per room: the edited file's folder alone differs (what a miss's reason names), every room is in the key
+    assert [r for r in base if edited[r] != base[r]] == ["compile"]
+    assert {"model", "step", "inputs", "compile", "kernels/moe", "kernels/sample", "oracle.py"} <= set(base)
 
 
 def test_an_edit_the_steps_cannot_trace_is_no_miss(tmp_path):
@@ -379,3 +384,18 @@ def test_a_second_venv_at_another_path_loads_the_step_and_compiles_nothing(tmp_p
     assert second["cpp_builds"] == 0 and second["cpp_hits"] >= 1
     assert second["probes_recorded"] >= 1  # the ISA probes answered by the store
     assert second["sequences"] == first["sequences"]
+
+
+def test_a_miss_names_the_key_parts_and_the_source_rooms_that_differ(tmp_path):
+    """A miss's logged reason compares the key parts with the newest entry of the same unit: the parts that differ,
+    and for the sources the rooms (folders) whose files changed."""
+    store = A.ArtifactStore(tmp_path)
+    cached = {"unit": "step[B1_x]", "options": {"a": 1}, "sources": {"model": "m", "step": "s", "oracle.py": "o"}}
+    entry = tmp_path / "steps" / "ab" / "abcd"
+    entry.mkdir(parents=True)
+    (entry / A.META).write_text(json.dumps({"parts": cached, "created": 1.0}))
+    store.load("ef01", {**cached, "options": {"a": 2}, "sources": {**cached["sources"], "step": "s2"}}, None, [])
+    assert store.miss_reasons == [("step[B1_x]", "differs from a cached entry of the same unit in: options, "
+                                                 "sources (step)")]
+    store.load("ef02", {**cached, "unit": "step[B2_x]"}, None, [])
+    assert store.miss_reasons[-1] == ("step[B2_x]", "no entry")
