@@ -101,14 +101,15 @@ class Worker:
         spec = list(constraint.spec) if isinstance(constraint.spec, tuple) else constraint.spec
         return await self.ask(json.dumps({"kind": constraint.kind, "spec": spec}).encode())
 
-    def kill(self) -> None:
-        """End the process (now) and reap it in the background."""
+    def kill(self) -> asyncio.Future:
+        """End the process (now) and reap it in the background: returns the reaping task (the service's `close`
+        awaits it, so no process transport outlives the event loop)."""
         if self.proc.returncode is None:
             try:
                 self.proc.kill()
             except ProcessLookupError:
                 pass
-        asyncio.ensure_future(self.proc.wait())
+        return asyncio.ensure_future(self.proc.wait())
 
 
 class GrammarService:
@@ -122,6 +123,7 @@ class GrammarService:
         self._setup: bytes | None = None
         self._idle: list[Worker] = []
         self._busy: set[Worker] = set()
+        self._reaping: set[asyncio.Future] = set()  # killed workers' reaps, until they end
         self._slots: asyncio.Semaphore | None = None
         self.cache: LRUCache = LRUCache(maxsize=max(limits.cache_bytes, 1), getsizeof=lambda g: g.memory_size_bytes)
 
@@ -203,7 +205,9 @@ class GrammarService:
             if healthy:
                 self._idle.append(worker)
             else:
-                worker.kill()
+                reap = worker.kill()
+                self._reaping.add(reap)
+                reap.add_done_callback(self._reaping.discard)
         kind, payload = answer[:1], answer[1:]
         if kind == b"m":
             self._count("refused")
@@ -223,10 +227,8 @@ class GrammarService:
         return grammar
 
     async def close(self) -> None:
-        """Kill every worker and wait for them to end (the server's shutdown)."""
+        """Kill every worker and wait for them to end (the server's shutdown), those killed earlier too."""
         workers = [*self._idle, *self._busy]
         self._idle.clear()
         self._busy.clear()
-        for w in workers:
-            w.kill()
-        await asyncio.gather(*(w.proc.wait() for w in workers))
+        await asyncio.gather(*(w.kill() for w in workers), *self._reaping)
