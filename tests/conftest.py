@@ -12,6 +12,8 @@ TESTS = Path(__file__).resolve().parent
 ROOMS = sorted(d for d in TESTS.iterdir() if d.is_dir() and d.name not in ("fixtures", "__pycache__")
                and not d.name.startswith("."))
 sys.path[:0] = [str(TESTS)] + [str(d) for d in ROOMS]
+if str(TESTS.parent) not in sys.path:  # the repository root (`bench` the package, not tests/bench/): bare `pytest FILE`
+    sys.path.append(str(TESTS.parent))
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.load_profile("ci")
 # Tiny models gain nothing from intra-op threads, and spinning OpenMP workers cost 10-100x under contention.

@@ -272,14 +272,17 @@ def test_the_module_import_graph_has_no_cycles():
 
 
 def test_the_tests_mirror_the_folders():
-    """tests/ has one folder per room of the path (tests/model/ for dgemma_compile/model/, ..., tests/runtime/,
-    tests/bench/), plus the tests of the repository as a whole at its top; test modules are imported by name
-    (conftest puts every folder on sys.path), so no two share one."""
+    """tests/ has one folder per room of the path (tests/model/ for dgemma_compile/model/, ..., tests/demo/,
+    tests/runtime/, tests/bench/), plus the tests of the repository as a whole (layout, docs, tools) and of the oracle
+    (`oracle.py`, a module of its own) at its top; test modules are imported by name (conftest puts every folder on
+    sys.path), so no two share one."""
     tests = ROOT / "tests"
     rooms = {d.name for d in tests.iterdir() if d.is_dir() and d.name not in ("fixtures", "__pycache__")
              and not d.name.startswith(".")}
     package = {d.name for d in (ROOT / "dgemma_compile").iterdir() if (d / "__init__.py").is_file()}
     assert rooms <= package | {"runtime", "bench"}, rooms - package
-    assert {"model", "step", "inputs", "compile", "kernels", "cli", "runtime"} <= rooms
+    assert {"model", "step", "inputs", "compile", "kernels", "cli", "demo", "runtime"} <= rooms
+    assert sorted(p.name for p in tests.glob("test_*.py")) == ["test_docs.py", "test_generate.py", "test_layout.py",
+                                                               "test_tools.py"]
     names = [p.name for p in tests.rglob("test_*.py")]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

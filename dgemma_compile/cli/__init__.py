@@ -15,7 +15,7 @@ traces eager FlexAttention makes on first use of each shape are done before the 
 The package, one module per command (`generate.py`, `explain.py`, `serve.py`, `cache.py`) over the parser and each
 command's frozen, validated arguments record (`args.py`: `GenerateArgs`, `ServeArgs`, ...),
 the prompts file (`prompts.py`) and what generate and serve share (`run.py`); `main` here dispatches, and runs
-generate / serve as ranks of a tensor-parallel group (`parallel.ranks`). `dgemma --help` imports no torch
+generate / serve as ranks of a tensor-parallel group (`ranks.py`). `dgemma --help` imports no torch
 (tests/cli/test_imports.py): torch and every module that imports it are imported inside the commands.
 """
 
@@ -35,9 +35,10 @@ from .prompts import LINE_KEYS, PromptLine, parse_prompt_line, read_prompts_file
 from .run import SLOT_ROUNDING
 from .serve import serve_command
 
-__all__ = ["COMMANDS", "COMPILE_MODES", "CacheArgs", "DEFAULT_BATCH_SIZE", "ExplainArgs", "GenerateArgs", "ServeArgs", "DEFAULT_GROUP_TIMEOUT_S", "DTYPES", "FLOAT32_MAX", "LINE_KEYS",
-           "MOE_RULE", "PromptLine", "QUANT_SCHEMES", "SLOT_ROUNDING", "cache_command", "explain_command",
-           "generate_command", "main", "parse_prompt_line", "read_prompts_file", "serve_command"]
+__all__ = ["COMMANDS", "COMPILE_MODES", "CacheArgs", "DEFAULT_BATCH_SIZE", "DEFAULT_GROUP_TIMEOUT_S", "DTYPES",
+           "ExplainArgs", "FLOAT32_MAX", "GenerateArgs", "LINE_KEYS", "MOE_RULE", "PromptLine", "QUANT_SCHEMES",
+           "SLOT_ROUNDING", "ServeArgs", "cache_command", "explain_command", "generate_command", "main",
+           "parse_prompt_line", "read_prompts_file", "serve_command"]
 
 
 def _tensor_parallel(command_name: str, args: GenerateArgs | ServeArgs, argv: list[str], world: int) -> int:

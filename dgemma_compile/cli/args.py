@@ -279,7 +279,6 @@ class GenerateArgs(ParallelArgs):
     prompts_file: str | None = None
     batch_size: int | None = None
 
-
     def __post_init__(self) -> None:
         from ..model.config import ConfigError
         from ..inputs.text import check_stop_strings
@@ -337,7 +336,6 @@ class ServeArgs(ParallelArgs):
     fuse_commit: str = "auto"
     threads: int | None = None
     log_level: str = "warning"
-
 
     def __post_init__(self) -> None:
         from ..model.config import ConfigError

@@ -202,10 +202,11 @@ def _shared(ranks, make):
 
 
 def _load(model_dir, ranks, *, dtype: str | None = None, quant: str | None = None, experts_split: str = "tensor"):
-    """The model (`dtype`: --dtype, None: the checkpoint's); in a tensor-parallel run this rank's shard of it, read slice by slice from the files
-    (`parallel.load_sharded`, on the rank's device; a compressed-tensors checkpoint too), or with --quant loaded
-    whole, quantized as one process would and then sharded (`model.checkpoint.quant_report` set), so that every rank holds the
-    one-process quantized weights' slices. Raises ConfigError for a split the model's shapes refuse."""
+    """The model (`dtype`: --dtype, None: the checkpoint's); in a tensor-parallel run this rank's shard of it, read
+    slice by slice from the files (`parallel.load_sharded`, on the rank's device; a compressed-tensors checkpoint
+    too), or with `quant` (--quant) loaded whole, quantized as one process would and then sharded
+    (`model.checkpoint.quant_report` set), so that every rank holds the one-process quantized weights' slices;
+    `experts_split`: --experts-split. Raises ConfigError for a split the model's shapes refuse."""
     import torch
 
     from .. import load

@@ -188,7 +188,7 @@ def step_key_parts(*, options, model: torch.nn.Module, unit: str, structure: dic
         "unit": unit,
         "structure": _plain(structure),
         "buffers": [[str(t.dtype), list(t.shape), list(t.stride())] for t in tensors],
-        "sources": sources_digest(),
+        "sources": dict(sources_digest()),  # a copy: the cached dict is shared by every key
     }
 
 

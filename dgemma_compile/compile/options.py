@@ -45,7 +45,7 @@ class CompileOptions:
     # We capture CUDA graphs ourselves over static buffers; Inductor's cudagraph trees would add a second layer
     # with their own output-lifetime rules.
     inductor_cudagraphs: bool = False
-    # The MoE experts' implementation in compiled units. "auto" = ops.moe.resolve_moe_impl's rule ("grouped" for
+    # The MoE experts' implementation in compiled units. "auto" = kernels.moe.op.resolve_moe_impl's rule ("grouped" for
     # bfloat16 with E/K > 4, else "gathered"): traceable, so no opaque, host-syncing expert loop runs inside a step.
     moe_impl: str = "auto"
     # Inductor's wrapper code (buffer allocation and the kernel calls of one compiled graph) in C++ instead of Python.
@@ -173,7 +173,7 @@ class CompileOptions:
         return out
 
     def pass_settings(self) -> dict:
-        """{pass name: keyword arguments of its `apply`} (`compile.passes.pipeline`)."""
+        """{pass name: keyword arguments of its `apply`} (`compile.passes`)."""
         return {"sample_step_fusion": {"min_logits_bytes": self.sample_step_fusion_min_bytes}}
 
     def commit_fusion(self, device_type: str) -> bool:

@@ -129,7 +129,7 @@ class ModelFingerprint:
 
 def static_tensors(*owners) -> list[torch.Tensor]:
     """Every tensor `owners` hold: a tensor itself (the generator's units list their buffers explicitly,
-    `row_table.BucketView.tensors`); an `nn.Module`'s parameters and buffers; for any other object, its tensor
+    `row_table.Bucket.tensors`); an `nn.Module`'s parameters and buffers; for any other object, its tensor
     attributes and the tensors in its list/tuple attributes."""
     out: list[torch.Tensor] = []
     for owner in owners:
@@ -493,7 +493,7 @@ class ArtifactSlot:
 class PassMatches:
     """The graph passes' matches in one unit's latest compile: `counts` {pass name: matches} (None: unknown), and
     where they come from: "compiled" (the passes ran), "cache record" (the compile caches served the compile; the
-    counts recorded when its entry was made, `compile.passes.records`) or "unknown" (served with no record)."""
+    counts recorded when its entry was made, `compile.pass_records`) or "unknown" (served with no record)."""
 
     counts: dict[str, int] | None
     source: str

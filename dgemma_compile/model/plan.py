@@ -243,7 +243,7 @@ class PlanBuffers:
 
     `plan` is a `ForwardPlan` over the buffers: each block mask's sparsity tensors are static (its mask_mod reads
     `cache.lengths` and the plan's own per-row tensors, as `build_plan`'s). `tensors` lists every buffer once, for the
-    compiled step's explicit owners (`row_table.BucketView.tensors`).
+    compiled step's explicit owners (`row_table.Bucket.tensors`).
     """
 
     def __init__(self, model, cache: KVCache, T: int, *, mixed: bool = False, kernel_options: dict | None = None,

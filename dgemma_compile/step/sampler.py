@@ -265,7 +265,7 @@ def mask_first(logits_BCV: torch.Tensor, allowed_BW: torch.Tensor, constrained_B
     constrained row, `logits_BCV` itself); other rows and positions keep their values bit for bit (`torch.where`
     picks the input). Tensor ops only: a grammar is data, never a
     recompile. `first_id`: the vocabulary id of the logits' first column (a tensor-parallel rank's slice,
-    `parallel.sampler`; ids past the bitmask, the slice's padding, read its last word)."""
+    `kernels/sample/vocab_parallel.py`; ids past the bitmask, the slice's padding, read its last word)."""
     if logits_BCV.device.type == "cpu" and not _traced() and not bool(constrained_B.any()):
         return logits_BCV  # uncompiled on CPU, no constrained row: the values `where` would keep, without its ops
     C, V = logits_BCV.shape[1], logits_BCV.shape[-1]

@@ -1,6 +1,6 @@
 """A Prometheus counter of the HTTP errors a server answers: `dgemma_http_errors_total{status}` (every 4xx and 5xx,
 the API key's 401 and the body limit's 413 included; the header timeout's 408 is answered below the app, by
-`http_protocol`, and not counted), so an operator sees refusals by kind on /metrics.
+`transport.py`, and not counted), so an operator sees refusals by kind on /metrics.
 
 `ErrorCounter` is an ASGI middleware; add it outermost (`app.add_middleware` last) with the `ServeMetrics` registry.
 """

@@ -76,7 +76,9 @@ class Worker:
         self.proc = proc
 
     @classmethod
-    async def start(cls, setup: bytes) -> "Worker":
+    async def start(cls, setup: bytes, reaping: set) -> "Worker":
+        """A started worker, ready; one that fails to get ready (or whose start is cancelled) is killed, its reap
+        added to `reaping` (the service's, which `close` awaits)."""
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "dgemma_runtime.http.grammar_worker",
                                                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         w = cls(proc)
@@ -84,9 +86,15 @@ class Worker:
             if await w.ask(setup) != b"ready":
                 raise RuntimeError("the grammar worker did not start")
         except BaseException:
-            w.kill()
+            w.reap_into(reaping)
             raise
         return w
+
+    def reap_into(self, reaping: set) -> None:
+        """`kill`, the reaping task kept in `reaping` until it ends."""
+        reap = self.kill()
+        reaping.add(reap)
+        reap.add_done_callback(reaping.discard)
 
     async def ask(self, data: bytes) -> bytes:
         """Send one frame, read the answer frame. Raises OSError / asyncio.IncompleteReadError when the process died."""
@@ -183,7 +191,7 @@ class GrammarService:
             worker = self._idle.pop()
         else:
             try:  # a new worker (Python, torch and xgrammar imports: ~2 s), within the wait's bound too
-                worker = await asyncio.wait_for(Worker.start(self._setup), wait_s)
+                worker = await asyncio.wait_for(Worker.start(self._setup, self._reaping), wait_s)
             except TimeoutError:
                 self._count("refused")
                 raise APIError(429, f"{field}: no grammar worker could start within {wait_s:g} s",
@@ -205,9 +213,7 @@ class GrammarService:
             if healthy:
                 self._idle.append(worker)
             else:
-                reap = worker.kill()
-                self._reaping.add(reap)
-                reap.add_done_callback(self._reaping.discard)
+                worker.reap_into(self._reaping)
         kind, payload = answer[:1], answer[1:]
         if kind == b"m":
             self._count("refused")

@@ -303,7 +303,7 @@ class Server:
             if compiled is None:
                 return Response(status_code=499)
         choices = self.submit(prompts, req, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), k, images, tool,
-                         compiled)
+                              compiled)
         index = {id(c): i for i, c in enumerate(choices)}
         lps = [None if k is None else _ChoiceLogprobs(self.tokenizer, self.token_string, chat) for _ in choices]
         answers = [ToolAnswer(self.tokenizer, tool, frozenset(c.config.eos_token_ids))
@@ -436,7 +436,7 @@ async def prometheus(request: Request) -> Response:
 
 
 @router.post("/v1/completions", openapi_extra=_body("/v1/completions"),
-          responses=_responses(P.CompletionResponse, 400, 404, 413, 429, 500))
+             responses=_responses(P.CompletionResponse, 400, 404, 413, 429, 500))
 async def completions(request: Request):
     server: Server = request.app.state.server
     req = await server.parse(request, P.CompletionRequest)
@@ -445,7 +445,7 @@ async def completions(request: Request):
 
 
 @router.post("/v1/chat/completions", openapi_extra=_body("/v1/chat/completions"),
-          responses=_responses(P.ChatCompletionResponse, 400, 404, 413, 429, 500))
+             responses=_responses(P.ChatCompletionResponse, 400, 404, 413, 429, 500))
 async def chat_completions(request: Request):
     server: Server = request.app.state.server
     req = await server.parse(request, P.ChatCompletionRequest)
@@ -478,7 +478,7 @@ async def tokenize_route(request: Request):
 
 
 @router.post("/detokenize", openapi_extra=_body("/detokenize"),
-          responses=_responses(P.DetokenizeResponse, 400, 404, 413))
+             responses=_responses(P.DetokenizeResponse, 400, 404, 413))
 async def detokenize_route(request: Request):
     """vLLM's /detokenize: `tokens` -> `prompt`, the text with special tokens as they decode."""
     server: Server = request.app.state.server

@@ -31,7 +31,7 @@ bfloat16 (`stays_opaque`: `torch._grouped_mm` traces only in bfloat16, and eager
 `resolve_moe_impl` is the rule that picks one.
 
 Weights come as (weight, scales) per projection, plain tensors in the format the `quant` argument names
-(`EXPERT_QUANTS`; the format objects and their layouts: `expert_formats.py`), so that quantized experts reach the op
+(`EXPERT_QUANTS`; the format objects and their layouts: `formats.py`), so that quantized experts reach the op
 without tensor-subclass dispatch. Each implementation states the formats it takes (`IMPL_QUANTS`): "loop", "dense" and "gathered" read the
 stored bytes and dequantize the rows they multiply (for "gathered", Inductor fuses the unpacking into the weight loop;
 the weights are never stored dequantized); "grouped" takes unquantized weights only. An unsupported pair is a
@@ -51,7 +51,7 @@ from .formats import EXPERT_FORMATS, NONE, ExpertFormat, expert_format
 
 MOE_IMPLS = ("loop", "grouped", "dense", "gathered")
 EXPERT_QUANTS = tuple(EXPERT_FORMATS)
-"""Names of the expert weights' formats (the `quant` argument; the objects: `expert_formats.EXPERT_FORMATS`): the
+"""Names of the expert weights' formats (the `quant` argument; the objects: `formats.EXPERT_FORMATS`): the
 model dtype; float8_e4m3fn with per-row scales, with ("fp8") or without ("fp8-weight-only") dynamic per-row fp8
 activations; NVFP4 weights with 16-bit activations."""
 IMPL_QUANTS = {"loop": EXPERT_QUANTS, "dense": EXPERT_QUANTS, "gathered": EXPERT_QUANTS,
@@ -62,7 +62,7 @@ IMPL_QUANTS = {"loop": EXPERT_QUANTS, "dense": EXPERT_QUANTS, "gathered": EXPERT
 
 class ExpertWeight(NamedTuple):
     """One projection of every expert as the op receives it: stored `weight`, its `scales`, its `format`
-    (`expert_formats.ExpertFormat`) and the `dtype` its products run in (`ExpertFormat.compute_dtype`; the
+    (`formats.ExpertFormat`) and the `dtype` its products run in (`ExpertFormat.compute_dtype`; the
     implementations round each projection's output to the activations' dtype, as torchao's linears return it)."""
 
     weight: torch.Tensor

@@ -3,7 +3,7 @@
 The region is `sampler.sample_step` (the first-position mask of constrained rows, scale by 1/T, argmax, chunked inverse-CDF sample, entropy, self-conditioning
 probabilities): every tensor of it that spans the vocabulary ([B, C, V], ~10 of them, 268 MB each in float32 at B=1
 and the released vocabulary of 262,144) lives and dies inside it. The model never calls this op: the graph pass
-`compile.passes.sample_step_fusion` recognises the region in a captured step and replaces it with the op, so the eager
+`kernels/sample/fusion.py` recognises the region in a captured step and replaces it with the op, so the eager
 generator keeps running `sampler.sample_step` itself (the oracle).
 
 Implementations:
