@@ -211,8 +211,8 @@ class CompileOptions:
         out: dict = {"cpp_wrapper": cpp_wrapper}
         if self.idle_vocabulary_skip(device_type):
             # `torch.cond` (`skip_idle_vocabulary`) is not marked cacheable in torch 2.11-2.13, so Inductor's graph
-            # cache and AOTAutograd's would bypass the step, and `standalone_compile` could not save it for the
-            # compile cache (`artifacts.ArtifactStore`). Sound here: the branches are submodules of the step's graph,
+            # cache and AOTAutograd's would bypass the step (an in-process compile would redo its codegen in every
+            # process). Sound here: the branches are submodules of the step's graph,
             # and our cache's key hashes the sources that define them (`artifacts.step_key`: a changed branch is a
             # miss, tests/compile/test_artifacts.py).
             out["unsafe_marked_cacheable_functions"] = [COND]

@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -532,8 +533,8 @@ class UnitFactory:
         `dgemma::moe_experts` is traced into the graph), our graph passes (`passes`, minus
         `CompileOptions.disabled_passes`) and `CompileOptions.inductor_config` for the factory's device, counting
         compiles of unit `name` and their seconds and the passes' matches (`pass_matches`); each compiled graph is
-        appended to `sink` if given. With a compile-cache `slot`, the graph is compiled by `standalone_compile(...,
-        aot=True)` (the same Inductor compile, made saveable) and saved as the unit's artifact. With a cache (`store`),
+        appended to `sink` if given. With a compile-cache `slot`, the graph is compiled by AOTInductor (`_package`: the
+        same kernels, as a package that loads without the compiler) and saved as the unit's artifact. With a cache (`store`),
         every graph's C++ is built through its C++ store (`cpp_store`), slot or not, so that a new venv rebuilds
         none. Inductor and the passes are imported when a graph compiles (an eager or loaded step
         never imports them)."""
@@ -557,12 +558,9 @@ class UnitFactory:
             with moe_cache_key(traced_moe), passes.cache_key(pass_config), \
                     torch._inductor.config.patch(config), passes.recording() as counts, store:
                 key = records.record_key(gm, example_inputs, pass_config)  # before compile_fx changes gm
-                if slot is None:
-                    out = compile_fx(gm, example_inputs, decompositions=decompositions)
-                else:
-                    out = torch._inductor.standalone_compile(
-                        gm, example_inputs, dynamic_shapes="from_example_inputs", aot=True,
-                        options={"decompositions": decompositions})
+                package = self._package(slot, gm, example_inputs, decompositions) if slot is not None else None
+                out = package if package is not None else \
+                    compile_fx(gm, example_inputs, decompositions=decompositions)
             if not pass_config:
                 self.pass_matches[name] = PassMatches({}, "no pass enabled")
             elif counts:  # the passes ran: Inductor compiled this graph
@@ -572,8 +570,8 @@ class UnitFactory:
                 saved = records.load(key)
                 self.pass_matches[name] = PassMatches(saved, "cache record" if saved is not None else "unknown")
             self.compile_seconds += time.perf_counter() - start
-            if slot is not None:
-                self._save(slot, gm, out, example_inputs)
+            if package is not None:
+                self._save(slot, gm, package, example_inputs)
             if sink is not None:
                 (output,) = gm.graph.find_nodes(op="output")
                 result = output.args[0]
@@ -583,21 +581,43 @@ class UnitFactory:
 
         return backend
 
-    def _save(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, out, example_inputs) -> None:
-        """Save a compiled graph as `slot`'s artifact when it is what a direct call runs: one graph (the unit's first
-        compile), no outputs, every input a tensor of the model or the bucket; else log why not."""
+    def _package(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, example_inputs, decompositions):
+        """Compile `gm` into an AOTInductor package (`aoti.compile_package`) and load it, when the graph is what a
+        direct call runs and the cache can hold: the unit's first compile, no outputs, every input a tensor of the
+        model or the bucket (`artifacts.input_names`). Else, or when torch cannot export or package the graph, None
+        (logged with the reason): the caller compiles it in process, and nothing is saved."""
+        from . import aoti
         from .artifacts import input_names
 
+        unit = slot.parts["unit"]
         (output,) = gm.graph.find_nodes(op="output")
         result = output.args[0]
-        names = input_names(list(example_inputs), slot.model, slot.tensors)
-        if self.compiles[slot.parts["unit"]] > 1 or (isinstance(result, (tuple, list)) and len(result)) or names is None:
+        if self.compiles[unit] > 1 or (isinstance(result, (tuple, list)) and len(result)) or \
+                input_names(list(example_inputs), slot.model, slot.tensors) is None:
             log.info("%s: not saved to the compile cache (a recompile, an output, or an input outside the model and "
-                     "bucket)", slot.parts["unit"])
-            return
+                     "bucket)", unit)
+            return None
+        path = slot.store.scratch(".pt2")
+        try:
+            seconds = aoti.compile_package(gm, example_inputs, decompositions, path)
+            package = aoti.load(path, self.device)
+        except Exception as e:  # noqa: BLE001 - a graph torch cannot export or package still compiles in process
+            path.unlink(missing_ok=True)
+            log.warning("%s: not saved to the compile cache: AOTInductor could not package its graph (%s: %s); "
+                        "compiled in this process", unit, type(e).__name__, str(e).splitlines()[0][:300])
+            return None
+        log.debug("%s: packaged (%s)", unit, ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
+        return package
+
+    def _save(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, package, example_inputs) -> None:
+        """Save `package` (`aoti.StepPackage`, compiled by `_package`) as `slot`'s artifact."""
+        from .artifacts import input_names
+
         counts = self.pass_matches.get(slot.parts["unit"])
-        slot.store.save(slot.key, slot.parts, out, names, list(example_inputs),
+        slot.store.save(slot.key, slot.parts, package.path,
+                        input_names(list(example_inputs), slot.model, slot.tensors), list(example_inputs),
                         extra={"pass_matches": counts.counts if counts is not None else None})
+        Path(package.path).unlink(missing_ok=True)
 
     def slot(self, name: str, owners: tuple, structure: dict | None) -> ArtifactSlot | None:
         """The compile-cache slot of a unit whose owners are (model, *bucket tensors), or None: no store, no

@@ -36,7 +36,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 WINDOW_KINDS = ("anchored", "symmetric")
 
@@ -334,12 +334,18 @@ def select_mask_mod(rows_B: torch.Tensor, if_true, if_false):
 
 def make_block_mask(mask_mod, B: int, T: int, cache_slots: int, device,
                     block_size: int | tuple[int, int] = 128) -> BlockMask:
-    """`create_block_mask(mask_mod, B, None, Q_LEN=T, KV_LEN=S+T)`: one mask for all heads.
+    """The BlockMask `create_block_mask(mask_mod, B, None, Q_LEN=T, KV_LEN=S+T)` makes (one mask for all heads),
+    from `block_sparsity` (its partial and full blocks, tensor for tensor; tests/model/test_masks.py) and
+    `BlockMask.from_kv_blocks`: create_block_mask evaluates `mask_mod` through vmap, whose index transform imports
+    Dynamo (0.5-1.4 s of a CLI start on a 2-core CPU), and a step loaded from the compile cache imports no compiler.
 
     T and S+T need not be multiples of `block_size` (the last block is partial; checked for T < 128 on CPU).
     Rebuild it whenever the tensors captured by `mask_mod` change. Runs eagerly; compile it from outside if wanted.
     """
-    return create_block_mask(mask_mod, B, None, T, cache_slots + T, device=device, BLOCK_SIZE=block_size)
+    bs = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    kv_len = cache_slots + T
+    return BlockMask.from_kv_blocks(*block_sparsity(mask_mod, B, T, kv_len, bs, device), BLOCK_SIZE=bs,
+                                    mask_mod=mask_mod, seq_lengths=(T, kv_len))
 
 
 def block_sparsity(mask_mod, B: int, q_len: int, kv_len: int, block_size: tuple[int, int], device

@@ -155,6 +155,39 @@ def test_block_sparsity_of_commit_denoise_and_selected_rows(c, block_size, data)
     assert_sparsity_of_create_block_mask(select_mask_mod(rows, fused, other), B, 2 * C, S + 2 * C, block_size)
 
 
+@SETTINGS
+@given(layouts(max_T=20, max_S=60), BLOCK_SIZES)
+def test_make_block_mask_is_create_block_mask(c, block_size):
+    """`make_block_mask` (block_sparsity + `BlockMask.from_kv_blocks`, no vmap: no Dynamo import) gives the BlockMask
+    create_block_mask gives: every tensor (partial and full blocks, by key and by query), the block size, the
+    lengths and the mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T, S = len(c["lengths_B"]), c["T"], c["S"]
+    mm = _mask_mod(c)
+    ours = make_block_mask(mm, B, T, S, "cpu", block_size=block_size)
+    ref = create_block_mask(mm, B, None, T, S + T, device="cpu", BLOCK_SIZE=block_size)
+    assert (ours.BLOCK_SIZE, ours.seq_lengths, ours.mask_mod) == (ref.BLOCK_SIZE, ref.seq_lengths, ref.mask_mod)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_masks_import_no_compiler():
+    """Building a plan's block mask imports neither Dynamo nor Inductor (a fresh interpreter): a CLI start that
+    loads its step from the compile cache pays for neither."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from dgemma_compile.model.masks import block_mask_mod, make_block_mask; "
+            "mm = block_mask_mod(torch.tensor([3]), torch.tensor([4]), torch.tensor([False]), cache_slots=8); "
+            "make_block_mask(mm, 1, 4, 8, 'cpu', block_size=4); "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
 def test_block_sparsity_marks_whole_visible_blocks_full():
     """A denoise row with 8 committed tokens and a canvas of 8, blocks of 4: the committed blocks and the canvas
     blocks are full, the empty committed slots visited by no query (and the edge of a padded row is partial)."""
