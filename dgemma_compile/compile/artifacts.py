@@ -3,7 +3,7 @@
 One artifact per compile unit: the unit's one graph compiled by AOTInductor into a package (`aoti.py`: a shared
 library with a C++ wrapper, made from Inductor's kernels for the graph under the unit's config and decompositions),
 the names of the tensors it takes, in order (the model's parameters and buffers by name, the bucket's buffers by
-position), and a readable record of its key. Loading one is a `dlopen` through libtorch's AOTInductor runner: no
+position), and a readable record of its key. Loading one is an unzip and a `dlopen` through libtorch's AOTInductor runner: no
 Dynamo trace, no AOTAutograd, no Inductor codegen, no g++, and no import of Dynamo or Inductor (~0.01 s for the
 demo's step, against 0.9-2.5 s for Inductor's own `CompiledArtifact`, whose unpickling imports the compiler).
 
@@ -61,7 +61,10 @@ NOT_IN_KEY = ("artifact_cache", "direct_calls", "skip_guards", "recompile_limit"
 (directly, through Dynamo with or without guards, replayed as a CUDA graph: decided after the graph exists) and how
 many recompiles Dynamo allows."""
 CONFIG_MODULES = ("torch._inductor.config", "torch._dynamo.config", "torch._functorch.config")
-ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_")
+ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "AOT_INDUCTOR_", "AOTINDUCTOR_", "AOTI_")
+"""Environment variables whose values the compiler reads (Inductor's AOT settings among them, e.g.
+AOT_INDUCTOR_DEBUG_INTERMEDIATE_VALUE_PRINTER: read into the config's defaults at import, so `ambient_config` cannot
+see them)."""
 ENV_IGNORED = ("TORCHINDUCTOR_CACHE_DIR",)  # where Inductor caches, not what it makes
 CONFIG_IGNORED = {"torch._inductor.config": ("compile_threads", "cpp_cache_precompile_headers")}
 """Settings of how a graph is built, not what it builds: the number of compile workers and precompiled headers (a
@@ -202,7 +205,9 @@ def step_key(parts: dict) -> str:
 
 
 def tensor_meta(t: torch.Tensor) -> list:
-    return [str(t.dtype), list(t.shape), list(t.stride())]
+    """dtype, shape, stride and storage offset: what a compiled graph's kernels assume of an input (Inductor's
+    kernels may assume the example's alignment, which its storage offset decides)."""
+    return [str(t.dtype), list(t.shape), list(t.stride()), t.storage_offset()]
 
 
 def input_names(graph_inputs: list, model: torch.nn.Module, tensors: list[torch.Tensor]) -> list[str] | None:
@@ -318,8 +323,13 @@ class ArtifactStore:
 
     def scratch(self, suffix: str) -> Path:
         """A new empty file's path under `root/tmp` (for a package being compiled: the same filesystem as the
-        entries, and removed by `clear`)."""
+        entries, and removed by `clear`). Files there older than a day (left by a process killed mid-compile) are
+        removed first."""
         (self.root / "tmp").mkdir(parents=True, exist_ok=True)
+        for old in (self.root / "tmp").iterdir():
+            with contextlib.suppress(OSError):
+                if time.time() - old.stat().st_mtime > 86400:
+                    old.unlink()
         fd, name = tempfile.mkstemp(dir=self.root / "tmp", suffix=suffix)
         os.close(fd)
         return Path(name)

@@ -8,7 +8,8 @@ first compile of the demo's step on 2 cores). The portable caches (`torch.compil
 `standalone_compile`) carry the C++ source, not the `.so`. DeepGEMM (PR 388/398) and vLLM (PR 47573) fixed the same
 kind of path-keyed cache.
 
-How: inside `building_from(store)` (entered around our own compiles and artifact loads, nothing at import time),
+How: inside `building_from(store)` (entered around our own compiles, in-process and AOTInductor's; nothing at
+import time; a step loaded from the compile cache is a package with its library built in, and builds nothing),
 `torch._inductor.cpp_builder.CppBuilder.build` first looks the build up here by its portable key; a hit copies the
 stored output to the path Inductor expects (so Inductor's own checks then find it), a miss runs g++ and stores the
 output. The portable key hashes: this store's format version, the compiler's identity (`g++ -dumpfullversion
@@ -23,7 +24,8 @@ entry), with the output's sha256 beside it; an entry whose bytes do not match is
 loaded. `CppStore.builds` / `hits` count what happened (tests and the CLI's stats read them).
 
 The same context records Inductor's SIMD ISA probes (`VecISA.check_build`: a g++ build and a `dlopen` in a child
-process per candidate ISA, the largest part of a warm step load) by compiler, CPU, torch and flags (`CppStore.probe`).
+process per candidate ISA: most of a warm in-process compile's set-up) by compiler, CPU, torch and flags
+(`CppStore.probe`).
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class CppStore:
     def probe(self, isa, code: str, original) -> bool:
         """`VecISA.check_build` through the store: Inductor probes each candidate SIMD ISA once per process by
         building `code` with the ISA's flags and `dlopen`ing the result in a child process (six probes, ~0.3-1.5 s
-        each on 2 cores: most of a warm step load). The answer depends on the compiler, the CPU, torch (which
+        each on 2 cores: most of a warm in-process compile's set-up). The answer depends on the compiler, the CPU, torch (which
         writes `code`) and the flags, which are the key; a recorded answer is returned without building or
         probing."""
         import torch

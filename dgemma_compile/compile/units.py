@@ -559,8 +559,11 @@ class UnitFactory:
                     torch._inductor.config.patch(config), passes.recording() as counts, store:
                 key = records.record_key(gm, example_inputs, pass_config)  # before compile_fx changes gm
                 package = self._package(slot, gm, example_inputs, decompositions) if slot is not None else None
-                out = package if package is not None else \
-                    compile_fx(gm, example_inputs, decompositions=decompositions)
+                if package is None:
+                    counts.clear()  # a package tried and refused: its passes' matches are not this compile's
+                    out = compile_fx(gm, example_inputs, decompositions=decompositions)
+                else:
+                    out = package
             if not pass_config:
                 self.pass_matches[name] = PassMatches({}, "no pass enabled")
             elif counts:  # the passes ran: Inductor compiled this graph
@@ -582,10 +585,11 @@ class UnitFactory:
         return backend
 
     def _package(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, example_inputs, decompositions):
-        """Compile `gm` into an AOTInductor package (`aoti.compile_package`) and load it, when the graph is what a
-        direct call runs and the cache can hold: the unit's first compile, no outputs, every input a tensor of the
-        model or the bucket (`artifacts.input_names`). Else, or when torch cannot export or package the graph, None
-        (logged with the reason): the caller compiles it in process, and nothing is saved."""
+        """Compile `gm` into an AOTInductor package (`aoti.compile_package`), load it and run it once on copies of
+        the inputs it writes, when the graph is what a direct call runs and the cache can hold: the unit's first
+        compile, no outputs, every input a tensor of the model or the bucket (`artifacts.input_names`). Else, or when
+        torch cannot export, package, load or run it, None (logged with the reason): the caller compiles it in
+        process, and nothing is saved."""
         from . import aoti
         from .artifacts import input_names
 
@@ -599,12 +603,15 @@ class UnitFactory:
             return None
         path = slot.store.scratch(".pt2")
         try:
-            seconds = aoti.compile_package(gm, example_inputs, decompositions, path)
+            seconds, mutated = aoti.compile_package(gm, example_inputs, decompositions, path)
             package = aoti.load(path, self.device)
-        except Exception as e:  # noqa: BLE001 - a graph torch cannot export or package still compiles in process
+            # one trial run on copies of the inputs it writes (the step's state is left as it is): a package that
+            # loads but cannot run (an opaque op its C++ wrapper cannot call) is refused here, never saved
+            package(*(x.clone() if i in mutated else x for i, x in enumerate(example_inputs)))
+        except Exception as e:  # noqa: BLE001 - a graph torch cannot export, package or run still compiles in process
             path.unlink(missing_ok=True)
             log.warning("%s: not saved to the compile cache: AOTInductor could not package its graph (%s: %s); "
-                        "compiled in this process", unit, type(e).__name__, str(e).splitlines()[0][:300])
+                        "compiled in this process", unit, type(e).__name__, (str(e).splitlines() or [""])[0][:300])
             return None
         log.debug("%s: packaged (%s)", unit, ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
         return package
@@ -629,8 +636,8 @@ class UnitFactory:
         from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
         if any(is_traceable_wrapper_subclass(p) for p in owners[0].parameters()):
-            log.info("%s: not in the compile cache (tensor-subclass weights, e.g. torchao's quantized ones: "
-                     "AOTAutograd cannot serialize their graphs); compiled in this process", name)
+            log.info("%s: not in the compile cache (tensor-subclass weights, e.g. torchao's quantized ones: the cache "
+                     "holds plain-tensor steps only); compiled in this process", name)
             return None
         from .artifacts import step_key, step_key_parts
 

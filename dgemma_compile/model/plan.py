@@ -369,8 +369,8 @@ class PlanBuffers:
 
 
 def _with_full_blocks(mask: BlockMask) -> BlockMask:
-    """`mask` with tensors of its own for partial and full blocks (create_block_mask leaves `full_kv_*` None when
-    no block is full, and may return views): the buffers `PlanBuffers._fill_sparsity` refills."""
+    """`mask` with fresh tensors of its own for partial and full blocks, whatever `mask` holds (None full blocks, or
+    views): the buffers `PlanBuffers._fill_sparsity` refills in place."""
     B, H, Qb, Kb = mask.kv_indices.shape
     dev = mask.kv_indices.device
     num = lambda: torch.zeros((B, H, Qb), dtype=torch.int32, device=dev)  # noqa: E731

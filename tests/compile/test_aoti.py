@@ -111,3 +111,30 @@ def test_a_fresh_interpreter_loads_a_package_without_importing_the_compiler(tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == {"source": "loaded", "state": state.sum().item(), "counter": 3, "imported": []}
+
+
+def test_a_package_that_cannot_run_is_not_saved_and_the_step_compiles_in_process(tmp_path, monkeypatch, caplog):
+    """A package that loads but fails on its trial run (as one whose C++ wrapper cannot call an opaque op would) is
+    refused with a warning naming the error: nothing saved, no scratch file left, the step compiled by Inductor in
+    process (its writes those of a factory without a cache)."""
+    from dgemma_compile.compile import aoti
+
+    class _CannotRun:
+        def __init__(self, path, device):
+            self.path = str(path)
+
+        def __call__(self, *inputs):
+            raise RuntimeError("Could not find schema for dgemma::not_registered")
+
+    model = _Toy()
+    options = CompileOptions(batch_buckets=(8,))
+    monkeypatch.setattr(aoti, "load", _CannotRun)
+    store = ArtifactStore(tmp_path)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="dgemma_compile"):
+        unit, out = _run(UnitFactory(options, "cpu", store=store), model)
+        _, ref = _run(UnitFactory(options, "cpu"), model)
+    assert unit.source == "compiled" and store.saves == 0 and store.entries() == []
+    assert not list((tmp_path / "tmp").iterdir())
+    assert "dgemma::not_registered" in caplog.text
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
