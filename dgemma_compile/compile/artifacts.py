@@ -54,8 +54,13 @@ from .cpp_store import CppStore, cpu_identity
 log = logging.getLogger("dgemma_compile")
 
 FORMAT = "dgemma-step-artifact/2"
-"""/2: an AOTInductor package (`aoti.py`); /1 was `standalone_compile`'s binary artifact."""
-ARTIFACT, INPUTS, META = "step.pt2", "inputs.json", "meta.json"
+"""/2: an AOTInductor package (`aoti.py`), or Inductor's own artifact where AOTInductor cannot package the graph;
+/1 held only the latter."""
+ARTIFACTS = {"aoti": "step.pt2", "inductor": "artifact.bin"}
+"""An entry's artifact file per kind (`meta.json`'s "kind"): an AOTInductor package, or Inductor's own binary
+artifact (`standalone_compile(..., aot=True)`, loaded by `CompiledArtifact.load`, which imports the compiler)."""
+ARTIFACT = ARTIFACTS["aoti"]
+INPUTS, META = "inputs.json", "meta.json"
 NOT_IN_KEY = ("artifact_cache", "direct_calls", "skip_guards", "recompile_limit", "cuda_graphs")
 """`CompileOptions` fields that cannot change a compiled graph: whether this store is used, how a step is called
 (directly, through Dynamo with or without guards, replayed as a CUDA graph: decided after the graph exists) and how
@@ -305,12 +310,19 @@ class ArtifactStore:
             return None
         try:
             meta = json.loads((d / META).read_text())
-            digest = hashlib.sha256((d / ARTIFACT).read_bytes() + (d / INPUTS).read_bytes()).hexdigest()
+            artifact = d / ARTIFACTS[meta["kind"]]
+            digest = hashlib.sha256(artifact.read_bytes() + (d / INPUTS).read_bytes()).hexdigest()
             if digest != meta["sha256"] or meta.get("key") != key:
                 raise ValueError("sha256 mismatch")
             recorded = json.loads((d / INPUTS).read_text())
             inputs = resolve_inputs(recorded["names"], recorded["meta"], model, tensors)
-            fn = aoti.load(d / ARTIFACT, model.device)
+            if meta["kind"] == "aoti":
+                fn = aoti.load(artifact, model.device)
+            else:
+                from torch._inductor import CompiledArtifact
+
+                with self.cpp_builds(model.device):
+                    fn = CompiledArtifact.load(path=str(artifact), format="binary")
         except Exception as e:  # noqa: BLE001 - any damage: remove, log, compile instead
             self.corrupt += 1
             log.warning("compile cache: entry %s of %s is damaged (%s: %s); removing it and compiling",
@@ -334,20 +346,25 @@ class ArtifactStore:
         os.close(fd)
         return Path(name)
 
-    def save(self, key: str, parts: dict, package: str | Path, names: list[str], inputs: list[torch.Tensor],
+    def save(self, key: str, parts: dict, artifact, names: list[str], inputs: list[torch.Tensor],
              extra: dict | None = None) -> None:
-        """Write the entry (a copy of the AOTInductor package file `package`, its inputs' names and `tensor_meta`,
-        the record) under a temporary name, then rename it into place; a concurrent writer's entry, if it got there
-        first, is kept, and counts as saved. A failure to write is logged, never raised: the compiled step still
-        runs."""
+        """Write the entry (the artifact: an AOTInductor package file's path, copied, or Inductor's own
+        `CompiledArtifact`, saved; its inputs' names and `tensor_meta`; the record, with the artifact's kind) under a
+        temporary name, then rename it into place; a concurrent writer's entry, if it got there first, is kept, and
+        counts as saved. A failure to write is logged, never raised: the compiled step still runs."""
         final = self._dir(key)
+        kind = "aoti" if isinstance(artifact, (str, Path)) else "inductor"
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{key[:16]}."))
-            shutil.copyfile(package, tmp / ARTIFACT)
+            if kind == "aoti":
+                shutil.copyfile(artifact, tmp / ARTIFACTS[kind])
+            else:
+                artifact.save(path=str(tmp / ARTIFACTS[kind]), format="binary")
             (tmp / INPUTS).write_text(json.dumps({"names": names, "meta": [tensor_meta(t) for t in inputs]}))
-            digest = hashlib.sha256((tmp / ARTIFACT).read_bytes() + (tmp / INPUTS).read_bytes()).hexdigest()
-            meta = {"key": key, "parts": parts, "sha256": digest, "created": time.time(), **(extra or {})}
+            digest = hashlib.sha256((tmp / ARTIFACTS[kind]).read_bytes() + (tmp / INPUTS).read_bytes()).hexdigest()
+            meta = {"key": key, "parts": parts, "kind": kind, "sha256": digest, "created": time.time(),
+                    **(extra or {})}
             (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
             os.chmod(tmp, 0o755)  # mkdtemp's 0700: other users sharing the cache may read it
             try:

@@ -534,7 +534,8 @@ class UnitFactory:
         `CompileOptions.disabled_passes`) and `CompileOptions.inductor_config` for the factory's device, counting
         compiles of unit `name` and their seconds and the passes' matches (`pass_matches`); each compiled graph is
         appended to `sink` if given. With a compile-cache `slot`, the graph is compiled by AOTInductor (`_package`: the
-        same kernels, as a package that loads without the compiler) and saved as the unit's artifact. With a cache (`store`),
+        same kernels, as a package that loads without the compiler), or where it cannot be by `standalone_compile(...,
+        aot=True)` (Inductor's own saveable compile), and saved as the unit's artifact. With a cache (`store`),
         every graph's C++ is built through its C++ store (`cpp_store`), slot or not, so that a new venv rebuilds
         none. Inductor and the passes are imported when a graph compiles (an eager or loaded step
         never imports them)."""
@@ -558,12 +559,16 @@ class UnitFactory:
             with moe_cache_key(traced_moe), passes.cache_key(pass_config), \
                     torch._inductor.config.patch(config), passes.recording() as counts, store:
                 key = records.record_key(gm, example_inputs, pass_config)  # before compile_fx changes gm
-                package = self._package(slot, gm, example_inputs, decompositions) if slot is not None else None
-                if package is None:
+                saveable = slot is not None and self._saveable(slot, gm, example_inputs)
+                out = self._package(slot, gm, example_inputs, decompositions) if saveable else None
+                if out is None:
                     counts.clear()  # a package tried and refused: its passes' matches are not this compile's
-                    out = compile_fx(gm, example_inputs, decompositions=decompositions)
-                else:
-                    out = package
+                    if saveable:  # Inductor's own saveable compile: its load imports the compiler (~1-2 s)
+                        out = torch._inductor.standalone_compile(
+                            gm, example_inputs, dynamic_shapes="from_example_inputs", aot=True,
+                            options={"decompositions": decompositions})
+                    else:
+                        out = compile_fx(gm, example_inputs, decompositions=decompositions)
             if not pass_config:
                 self.pass_matches[name] = PassMatches({}, "no pass enabled")
             elif counts:  # the passes ran: Inductor compiled this graph
@@ -573,8 +578,8 @@ class UnitFactory:
                 saved = records.load(key)
                 self.pass_matches[name] = PassMatches(saved, "cache record" if saved is not None else "unknown")
             self.compile_seconds += time.perf_counter() - start
-            if package is not None:
-                self._save(slot, gm, package, example_inputs)
+            if saveable:
+                self._save(slot, out, example_inputs)
             if sink is not None:
                 (output,) = gm.graph.find_nodes(op="output")
                 result = output.args[0]
@@ -584,23 +589,28 @@ class UnitFactory:
 
         return backend
 
-    def _package(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, example_inputs, decompositions):
-        """Compile `gm` into an AOTInductor package (`aoti.compile_package`), load it and run it once on copies of
-        the inputs it writes, when the graph is what a direct call runs and the cache can hold: the unit's first
-        compile, no outputs, every input a tensor of the model or the bucket (`artifacts.input_names`). Else, or when
-        torch cannot export, package, load or run it, None (logged with the reason): the caller compiles it in
-        process, and nothing is saved."""
-        from . import aoti
+    def _saveable(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, example_inputs) -> bool:
+        """Whether `gm` is what a direct call of the unit runs, so that the cache can hold it: the unit's first
+        compile, no outputs, every input a tensor of the model or the bucket (`artifacts.input_names`); else logged."""
         from .artifacts import input_names
 
-        unit = slot.parts["unit"]
         (output,) = gm.graph.find_nodes(op="output")
         result = output.args[0]
-        if self.compiles[unit] > 1 or (isinstance(result, (tuple, list)) and len(result)) or \
+        if self.compiles[slot.parts["unit"]] > 1 or (isinstance(result, (tuple, list)) and len(result)) or \
                 input_names(list(example_inputs), slot.model, slot.tensors) is None:
             log.info("%s: not saved to the compile cache (a recompile, an output, or an input outside the model and "
-                     "bucket)", unit)
-            return None
+                     "bucket)", slot.parts["unit"])
+            return False
+        return True
+
+    def _package(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, example_inputs, decompositions):
+        """Compile `gm` into an AOTInductor package (`aoti.compile_package`), load it and run it once on copies of
+        the inputs it writes. None when torch cannot export, package, load or run it (logged with the reason: e.g.
+        torch 2.13's AOTInductor cannot call an `aten::index_add` fallback, which a bfloat16 MoE step on CPU has);
+        the caller then compiles it with Inductor's own saveable artifact instead."""
+        from . import aoti
+
+        unit = slot.parts["unit"]
         path = slot.store.scratch(".pt2")
         try:
             seconds, mutated = aoti.compile_package(gm, example_inputs, decompositions, path)
@@ -610,21 +620,28 @@ class UnitFactory:
             package(*(x.clone() if i in mutated else x for i, x in enumerate(example_inputs)))
         except Exception as e:  # noqa: BLE001 - a graph torch cannot export, package or run still compiles in process
             path.unlink(missing_ok=True)
-            log.warning("%s: not saved to the compile cache: AOTInductor could not package its graph (%s: %s); "
-                        "compiled in this process", unit, type(e).__name__, (str(e).splitlines() or [""])[0][:300])
+            log.warning("%s: AOTInductor could not package its graph (%s: %s); saved as Inductor's own artifact "
+                        "instead (its load imports the compiler: ~1-2 s)", unit, type(e).__name__,
+                        (str(e).splitlines() or [""])[0][:300])
             return None
         log.debug("%s: packaged (%s)", unit, ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
         return package
 
-    def _save(self, slot: ArtifactSlot, gm: torch.fx.GraphModule, package, example_inputs) -> None:
-        """Save `package` (`aoti.StepPackage`, compiled by `_package`) as `slot`'s artifact."""
+    def _save(self, slot: ArtifactSlot, out, example_inputs) -> None:
+        """Save `out` as `slot`'s artifact: a package (`aoti.StepPackage`, from `_package`: its file, removed once
+        copied) or Inductor's `CompiledArtifact`."""
+        from . import aoti
         from .artifacts import input_names
 
         counts = self.pass_matches.get(slot.parts["unit"])
-        slot.store.save(slot.key, slot.parts, package.path,
-                        input_names(list(example_inputs), slot.model, slot.tensors), list(example_inputs),
-                        extra={"pass_matches": counts.counts if counts is not None else None})
-        Path(package.path).unlink(missing_ok=True)
+        package = isinstance(out, aoti.StepPackage)
+        try:
+            slot.store.save(slot.key, slot.parts, Path(out.path) if package else out,
+                            input_names(list(example_inputs), slot.model, slot.tensors), list(example_inputs),
+                            extra={"pass_matches": counts.counts if counts is not None else None})
+        finally:
+            if package:
+                Path(out.path).unlink(missing_ok=True)
 
     def slot(self, name: str, owners: tuple, structure: dict | None) -> ArtifactSlot | None:
         """The compile-cache slot of a unit whose owners are (model, *bucket tensors), or None: no store, no
