@@ -5,7 +5,8 @@ library with a C++ wrapper, made from Inductor's kernels for the graph under the
 the names of the tensors it takes, in order (the model's parameters and buffers by name, the bucket's buffers by
 position), and a readable record of its key. Loading one is an unzip and a `dlopen` through libtorch's AOTInductor runner: no
 Dynamo trace, no AOTAutograd, no Inductor codegen, no g++, and no import of Dynamo or Inductor (~0.01 s for the
-demo's step, against 0.9-2.5 s for Inductor's own `CompiledArtifact`, whose unpickling imports the compiler).
+demo's step, against 0.9-2.5 s for Inductor's own `CompiledArtifact`, whose unpickling imports the compiler). Where
+AOTInductor cannot package a graph, the entry holds that `CompiledArtifact` instead (`ARTIFACTS`: its "kind").
 
 Where: `cache_root()`: `$DGEMMA_CACHE_DIR`, else `$XDG_CACHE_HOME/dgemma_compile`, else `~/.cache/dgemma_compile`;
 `steps/` holds the artifacts, `cpp/` the C++ builds of in-process compiles (`cpp_store.py`) and `tmp/` packages
