@@ -69,8 +69,8 @@ def compile_package(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Ten
 
     Returns: the seconds spent per stage ({"export", "decompose", "compile"}) and the positions of the inputs the
     graph writes (a set).
-    Raises: whatever torch.export or Inductor raise for a graph they cannot take (the caller compiles in process
-    instead, and says why).
+    Raises: whatever torch.export or Inductor raise for a graph they cannot take (the caller, `UnitFactory._package`,
+    logs it and saves Inductor's own artifact instead).
     """
     import torch._dynamo.config
     from torch._inductor import aot_compile

@@ -618,7 +618,7 @@ class UnitFactory:
             # one trial run on copies of the inputs it writes (the step's state is left as it is): a package that
             # loads but cannot run (an opaque op its C++ wrapper cannot call) is refused here, never saved
             package(*(x.clone() if i in mutated else x for i, x in enumerate(example_inputs)))
-        except Exception as e:  # noqa: BLE001 - a graph torch cannot export, package or run still compiles in process
+        except Exception as e:  # noqa: BLE001 - a graph torch cannot export, package or run gets Inductor's artifact
             path.unlink(missing_ok=True)
             log.warning("%s: AOTInductor could not package its graph (%s: %s); saved as Inductor's own artifact "
                         "instead (its load imports the compiler: ~1-2 s)", unit, type(e).__name__,

@@ -43,10 +43,14 @@ def _step_over(model: _Toy, state: torch.Tensor, counter: torch.Tensor, picks: t
     return step
 
 
+def _buffers():
+    """The step's static buffers at their start: state [8, 32] float32, counter int64 [], picks int32 [8]."""
+    return (torch.linspace(-1, 1, 8 * 32).reshape(8, 32).contiguous(), torch.zeros((), dtype=torch.int64),
+            torch.zeros(8, dtype=torch.int32))
+
+
 def _run(factory: UnitFactory, model: _Toy, calls: int = 3):
-    state = torch.linspace(-1, 1, 8 * 32).reshape(8, 32).contiguous()
-    counter = torch.zeros((), dtype=torch.int64)
-    picks = torch.zeros(8, dtype=torch.int32)
+    state, counter, picks = _buffers()
     unit = factory.unit("toy[B8]", _step_over(model, state, counter, picks), owners=(model, state, counter, picks),
                         structure={"toy": 1})
     for _ in range(calls):
@@ -76,9 +80,7 @@ def test_a_packaged_unit_writes_the_in_process_compiles_bits_and_loads_without_c
 
 
 def _run_eager(model: _Toy):
-    state = torch.linspace(-1, 1, 8 * 32).reshape(8, 32).contiguous()
-    counter = torch.zeros((), dtype=torch.int64)
-    picks = torch.zeros(8, dtype=torch.int32)
+    state, counter, picks = _buffers()
     step = _step_over(model, state, counter, picks)
     for _ in range(3):
         step()
