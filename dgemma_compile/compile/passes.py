@@ -36,10 +36,13 @@ PASS_NAMES = tuple(name for name, _ in PASSES)
 STAGES = ("joint_custom_pre_pass", "post_grad_custom_pre_pass", "post_grad_custom_post_pass")
 
 _PACKAGE = Path(__file__).parent.parent
-_SOURCES = tuple(str(_PACKAGE / f) for f in ("compile/passes.py", "compile/pass_records.py", "step/sampler.py")) + \
+_SOURCES = tuple(str(_PACKAGE / f) for f in ("compile/passes.py", "compile/pass_records.py", "step/sampler.py",
+                                             "compile/lowerings.py")) + \
     tuple(sorted(str(p) for p in (_PACKAGE / "kernels" / "sample").glob("*.py")))
 """What the passes' rewrites depend on: this pipeline, its records, each pass's kernel folder (the pass, the op it
-puts in place and its kernels) and the oracle math the pass matches (`step/sampler.py`)."""
+puts in place and its kernels) and the oracle math the pass matches (`step/sampler.py`); and our ops' lowerings
+(`lowerings.py`), which Inductor's own cache keys do not see (its FX-graph cache would serve code lowered without
+them)."""
 
 _recorders: list[Counter] = []
 

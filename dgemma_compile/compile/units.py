@@ -59,13 +59,14 @@ class ModelChangedError(RuntimeError):
 _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-def _is_constant(value) -> bool:
-    """A value Dynamo may specialise on and `ModelFingerprint` records: a plain constant (`_CONSTANTS`) or an expert
-    projection's `ExpertFormat` (a frozen value object: compared, and keyed by its repr, by value). Not every frozen
-    dataclass: some hold a process group (`parallel.TensorParallel`, `VocabShard`), whose repr is an address."""
+def _constant_types() -> tuple[type, ...]:
+    """The types of a value Dynamo may specialise on and `ModelFingerprint` records: a plain constant
+    (`_CONSTANTS`) or an expert projection's `ExpertFormat` (a frozen value object: compared, and keyed by its repr,
+    by value). Not every frozen dataclass: some hold a process group (`parallel.TensorParallel`, `VocabShard`), whose
+    repr is an address."""
     from ..kernels.moe.formats import ExpertFormat
 
-    return isinstance(value, (*_CONSTANTS, ExpertFormat))
+    return (*_CONSTANTS, ExpertFormat)
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,13 @@ class ModelFingerprint:
     A data pointer matters to CUDA graphs (they replay fixed addresses) and shows a replaced tensor; dtype, device and
     shape matter to every compiled graph, and a skipping call checks none of them for parameters. `entries` holds one
     tuple per tensor (kind, name, dtype, device, shape, stride, data_ptr) or attribute ("attribute", name, value); one
-    pass over the modules, ~0.3 ms for the demo model on this 2-core CPU (bench/overhead.py), once per generate call."""
+    pass over the modules, ~0.15 ms for the demo model on a 2-core CPU (bench/overhead.py), once per generate call."""
 
     entries: tuple
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelFingerprint":
+        constant = _constant_types()
         out = []
         for prefix, mod in model.named_modules():
             dot = prefix + "." if prefix else ""
@@ -93,7 +95,7 @@ class ModelFingerprint:
                         out.append((kind, dot + k, t.dtype, t.device, tuple(t.shape), t.stride(), t.data_ptr()))
             if not type(mod).__module__.startswith("torch."):
                 out += [("attribute", dot + k, v) for k, v in vars(mod).items()
-                        if k[0] != "_" and k != "training" and _is_constant(v)]
+                        if k[0] != "_" and k != "training" and isinstance(v, constant)]
         return cls(entries=tuple(out))
 
     def changes(self, model: torch.nn.Module) -> list[str]:
@@ -543,10 +545,11 @@ class UnitFactory:
         def backend(gm: torch.fx.GraphModule, example_inputs):
             from torch._inductor.compile_fx import compile_fx
 
-            from . import passes
+            from . import lowerings, passes
             from ..kernels.moe.op import graph_moe_calls, moe_cache_key, moe_decompositions
             from . import pass_records as records
 
+            lowerings.register()
             start = time.perf_counter()
             self.compiles[name] += 1
             pass_config = passes.inductor_config(self.options.disabled_passes, self.options.pass_settings())

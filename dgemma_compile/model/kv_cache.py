@@ -56,12 +56,14 @@ class KVCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def reset(self) -> None:
+    def reset(self, rows: int | None = None) -> None:
         """Forget every committed token and zero every key and value (buffers are reused, not freed): whatever a
-        previous request left, NaN included, cannot reach the next one (see the module's invariant)."""
+        previous request left, NaN included, cannot reach the next one (see the module's invariant). `rows`: zero the
+        keys and values of rows [0, rows) only (the caller knows the others are zero already); every row's length
+        is zeroed either way."""
         self.lengths.zero_()
         for t in (*self.keys, *self.values):
-            t.zero_()
+            (t if rows is None else t[:rows]).zero_()
 
     def view(self, rows: int) -> "KVCache":
         """The first `rows` rows: views of these buffers (a bucket's smaller batch sizes run over them)."""

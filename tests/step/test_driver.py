@@ -133,3 +133,35 @@ def test_driver_frees_a_row_whose_admission_failed_and_a_row_the_host_retired(de
     assert int(row_table.row_state.phase[1]) == FREE and bool(row_table.state.finished[1])
     it = driver.step()
     assert it.size == 1 and list(it.reports) == [0] and it.refresh_s is not None  # smaller size, refreshed
+
+
+def _kv_rows_nonzero(row_table: RowTable) -> list[bool]:
+    c = row_table.cache
+    return [any(bool(t[b].ne(0).any()) for t in (*c.keys, *c.values)) for b in range(row_table.rows)]
+
+
+def test_clear_zeroes_every_row_a_step_or_an_admission_wrote(demo):
+    """`RowTable.clear` zeroes only the rows written since the cache was last zeroed (a step over a size writes its
+    rows' block slots; an admission its row), and after it every key, value and length is zero, whatever sizes ran:
+    a new driver (every generate call makes one) starts from an all-zero cache, as before the partial zeroing."""
+    model, _ = demo
+    cfg = model.generation_config.resolved(model.config).replace(max_new_tokens=16, max_denoising_steps=2)
+    row_table = RowTable(model, (1, 2, 4), max_seq_len=64, max_denoising_steps=8, config=cfg)
+    driver = Driver(row_table)  # the first clear zeroes every row (fresh buffers are treated as written)
+    assert _kv_rows_nonzero(row_table) == [False] * 4
+    driver.admit(0, RowReq([2, 5, 6, 7], cfg, 0))
+    for _ in range(3):
+        assert driver.step().size == 1
+    assert _kv_rows_nonzero(row_table) == [True, False, False, False]  # a size-1 step wrote row 0 alone
+    Driver(row_table)
+    assert _kv_rows_nonzero(row_table) == [False] * 4 and int(row_table.cache.lengths.abs().sum()) == 0
+    driver = Driver(row_table)
+    driver.admit(0, RowReq([2, 5, 6], cfg, 1))
+    driver.admit(2, RowReq([2, 9, 8, 7, 6], cfg, 2))  # a size-4 step: rows 0-3, row 1 and 3 FREE
+    while (it := driver.step()) is not None:
+        for f in it.finished:
+            if driver.finalize(f)[1]:
+                driver.retire(f.row, device_done=f.report.done)
+    assert _kv_rows_nonzero(row_table)[0] and _kv_rows_nonzero(row_table)[2]
+    driver.clear()
+    assert _kv_rows_nonzero(row_table) == [False] * 4 and int(row_table.cache.lengths.abs().sum()) == 0
