@@ -17,6 +17,7 @@ with every other compile source.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -27,7 +28,7 @@ def register() -> None:
     from torch._inductor import ir
     from torch._inductor import lowering as L
 
-    from ..kernels.moe import op  # noqa: F401  (defines torch.ops.dgemma.materialize*)
+    importlib.import_module("..kernels.moe.op", __package__)  # defines torch.ops.dgemma.materialize*
 
     def realized_copy(x):
         y = L.clone(x)  # a pointwise copy: x's producer may fuse into it
