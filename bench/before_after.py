@@ -9,8 +9,10 @@ tree's import packages (`dgemma_compile/`, and whatever its pyproject.toml maps 
 at the start, with `PYTHONPATH` = that copy and a neutral working directory; it reports where every
 `dgemma_compile*` / `dgemma_runtime*` module came from, and the run stops if one came from elsewhere (the venv's
 editable install would otherwise serve this tree to every side). Workers run one thread (`OMP_NUM_THREADS=1`,
-`torch.set_num_threads(1)`); each tree's steps come from its own compile cache as it would for a user (warmed by the
-first round; the warm-up seconds are reported, apart from every timing).
+`torch.set_num_threads(1)`). Every tree compiles or loads its steps as it would for a user, through the user's caches
+(the trees share them: our compile cache keys each step by the sources of the tree that made it, and Inductor's own
+caches key by graph); a tree whose steps are not cached compiles them in round 1, whose warm-up seconds are reported
+apart from every timing.
 
 Rounds interleave the trees: round r runs each measurement for every tree before the next measurement, the trees'
 order rotated by one each round, so a slow spell of the shared machine lands on every tree and no tree always runs
@@ -162,8 +164,9 @@ METRICS = [  # (measurement, path in the worker's result, label, unit, better)
     ("scaled_b1", "fixed.request_s", "scaled b1 fixed 8 steps, request", "s", "lower"),
     ("demo_b1", "maxrss_mb", "peak RSS: demo b1 worker", "MB", "lower"),
     ("scaled_b1", "maxrss_mb", "peak RSS: scaled b1 worker", "MB", "lower"),
-    ("demo_b1", "warmup_s", "warm-up: demo gen.warmup(1) (each tree's warm cache)", "s", "lower"),
-    ("scaled_b1", "warmup_s", "warm-up: scaled gen.warmup(1) (each tree's warm cache)", "s", "lower"),
+    ("demo_b1", "warmup_s", "warm-up: demo gen.warmup(1) (round 1 compiles where the cache has no entry)", "s", "lower"),
+    ("scaled_b1", "warmup_s", "warm-up: scaled gen.warmup(1) (round 1 compiles where the cache has no entry)", "s",
+     "lower"),
 ]
 TOKENS = [("demo_b1", "adaptive"), ("demo_b1", "fixed"), ("demo_b8", "adaptive"), ("demo_b8", "fixed"),
           ("scaled_b1", "fixed")]
@@ -273,10 +276,13 @@ def _fmt(x) -> str:
 
 
 def ratios(after: list, before: list) -> tuple[float | None, float | None]:
-    """(median(after) / median(before), median over rounds of after / before of the same round)."""
-    ma, mb = _median(after), _median(before)
-    ratio = ma / mb if ma is not None and mb else None
-    return ratio, _median([a / b for a, b in zip(after, before) if a is not None and b])
+    """(median(after) / median(before), median over rounds of after / before of the same round), both over the
+    rounds where both trees have a value (a failed worker's round leaves both sides)."""
+    pairs = [(a, b) for a, b in zip(after, before) if a is not None and b]
+    if not pairs:
+        return None, None
+    ma, mb = _median([a for a, _ in pairs]), _median([b for _, b in pairs])
+    return ma / mb, _median([a / b for a, b in pairs])
 
 
 def verdict(better: str, ratio: float | None, paired: float | None) -> str:

@@ -15,7 +15,7 @@ from bench import before_after as ba  # noqa: E402
 def test_ratios_are_of_the_medians_and_paired_per_round():
     ratio, paired = ba.ratios([2.0, 4.0, 9.0], [1.0, 4.0, 3.0])  # medians 4 / 3; per round 2, 1, 3
     assert ratio == pytest.approx(4 / 3) and paired == pytest.approx(2.0)
-    assert ba.ratios([None, 2.0], [1.0, 1.0]) == (2.0, 2.0)  # a failed round drops out of both
+    assert ba.ratios([None, 1.0], [3.0, 1.0]) == (1.0, 1.0)  # a failed round drops out of both sides
     assert ba.ratios([1.0], [None]) == (None, None)
 
 
