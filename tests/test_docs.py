@@ -49,6 +49,9 @@ EXCEPTIONS = [
     ("OMP_NUM_THREADS=1 python -m bench.parallel ", "a long benchmark (10 gloo ranks' runs, ~15 min on 2 cores)"),
     ("OMP_NUM_THREADS=1 python -m bench.parallelism --n 200", "a 3-minute sweep (its smoke run is checked)"),
     ("OMP_NUM_THREADS=1 python -m bench.pinned", "a benchmark (2,000 eager generations, ~2 min on 2 cores)"),
+    ("git worktree add", "checks out old commits beside the repository (the before/after run's set-up)"),
+    ("OMP_NUM_THREADS=1 python -m bench.before_after", "a long benchmark (~40 min: three trees' workers; its --help "
+                                                       "is checked)"),
 ]
 
 
