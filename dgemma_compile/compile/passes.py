@@ -123,8 +123,11 @@ def inductor_config(disabled: tuple[str, ...] = (), settings: dict | None = None
 def cache_key(pass_config: dict):
     """Around a compile with `pass_config` installed: appends the pipelines' uuids (hashed) to
     `torch.compiler.config.cache_key_tag`. torch 2.13's cache keys already cover custom passes' uuids; the tag keeps
-    that true whatever the torch version (the project supports 2.11 to 2.13), at the cost of a string."""
-    digest = hashlib.sha256("|".join(f"{s}={p.uuid()}" for s, p in sorted(pass_config.items())).encode())
+    that true whatever the torch version (the project supports 2.11 to 2.13), at the cost of a string. The sources'
+    hash is in it also with every pass disabled: it covers our ops' lowerings (`lowerings.py`), which every compile
+    uses."""
+    digest = hashlib.sha256("|".join([sources_hash()] + [f"{s}={p.uuid()}" for s, p in sorted(pass_config.items())])
+                            .encode())
     ours = "dgemma-passes-" + digest.hexdigest()[:16]
     tag = torch.compiler.config.cache_key_tag
     with torch.compiler.config.patch(cache_key_tag=f"{tag}|{ours}" if tag else ours):

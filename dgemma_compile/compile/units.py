@@ -79,7 +79,7 @@ class ModelFingerprint:
     A data pointer matters to CUDA graphs (they replay fixed addresses) and shows a replaced tensor; dtype, device and
     shape matter to every compiled graph, and a skipping call checks none of them for parameters. `entries` holds one
     tuple per tensor (kind, name, dtype, device, shape, stride, data_ptr) or attribute ("attribute", name, value); one
-    pass over the modules, ~0.15 ms for the demo model on a 2-core CPU (bench/overhead.py), once per generate call."""
+    pass over the modules, ~0.25 ms for the demo model on a 2-core CPU, once per generate call."""
 
     entries: tuple
 
