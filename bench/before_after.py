@@ -53,6 +53,8 @@ import time
 import tomllib
 from pathlib import Path
 
+from bench.environment import device_name, load_average
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
@@ -306,7 +308,7 @@ def token_line(results: dict, name: str, key: str, a: str, b: str) -> str | None
     return line + (f"; NOT stable across rounds in: {', '.join(unstable)}" if unstable else "")
 
 
-def report(argv: list[str], trees: list[dict], results: dict, plan: dict, started: str, loads: tuple) -> str:
+def report(argv: list[str], trees: list[dict], results: dict, plan: dict, started: str, load_start: str) -> str:
     now = datetime.datetime.now(datetime.timezone.utc)
     after, befores = trees[0]["label"], [t["label"] for t in trees[1:]]
 
@@ -319,16 +321,11 @@ def report(argv: list[str], trees: list[dict], results: dict, plan: dict, starte
         except importlib.metadata.PackageNotFoundError:
             return "-"
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor() or "cpu")
-    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("flags")), [])
-    isa = "AMX" if "amx_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
     threads = ", ".join(f"{t['label']} {first(t['label'], 'threads')}" for t in trees)
     L = [f"# Before / after, side by side: {after} against {', '.join(befores)} (CPU, {now:%Y-%m-%d})", "",
          f"- command: `python -m bench.before_after {' '.join(argv)}`",
-         f"- machine: {cpu} ({os.cpu_count()} logical CPUs, {isa}), shared; load average 1/5/15 min at start "
-         f"{loads[0]}, at end {_load()}",
+         f"- machine: {device_name('cpu')}, shared; load average 1/5/15 min at start {load_start}, at end "
+         f"{load_average()}",
          f"- versions: python {platform.python_version()}, torch {ver('torch')}, transformers {ver('transformers')}",
          f"- workers: one fresh `python -c` per measurement, tree and round, one thread (threads seen: "
          f"{threads}); rounds interleaved, the "
@@ -386,10 +383,6 @@ def report(argv: list[str], trees: list[dict], results: dict, plan: dict, starte
     return "\n".join(L)
 
 
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def _tree_arg(text: str) -> tuple[str, Path]:
     label, sep, path = text.partition("=")
     if not sep or not label or not path:
@@ -422,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (path / "dgemma_compile" / "__init__.py").exists():
             p.error(f"tree {lab} ({path}): no dgemma_compile/ package there")
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    loads = (_load(),)
+    load_start = load_average()
     scratch = Path(tempfile.mkdtemp(prefix="dgemma_before_after_"))
     try:
         workdir = scratch / "cwd"  # neutral cwd: `python -c` puts it first on sys.path
@@ -443,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[m][lab].append(run_worker(m, by_label[lab], plan[m], args.timeout, workdir))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    text = report(argv, trees, results, plan, started, loads)
+    text = report(argv, trees, results, plan, started, load_start)
     out = args.output or RESULTS / f"before_after_cpu_{datetime.date.today():%Y-%m-%d}.md"
     out.write_text(text)
     print(text)

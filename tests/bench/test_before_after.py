@@ -56,7 +56,7 @@ def test_report_rows_ratios_and_token_lines():
                            "old": [worker(100.0, [[1, 2]]), worker(100.0, [[1, 3]])]}}
     plan = {"rounds": 2, "demo_b1": dict(prompts=1, fixed_steps=8), "demo_b8": dict(calls=1),
             "scaled_b1": dict(requests=1, new_tokens=1, prompt_len=1)}
-    text = ba.report(["--before", "old=/t/old"], trees, results, plan, "start", ("0/0/0",))
+    text = ba.report(["--before", "old=/t/old"], trees, results, plan, "start", "0/0/0")
     row = next(line for line in text.splitlines() if line.startswith("| demo b1 adaptive |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3:8] == ["115.0", "100.0", "1.15x", "1.15x", "yes"]
